@@ -1,0 +1,34 @@
+"""fxshard: Fully Sharded Data Parallel (ZeRO-3) as a graph-rewriting compiler pass.
+
+Pipeline (one module each): trace.py -> plan.py -> passes/ (rewrite, schedule)
+-> codegen.py -> runtime.py; api.py ties them together.
+"""
+
+from fxshard import ops as ops  # registers the fxshard:: operators
+from fxshard import policies
+from fxshard.api import ShardedModule, compile
+from fxshard.errors import (
+    CollectiveMismatchError,
+    FxShardError,
+    GraphInvariantError,
+    PlanError,
+    TraceError,
+)
+from fxshard.passes import verify
+from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
+
+__all__ = [
+    "CollectiveMismatchError",
+    "FSDPUnit",
+    "FlatGroup",
+    "FxShardError",
+    "GraphInvariantError",
+    "PlanError",
+    "ShardPlan",
+    "ShardedModule",
+    "TraceError",
+    "compile",
+    "make_plan",
+    "policies",
+    "verify",
+]

@@ -1,0 +1,71 @@
+"""Codegen: the hooks AOTAutograd calls, which run the passes and recompile.
+
+AOTAutograd calls ``partition`` with the joint graph of a training step, then
+``compile_forward`` and ``compile_backward`` with the two halves; an inference
+step (no gradient needed) goes straight to ``compile_inference``. Each hook
+runs its pipeline from passes/pipeline.py, recompiles the GraphModule and
+returns it as a boxed callable, so AOTAutograd's own runtime (the
+autograd.Function around the graphs, buffer mutation write-back) runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition
+
+from fxshard.passes import PassContext, run_passes
+from fxshard.plan import ShardPlan
+
+log = logging.getLogger("fxshard")
+
+
+class GraphCompiler:
+    """One per traced signature; records the emitted graphs in ``graphs``."""
+
+    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None, verify: bool):
+        self.plan = plan
+        self.world_size = world_size
+        self.group_name = group_name
+        self.verify = verify
+        self.graphs: dict[str, fx.GraphModule] = {}
+        self.num_user_outputs: int | None = None
+        self.on_pass: Callable[[str, str, fx.GraphModule], None] | None = None
+
+    def context(self, graph: Any, num_user_outputs: int | None = None) -> PassContext:
+        return PassContext(self.plan, self.world_size, self.group_name, graph,
+                           num_user_outputs=num_user_outputs, verify=self.verify)
+
+    def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        hook = self.on_pass
+        on_pass = None if hook is None else (lambda name, g: hook(ctx.graph, name, g))
+        if on_pass is not None:
+            on_pass("traced", gm)
+        return run_passes(gm, ctx, on_pass=on_pass)
+
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        joint = self._run(joint, self.context("joint"))
+        self.graphs["joint"] = joint
+        self.num_user_outputs = num_fwd_outputs
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def _compile(self, kind: str, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        num_user_outputs = self.num_user_outputs if kind == "forward" else None
+        gm = self._run(gm, self.context(kind, num_user_outputs))
+        gm.recompile()
+        self.graphs[kind] = gm
+        return make_boxed_func(gm.forward)
+
+    def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        return self._compile("forward", gm, example_inputs)
+
+    def compile_backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        return self._compile("backward", gm, example_inputs)
+
+    def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        return self._compile("inference", gm, example_inputs)

@@ -1,0 +1,279 @@
+"""Planning: partition a module's parameters into FSDP units and flat shards.
+
+The planner is analysis only. It reads the module tree and a policy (and,
+once a trace exists, the order in which the trace first uses each flat group)
+and returns plain data: a ``ShardPlan`` of ``FSDPUnit``s, each owning one
+``FlatGroup`` per (dtype, requires_grad) combination. It never touches a graph.
+
+Flat layout of a group, padded to a multiple of the world size N::
+
+    | p0 | p1 | ... | pk | pad |      padded_numel = N * shard_numel
+    |  rank 0  |  rank 1  | ... |    rank r holds [r*shard_numel, (r+1)*shard_numel)
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from math import prod
+
+import networkx as nx
+import torch
+import torch.nn as nn
+
+from fxshard.errors import PlanError
+from fxshard.policies import Policy, WrapQuery
+
+log = logging.getLogger("fxshard")
+
+ROOT = ""  # module path of the root module, and name of the root unit
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in a flat group."""
+
+    name: str  # canonical name: the first under which the module registers it
+    aliases: tuple[str, ...]  # further names of the same Parameter (tied weights)
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """Parameters of one unit with one dtype and requires_grad, flattened and sharded."""
+
+    index: int
+    unit: str
+    dtype: torch.dtype
+    requires_grad: bool
+    params: tuple[ParamSlot, ...]
+    numel: int
+    padded_numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def pad(self) -> int:
+        return self.padded_numel - self.numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    name: str  # module path ("" is the root); merged units join paths with "+"
+    modules: tuple[str, ...]  # the module paths whose parameters it owns
+    groups: tuple[int, ...]  # indices into ShardPlan.groups
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    units: tuple[FSDPUnit, ...]  # in first-use order once traced, else registration order
+    groups: tuple[FlatGroup, ...]  # fixed at compile time: index i is flat shard i
+    world_size: int
+    policy: str
+
+    def unit(self, name: str) -> FSDPUnit:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"no FSDP unit named {name!r}; units: {[u.label for u in self.units]}")
+
+    def group_of(self, param_name: str) -> FlatGroup:
+        for group in self.groups:
+            if any(param_name in slot.names for slot in group.params):
+                return group
+        raise KeyError(f"parameter {param_name!r} is in no flat group")
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(g.padded_numel for g in self.groups)
+
+    def ordered_by_first_use(self, group_order: Sequence[int]) -> ShardPlan:
+        """The same plan with units ordered by the first use of any of their groups."""
+        rank = {g: i for i, g in enumerate(group_order)}
+        unused = len(rank)
+
+        def first_use(unit: FSDPUnit) -> int:
+            return min((rank.get(g, unused) for g in unit.groups), default=unused)
+
+        positions = {u.name: i for i, u in enumerate(self.units)}
+        units = sorted(self.units, key=lambda u: (first_use(u), positions[u.name]))
+        return replace(self, units=tuple(units))
+
+    def unit_graph(self) -> nx.DiGraph:
+        """Units as nodes; ``order`` edges follow execution order, ``contains`` edges nesting."""
+        graph = nx.DiGraph()
+        for unit in self.units:
+            numel = sum(self.groups[g].numel for g in unit.groups)
+            graph.add_node(unit.label, numel=numel, groups=list(unit.groups))
+        for a, b in zip(self.units, self.units[1:]):
+            graph.add_edge(a.label, b.label, kind="order")
+        for outer in self.units:
+            for inner in self.units:
+                if outer is not inner and any(
+                    _is_ancestor(m, n) for m in outer.modules for n in inner.modules
+                ):
+                    graph.add_edge(outer.label, inner.label, kind="contains")
+        return graph
+
+    def __str__(self) -> str:
+        header = ("unit", "group", "dtype", "grad", "numel", "padded", "shard", "params")
+        rows = []
+        for unit in self.units:
+            for gi in unit.groups:
+                g = self.groups[gi]
+                names = ", ".join(_relative(s.name, unit.modules) for s in g.params)
+                rows.append(
+                    (unit.label, str(gi), str(g.dtype).removeprefix("torch."),
+                     "yes" if g.requires_grad else "no",
+                     f"{g.numel:_}", f"{g.padded_numel:_}", f"{g.shard_numel:_}", names)
+                )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+        lines = [f"ShardPlan(world_size={self.world_size}, policy={self.policy}, "
+                 f"units={len(self.units)}, numel={self.numel:_}, padded={self.padded_numel:_})"]
+        for r in [header, *rows]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        return "\n".join(lines)
+
+
+def _is_ancestor(outer: str, inner: str) -> bool:
+    return outer != inner and (outer == ROOT or inner.startswith(outer + "."))
+
+
+def _relative(name: str, modules: tuple[str, ...]) -> str:
+    for m in modules:
+        if m and name.startswith(m + "."):
+            return name[len(m) + 1:]
+    return name
+
+
+def make_plan(
+    module: nn.Module,
+    policy: Policy | None,
+    world_size: int,
+    first_use: Sequence[int] | None = None,
+) -> ShardPlan:
+    """Partition ``module``'s parameters into FSDP units for ``world_size`` ranks.
+
+    A pure function of its arguments. ``first_use`` is the order in which a
+    trace first uses each flat group; without it units are in the order the
+    module tree is walked (post-order, root last).
+    """
+    if world_size < 1:
+        raise PlanError(f"world_size must be at least 1, got {world_size}")
+    names_of: dict[int, list[str]] = {}
+    param_of: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        param_of[id(p)] = p
+    if not param_of:
+        raise PlanError(f"{type(module).__name__} has no parameters: there is nothing to shard")
+
+    owners: dict[int, list[str]] = {pid: [] for pid in param_of}  # param -> claiming module paths
+    wrapped: list[str] = []
+
+    def visit(path: str, mod: nn.Module) -> dict[int, None]:
+        unclaimed: dict[int, None] = {}  # ordered set of param ids
+        for child_name, child in mod.named_children():
+            unclaimed.update(visit(f"{path}.{child_name}" if path else child_name, child))
+        for p in mod.parameters(recurse=False):
+            unclaimed[id(p)] = None
+        if path != ROOT and policy is not None and unclaimed:
+            numel = sum(param_of[pid].numel() for pid in unclaimed)
+            if policy.wraps(WrapQuery(path, mod, numel)):
+                wrapped.append(path)
+                for pid in unclaimed:
+                    owners[pid].append(path)
+                return {}
+        return unclaimed
+
+    for pid in visit(ROOT, module):
+        owners[pid].append(ROOT)
+    if policy is not None and not wrapped:
+        warnings.warn(
+            f"policy {policy!r} matched no module of {type(module).__name__}: every parameter "
+            "goes in the root unit, so the whole model is gathered at once. "
+            "Check the policy's classes or threshold.",
+            stacklevel=3,
+        )
+
+    # A Parameter claimed by several units (tied weights) merges those units:
+    # one flat buffer cannot live in two units. Components of the "shares a
+    # parameter" graph are the merged units.
+    unit_paths = [*wrapped, ROOT]
+    share = nx.Graph()
+    share.add_nodes_from(unit_paths)
+    for pid, paths in owners.items():
+        for other in paths[1:]:
+            share.add_edge(paths[0], other)
+    position = {p: i for i, p in enumerate(unit_paths)}
+    components = sorted(
+        (sorted(c, key=position.__getitem__) for c in nx.connected_components(share)),
+        key=lambda c: position[c[-1]],  # a merged unit runs where its last member would
+    )
+    merged_name = {}
+    for comp in components:
+        name = ROOT if ROOT in comp else "+".join(comp)
+        if len(comp) > 1:
+            shared = sorted(n for pid, ps in owners.items() if len(set(ps)) > 1 for n in names_of[pid][:1])
+            log.info("fxshard: units %s share parameters %s and are merged into unit %r",
+                     [c or "<root>" for c in comp], shared, name or "<root>")
+        for path in comp:
+            merged_name[path] = name
+
+    unit_params: dict[str, list[int]] = {}
+    for pid in param_of:  # registration order
+        unit = merged_name[owners[pid][0]]
+        unit_params.setdefault(unit, []).append(pid)
+
+    groups: list[FlatGroup] = []
+    units: list[FSDPUnit] = []
+    for comp in components:
+        name = merged_name[comp[0]]
+        pids = unit_params.get(name, [])
+        if not pids:
+            continue
+        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for pid in pids:
+            p = param_of[pid]
+            keys.setdefault((p.dtype, p.requires_grad), []).append(pid)
+        group_ids = []
+        for (dtype, requires_grad), members in keys.items():
+            slots, offset = [], 0
+            for pid in members:
+                p = param_of[pid]
+                names = names_of[pid]
+                slots.append(ParamSlot(names[0], tuple(names[1:]), tuple(p.shape), offset))
+                offset += p.numel()
+            padded = -(-offset // world_size) * world_size
+            group_ids.append(len(groups))
+            groups.append(FlatGroup(len(groups), name, dtype, requires_grad, tuple(slots),
+                                    offset, padded, world_size))
+        units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
+
+    plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
+    return plan.ordered_by_first_use(first_use) if first_use is not None else plan

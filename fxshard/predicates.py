@@ -1,0 +1,105 @@
+"""Node classification: every ``is_*`` question a pass asks about a node.
+
+Passes call these instead of comparing targets or names themselves, so the
+answer to "is this a collective?" lives in one place.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxshard import ops
+
+_c10d = torch.ops._c10d_functional
+
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
+WAIT = _c10d.wait_tensor.default
+
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+def is_call(node: fx.Node) -> bool:
+    return node.op == "call_function"
+
+
+def is_placeholder(node: fx.Node) -> bool:
+    return node.op == "placeholder"
+
+
+def is_output(node: fx.Node) -> bool:
+    return node.op == "output"
+
+
+def is_unshard_marker(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ops.UNSHARD
+
+
+def is_reduce_grad_marker(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ops.REDUCE_GRAD
+
+
+def is_marker(node: fx.Node) -> bool:
+    return is_unshard_marker(node) or is_reduce_grad_marker(node)
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ALL_GATHER
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return is_call(node) and node.target is REDUCE_SCATTER
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ALL_REDUCE
+
+
+def is_collective(node: fx.Node) -> bool:
+    return is_call(node) and node.target in COLLECTIVES
+
+
+def is_wait(node: fx.Node) -> bool:
+    return is_call(node) and node.target is WAIT
+
+
+def is_free(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ops.FREE
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return is_call(node) and node.target is operator.getitem
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return is_placeholder(node) and "tangents" in str(node.target)
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def is_view(node: fx.Node) -> bool:
+    """True when the node's result aliases (a view of) its first tensor input.
+
+    Read from the operator schema's alias annotations, e.g.
+    ``split_with_sizes(Tensor(a -> *) self, ...) -> Tensor(a)[]``; ``getitem``
+    of such a result is a view too.
+    """
+    if is_wait(node):  # wait_tensor returns its input
+        return True
+    if is_getitem(node):
+        parent = node.args[0]
+        return isinstance(parent, fx.Node) and is_view(parent)
+    target = node.target
+    if not (is_call(node) and isinstance(target, torch._ops.OpOverload)):
+        return False
+    schema = target._schema
+    if schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in schema.returns)

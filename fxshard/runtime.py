@@ -1,0 +1,137 @@
+"""Runtime state: the flat shards each rank owns, and moving between full and sharded.
+
+Everything here is eager tensor code around c10d; the step itself runs inside
+the compiled graphs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxshard.errors import FxShardError
+from fxshard.plan import FlatGroup, ShardPlan
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this rank sits. ``group`` is None when no process group is initialised."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def group_name(self) -> str | None:
+        return None if self.group is None else self.group.group_name
+
+
+def resolve_world(process_group: dist.ProcessGroup | None) -> World:
+    if process_group is not None:
+        return World(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+    if dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+        assert group is not None
+        return World(dist.get_rank(group), dist.get_world_size(group), group)
+    env_size = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if env_size > 1:
+        raise FxShardError(
+            f"WORLD_SIZE={env_size} but no process group is initialised: call "
+            "torch.distributed.init_process_group(backend) (gloo on CPU, nccl on CUDA, xccl on "
+            "XPU) before fxshard.compile, or pass process_group=. Refusing to train unsharded."
+        )
+    return World(0, 1, None)
+
+
+def _slot_overlap(group: FlatGroup, offset: int, numel: int, rank: int) -> tuple[int, int] | None:
+    lo, hi = group.shard_range(rank)
+    start, stop = max(lo, offset), min(hi, offset + numel)
+    return (start, stop) if start < stop else None
+
+
+def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.device) -> list[nn.Parameter]:
+    """This rank's flat shard of every group, copied from ``module``'s parameters.
+
+    Copies only the overlap of each parameter with the shard, so the full flat
+    buffer is never built.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    shards = []
+    for group in plan.groups:
+        lo, _ = group.shard_range(rank)
+        shard = torch.zeros(group.shard_numel, dtype=group.dtype, device=device)
+        for slot in group.params:
+            span = _slot_overlap(group, slot.offset, slot.numel, rank)
+            if span is None:
+                continue
+            src = params[slot.name].detach().reshape(-1)
+            shard[span[0] - lo:span[1] - lo].copy_(src[span[0] - slot.offset:span[1] - slot.offset])
+        shards.append(nn.Parameter(shard, requires_grad=group.requires_grad))
+    return shards
+
+
+def strip_parameters(module: nn.Module) -> None:
+    """Replace every parameter by a meta-device stand-in, keeping ties.
+
+    The module stays as the skeleton that ``functional_call`` runs; its real
+    parameters live only in the flat shards from here on.
+    """
+    stand_ins: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in stand_ins:
+                stand_ins[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                                requires_grad=p.requires_grad)
+            mod._parameters[name] = stand_ins[id(p)]
+
+
+def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: float) -> torch.Tensor:
+    """All-gather one flat group (a collective). Raises instead of hanging past ``timeout`` s."""
+    if world.group is None:
+        return shard.detach().clone()
+    out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
+    work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
+    assert work is not None
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise FxShardError(
+            f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}) "
+            f"timed out after {timeout:g}s. full_state_dict / load_full_state_dict are collectives: "
+            "every rank of the process group must call them, in the same order."
+        ) from e
+    return out
+
+
+def full_parameters(shards: list[nn.Parameter], plan: ShardPlan, world: World,
+                    timeout: float) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded, under each of its names (a collective)."""
+    result: dict[str, torch.Tensor] = {}
+    for group, shard in zip(plan.groups, shards):
+        full = gather_full(shard, group, world, timeout)
+        for slot in group.params:
+            value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            for name in slot.names:
+                result[name] = value
+    return result
+
+
+def load_shards(shards: list[nn.Parameter], plan: ShardPlan, full: dict[str, torch.Tensor],
+                rank: int) -> None:
+    """Copy this rank's part of the full parameters in ``full`` into the shards, in place."""
+    with torch.no_grad():
+        for group, shard in zip(plan.groups, shards):
+            lo, _ = group.shard_range(rank)
+            for slot in group.params:
+                span = _slot_overlap(group, slot.offset, slot.numel, rank)
+                if span is None:
+                    continue
+                src = full[slot.name].detach().reshape(-1).to(shard.device, shard.dtype)
+                shard[span[0] - lo:span[1] - lo].copy_(src[span[0] - slot.offset:span[1] - slot.offset])

@@ -1,0 +1,27 @@
+"""What every pass is told: the plan, the world, and which graph it is looking at."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fxshard.plan import ShardPlan
+
+GraphKind = Literal["joint", "forward", "backward", "inference"]
+
+
+@dataclass(frozen=True)
+class PassContext:
+    plan: ShardPlan
+    world_size: int
+    # Name of the c10d process group the collectives run on. None means no
+    # process group (world size 1): markers lower to nothing, no collectives.
+    group_name: str | None
+    graph: GraphKind
+    # Forward graph of a training step: outputs past this index are the
+    # tensors saved for backward (AOTAutograd's calling convention).
+    num_user_outputs: int | None = None
+    verify: bool = True
+
+    def unit_of(self, group: int) -> str:
+        return self.plan.groups[group].unit

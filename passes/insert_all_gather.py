@@ -1,0 +1,52 @@
+"""insert_all_gather_pass: lower ``fxshard.unshard`` markers to all_gather + wait.
+
+::
+
+    before:  shard -> fxshard.unshard(shard, g, N) -> split_with_sizes -> getitem* -> view* -> compute
+    after:   shard -> all_gather_into_tensor(shard, N, pg) -> wait_tensor -> split_with_sizes -> ...
+
+With no process group (world size 1) the shard is the whole flat parameter,
+so the marker is replaced by the shard itself and no collective is emitted.
+The gather is left where the marker was; schedule_pass places it.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard import predicates as P
+from fxshard.errors import GraphInvariantError
+
+from .context import PassContext
+
+
+def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    markers = [n for n in gm.graph.nodes if P.is_unshard_marker(n)]
+    if not markers:
+        return gm
+    for marker in markers:
+        shard, group, world_size = marker.args
+        if not isinstance(shard, fx.Node) or not isinstance(group, int):
+            raise GraphInvariantError(f"{marker.name}: malformed fxshard.unshard {marker.args}")
+        if world_size != ctx.world_size:
+            raise GraphInvariantError(
+                f"{marker.name}: traced for world size {world_size}, lowering for {ctx.world_size}"
+            )
+        if ctx.group_name is None:
+            if ctx.world_size != 1:
+                raise GraphInvariantError("world size > 1 needs a process group to gather over")
+            marker.replace_all_uses_with(shard)
+            gm.graph.erase_node(marker)
+            continue
+        info = dict(group=group, unit=ctx.unit_of(group))
+        with gm.graph.inserting_before(marker):
+            gather = gm.graph.call_function(P.ALL_GATHER, (shard, ctx.world_size, ctx.group_name))
+            wait = gm.graph.call_function(P.WAIT, (gather,))
+        for new, role in ((gather, meta.ALL_GATHER), (wait, meta.WAIT)):
+            new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
+            meta.set_info(new, meta.NodeInfo(role, **info))
+        marker.replace_all_uses_with(wait)
+        gm.graph.erase_node(marker)
+    gm.recompile()
+    return gm

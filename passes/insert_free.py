@@ -1,0 +1,52 @@
+"""insert_free_pass: free each gathered buffer right after its last use.
+
+::
+
+    before:  w = wait(all_gather(shard)); v = view(split(w)[i]); y = mm(x, v); ...
+    after:   w = wait(all_gather(shard)); v = view(split(w)[i]); y = mm(x, v); fxshard.free(w); ...
+
+"Last use" counts every user of the buffer and of its views. ``free``
+releases the storage shared by all those views, so the gathered parameters
+occupy memory only inside their unit's window. A buffer that escapes through
+the graph's outputs (a model that returns a parameter) is not freed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from fxshard import meta, ops
+from fxshard import predicates as P
+
+from .analysis import aliases, gathered_buffers
+from .context import PassContext
+
+log = logging.getLogger("fxshard")
+
+
+def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    graph = gm.graph
+    waits = gathered_buffers(graph)
+    if not waits:
+        return gm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    plans = []
+    for wait in waits:
+        views = aliases(wait)
+        users = {u for v in views for u in v.users if u not in views}
+        if any(P.is_output(u) for u in users):
+            log.warning("fxshard: %s escapes through the graph outputs and is not freed", wait.name)
+            continue
+        last = max(users | set(views), key=order.__getitem__)
+        plans.append((wait, last))
+    for wait, last in plans:
+        with graph.inserting_after(last):
+            node = graph.call_function(ops.FREE, (wait,))
+        node.meta["val"] = None
+        info = meta.get_info(wait)
+        if info is not None:
+            meta.set_info(node, meta.NodeInfo(meta.FREE, info.group, info.unit))
+    gm.recompile()
+    return gm

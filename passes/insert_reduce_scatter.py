@@ -1,0 +1,48 @@
+"""insert_reduce_scatter_pass: lower ``fxshard.reduce_grad`` to reduce_scatter + wait.
+
+AOTAutograd has already concatenated the unit's parameter gradients (the
+backward of the split that unflattened the gathered buffer is a ``cat``)::
+
+    before:  grad_p0, grad_p1, ..., zeros(pad) -> cat -> fxshard.reduce_grad(cat, g, N) -> shard.grad
+    after:   ... -> cat -> reduce_scatter_tensor(cat, "avg", N, pg) -> wait_tensor -> shard.grad
+
+"avg" matches DDP, which averages gradients over ranks. With no process
+group (world size 1) the concatenated gradient is the shard's gradient.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard import predicates as P
+from fxshard.errors import GraphInvariantError
+
+from .context import PassContext
+
+
+def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    markers = [n for n in gm.graph.nodes if P.is_reduce_grad_marker(n)]
+    if not markers:
+        return gm
+    for marker in markers:
+        grad, group, _world_size = marker.args
+        if not isinstance(grad, fx.Node) or not isinstance(group, int):
+            raise GraphInvariantError(f"{marker.name}: malformed fxshard.reduce_grad {marker.args}")
+        if ctx.group_name is None:
+            marker.replace_all_uses_with(grad)
+            gm.graph.erase_node(marker)
+            continue
+        info = dict(group=group, unit=ctx.unit_of(group))
+        with gm.graph.inserting_before(marker):
+            reduce = gm.graph.call_function(
+                P.REDUCE_SCATTER, (grad, "avg", ctx.world_size, ctx.group_name)
+            )
+            wait = gm.graph.call_function(P.WAIT, (reduce,))
+        for new, role in ((reduce, meta.REDUCE_SCATTER), (wait, meta.WAIT)):
+            new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
+            meta.set_info(new, meta.NodeInfo(role, **info))
+        marker.replace_all_uses_with(wait)
+        gm.graph.erase_node(marker)
+    gm.recompile()
+    return gm
