@@ -4,14 +4,18 @@ AOTAutograd has already concatenated the unit's parameter gradients (the
 backward of the split that unflattened the gathered buffer is a ``cat``)::
 
     before:  grad_p0, grad_p1, ..., zeros(pad) -> cat -> fxshard.reduce_grad(cat, g, N) -> shard.grad
-    after:   ... -> cat -> reduce_scatter_tensor(cat, "avg", N, pg) -> wait_tensor -> shard.grad
+    after:   ... -> cat -> div(cat, N) -> reduce_scatter_tensor(div, "sum", N, pg) -> wait_tensor -> shard.grad
 
-"avg" matches DDP, which averages gradients over ranks. With no process
-group (world size 1) the concatenated gradient is the shard's gradient.
+The result is the average over ranks, as DDP computes it. Dividing before
+summing is also DDP's order of operations (it divides each gradient by N
+before its all-reduce), so fxshard's gradients round the same way DDP's do.
+With no process group (world size 1) the concatenated gradient is the
+shard's gradient.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from fxshard import meta
@@ -19,6 +23,8 @@ from fxshard import predicates as P
 from fxshard.errors import GraphInvariantError
 
 from .context import PassContext
+
+aten = torch.ops.aten
 
 
 def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -35,10 +41,12 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             continue
         info = dict(group=group, unit=ctx.unit_of(group))
         with gm.graph.inserting_before(marker):
+            scaled = gm.graph.call_function(aten.div.Tensor, (grad, ctx.world_size))
             reduce = gm.graph.call_function(
-                P.REDUCE_SCATTER, (grad, "avg", ctx.world_size, ctx.group_name)
+                P.REDUCE_SCATTER, (scaled, "sum", ctx.world_size, ctx.group_name)
             )
             wait = gm.graph.call_function(P.WAIT, (reduce,))
+        scaled.meta["val"] = grad.meta["val"]
         for new, role in ((reduce, meta.REDUCE_SCATTER), (wait, meta.WAIT)):
             new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
             meta.set_info(new, meta.NodeInfo(role, **info))
