@@ -31,6 +31,8 @@ from fxshard.trace import OutputSpec, StepFunction, trace_step
 
 log = logging.getLogger("fxshard")
 
+PassHook = Callable[[str, str, fx.GraphModule], None]
+
 
 @dataclass
 class CompiledStep:
@@ -57,7 +59,7 @@ class ShardedModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, world: World, device: torch.device,
-                 verify_passes: bool):
+                 verify_passes: bool, on_pass: PassHook | None = None):
         super().__init__()
         self.flat_params = nn.ParameterList(make_shards(module, plan, world.rank, device))
         strip_parameters(module)
@@ -67,6 +69,7 @@ class ShardedModule(nn.Module):
         self._world = world
         self._device = device
         self._verify_passes = verify_passes
+        self._on_pass = on_pass
         self._steps: dict[Any, CompiledStep] = {}
         self._last: CompiledStep | None = None
         self.training = module.training
@@ -157,6 +160,7 @@ class ShardedModule(nn.Module):
         step = StepFunction(self._skeleton, self._plan, list(self.flat_params), buffers, rebuild)
         compiler = GraphCompiler(self._plan, self._world.size, self._world.group_name,
                                  self._verify_passes)
+        compiler.on_pass = self._on_pass
         fn = trace_step(
             step,
             [x for x in leaves if isinstance(x, torch.Tensor)],
@@ -231,6 +235,7 @@ def compile(
     example_inputs: Any = None,
     *,
     verify_passes: bool | None = None,
+    on_pass: PassHook | None = None,
 ) -> ShardedModule:
     """Shard ``model`` across the ranks of ``process_group`` (default: the world).
 
@@ -238,7 +243,10 @@ def compile(
     shards, ready for an optimizer. The step is traced at the first call, or
     now when ``example_inputs`` (a tensor or a tuple of positional arguments)
     is given. ``verify_passes`` checks graph invariants after every pass
-    (default: the ``FXSHARD_VERIFY`` environment variable).
+    (default: the ``FXSHARD_VERIFY`` environment variable). ``on_pass(graph,
+    pass_name, gm)`` is called with each graph as traced (pass name
+    ``"traced"``) and after every pass, ``graph`` being "joint", "forward",
+    "backward" or "inference".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxshard.compile takes an nn.Module, got {type(model).__name__}")
@@ -260,7 +268,7 @@ def compile(
     device = next(iter(devices)) if devices else torch.device("cpu")
     if verify_passes is None:
         verify_passes = _env_flag("FXSHARD_VERIFY")
-    sharded = ShardedModule(model, plan, world, device, verify_passes)
+    sharded = ShardedModule(model, plan, world, device, verify_passes, on_pass)
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         leaves, spec = pytree.tree_flatten((args, {}))
