@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fxshard.errors import GraphInvariantError
 from fxshard.plan import ShardPlan
 
 GraphKind = Literal["joint", "forward", "backward", "inference"]
@@ -24,4 +25,9 @@ class PassContext:
     verify: bool = True
 
     def unit_of(self, group: int) -> str:
+        if not 0 <= group < len(self.plan.groups):
+            raise GraphInvariantError(
+                f"flat group {group} is not in the plan ({len(self.plan.groups)} groups): "
+                "the graph was traced for another plan"
+            )
         return self.plan.groups[group].unit

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -47,6 +47,7 @@ def normalised_ops(gm: fx.GraphModule) -> list[str]:
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            name = getattr(n.target, "__name__", str(n.target))
-            out.append(re.sub(r"\.default$", "", name))
+            target = n.target
+            name = str(target.overloadpacket) if isinstance(target, torch._ops.OpOverload) else target.__name__
+            out.append(name)
     return out

@@ -1,0 +1,223 @@
+"""Each pass alone, on small graphs built by hand; then ``verify`` catching broken graphs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from graph_utils import normalised_ops
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxshard import ops
+from fxshard import predicates as P
+from fxshard.errors import GraphInvariantError
+from fxshard.passes import (
+    PassContext,
+    insert_all_gather_pass,
+    insert_free_pass,
+    insert_reduce_scatter_pass,
+    rematerialize_params_pass,
+    run_passes,
+    schedule_pass,
+    verify,
+)
+from fxshard.plan import make_plan
+from fxshard.policies import by_class
+
+aten = torch.ops.aten
+
+
+class Builder:
+    """Build an fx graph node by node, computing each node's meta['val'] under fake tensors."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+
+    def input(self, name: str, *shape: int, tag: str = "is_forward") -> fx.Node:
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(*shape)
+        node.meta["partitioner_tag"] = tag
+        return node
+
+    def op(self, target: Any, *args: Any, tag: str = "is_forward") -> fx.Node:
+        node = self.graph.call_function(target, args)
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        with self.mode:
+            node.meta["val"] = target(*vals)
+        node.meta["partitioner_tag"] = tag
+        return node
+
+    def done(self, *outputs: fx.Node) -> fx.GraphModule:
+        self.graph.output(tuple(outputs))
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def ctx(graph: str = "forward", world_size: int = 2, group: str | None = "pg", **kw: Any) -> PassContext:
+    plan = make_plan(torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)),
+                     by_class(torch.nn.Linear), world_size)
+    return PassContext(plan, world_size, group, graph, **kw)  # type: ignore[arg-type]
+
+
+def two_unit_forward(world_size: int = 2) -> fx.GraphModule:
+    """Both units' markers up front, as tracing leaves them; compute afterwards."""
+    b = Builder()
+    s0, s1 = b.input("shard0", 16 // world_size), b.input("shard1", 16 // world_size)
+    x = b.input("x", 3, 4)
+    w0 = b.op(aten.view.default, b.op(ops.UNSHARD, s0, 0, world_size), [4, 4])
+    w1 = b.op(aten.view.default, b.op(ops.UNSHARD, s1, 1, world_size), [4, 4])
+    h = b.op(aten.relu.default, b.op(aten.mm.default, x, w0))
+    return b.done(b.op(aten.mm.default, h, w1))
+
+
+def test_insert_all_gather_lowers_each_marker_to_gather_and_wait() -> None:
+    gm = two_unit_forward()
+    assert normalised_ops(gm).count("fxshard.unshard") == 2
+    gm = insert_all_gather_pass(gm, ctx())
+    gm.graph.lint()
+    ops_ = normalised_ops(gm)
+    assert "fxshard.unshard" not in " ".join(ops_)
+    assert ops_.count("_c10d_functional.all_gather_into_tensor") == 2
+    assert ops_.count("_c10d_functional.wait_tensor") == 2
+    for gather in [n for n in gm.graph.nodes if P.is_all_gather(n)]:
+        assert gather.args[1:] == (2, "pg")
+        (wait,) = gather.users
+        assert P.is_wait(wait) and wait.meta["val"].shape == (16,)
+    verify(gm)
+
+
+def test_insert_all_gather_without_process_group_uses_the_shard_itself() -> None:
+    gm = insert_all_gather_pass(two_unit_forward(world_size=1), ctx(world_size=1, group=None))
+    assert not [n for n in gm.graph.nodes if P.is_collective(n) or P.is_marker(n)]
+    views = [n for n in gm.graph.nodes if n.target is aten.view.default]
+    assert [v.args[0].name for v in views] == ["shard0", "shard1"]
+
+
+def test_insert_all_gather_rejects_a_graph_traced_for_another_world_size() -> None:
+    with pytest.raises(GraphInvariantError, match="unshard.*world size 2.*3"):
+        insert_all_gather_pass(two_unit_forward(world_size=2), ctx(world_size=3))
+
+
+def test_schedule_moves_each_gather_to_its_units_first_compute() -> None:
+    gm = insert_all_gather_pass(two_unit_forward(), ctx())
+    gm = schedule_pass(gm, ctx())
+    gm.graph.lint()
+    assert normalised_ops(gm) == [
+        "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
+        "aten.mm", "aten.relu",
+        "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
+        "aten.mm",
+    ]
+    assert schedule_pass(gm, ctx()).code == gm.code  # idempotent
+
+
+def test_insert_free_after_last_use_of_any_view() -> None:
+    gm = schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx())
+    gm = insert_free_pass(gm, ctx())
+    ops_ = normalised_ops(gm)
+    assert ops_ == [
+        "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
+        "aten.mm", "fxshard.free", "aten.relu",
+        "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
+        "aten.mm", "fxshard.free",
+    ]
+    verify(gm)
+
+
+def test_insert_free_leaves_an_escaping_buffer_alone() -> None:
+    b = Builder()
+    s = b.input("shard0", 8)
+    w = b.op(aten.view.default, b.op(ops.UNSHARD, s, 0, 2), [4, 4])
+    gm = insert_all_gather_pass(b.done(w), ctx())  # the graph returns the weight itself
+    gm = insert_free_pass(gm, ctx())
+    assert not [n for n in gm.graph.nodes if P.is_free(n)]
+
+
+def test_insert_reduce_scatter_divides_then_sums() -> None:
+    b = Builder()
+    g0 = b.input("grad_w", 4, 4, tag="is_backward")
+    flat = b.op(aten.view.default, g0, [16], tag="is_backward")
+    gm = b.done(b.op(ops.REDUCE_GRAD, flat, 0, 2, tag="is_backward"))
+    gm = insert_reduce_scatter_pass(gm, ctx("backward"))
+    assert normalised_ops(gm) == ["aten.view", "aten.div", "_c10d_functional.reduce_scatter_tensor",
+                                  "_c10d_functional.wait_tensor"]
+    rs = next(n for n in gm.graph.nodes if P.is_reduce_scatter(n))
+    assert rs.args[1:] == ("sum", 2, "pg")
+    assert rs.args[0].args[1] == 2  # div by world size
+    output = next(n for n in gm.graph.nodes if P.is_output(n))
+    assert P.is_wait(output.args[0][0])
+    verify(gm)
+
+
+def joint_graph() -> fx.GraphModule:
+    """A linear layer's joint graph as AOTAutograd leaves it: the transpose is saved."""
+    b = Builder()
+    s, x = b.input("primals_1", 8), b.input("primals_2", 3, 4)
+    tangent = b.input("tangents_1", 3, 4, tag="is_backward")
+    w = b.op(aten.view.default, b.op(ops.UNSHARD, s, 0, 2), [4, 4])
+    wt = b.op(aten.t.default, w)
+    y = b.op(aten.mm.default, x, wt)
+    grad_x = b.op(aten.mm.default, tangent, b.op(aten.t.default, wt, tag="is_backward"), tag="is_backward")
+    grad_w = b.op(aten.mm.default, b.op(aten.t.default, tangent, tag="is_backward"), x, tag="is_backward")
+    flat = b.op(aten.view.default, grad_w, [16], tag="is_backward")
+    return b.done(y, b.op(ops.REDUCE_GRAD, flat, 0, 2, tag="is_backward"), grad_x)
+
+
+def test_rematerialize_gives_backward_its_own_gather() -> None:
+    gm = joint_graph()
+    with pytest.raises(GraphInvariantError, match="reads forward value t.*gathered parameters"):
+        verify(gm, ctx("joint"))
+    n_before = len(gm.graph.nodes)
+    gm = rematerialize_params_pass(gm, ctx("joint"))
+    verify(gm, ctx("joint"))
+    markers = [n for n in gm.graph.nodes if P.is_unshard_marker(n)]
+    assert [m.meta["partitioner_tag"] for m in markers] == ["is_forward", "is_backward"]
+    assert markers[1].args[0] is markers[0].args[0]  # both read the same shard input
+    assert len(gm.graph.nodes) == n_before + 3  # unshard', view', t'
+
+
+def test_verify_rejects_broken_graphs() -> None:
+    good = insert_free_pass(schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    verify(good)
+
+    # A collective whose result is used without a wait.
+    gm = insert_all_gather_pass(two_unit_forward(), ctx())
+    wait = next(n for n in gm.graph.nodes if P.is_wait(n))
+    wait.replace_all_uses_with(wait.args[0])
+    with pytest.raises(GraphInvariantError, match="exactly one user, its wait_tensor"):
+        verify(gm)
+
+    # A use after free.
+    gm = insert_free_pass(schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    free = next(n for n in gm.graph.nodes if P.is_free(n))
+    free.prev.prepend(free)  # move the free before the mm that reads the buffer
+    with pytest.raises(GraphInvariantError, match="used after"):
+        verify(gm)
+
+    # A node without meta['val'].
+    gm = two_unit_forward()
+    next(n for n in gm.graph.nodes if n.op == "call_function").meta.pop("val")
+    with pytest.raises(GraphInvariantError, match="no meta\\['val'\\]"):
+        verify(gm)
+
+    # A marker left in an emitted graph.
+    with pytest.raises(GraphInvariantError, match="never lowered"):
+        verify(two_unit_forward(), final=True)
+
+    # A gathered weight saved for backward (returned past the user outputs).
+    b = Builder()
+    s, x = b.input("shard0", 8), b.input("x", 3, 4)
+    w = b.op(aten.view.default, b.op(ops.UNSHARD, s, 0, 2), [4, 4])
+    gm = insert_all_gather_pass(b.done(b.op(aten.mm.default, x, w), w), ctx())
+    with pytest.raises(GraphInvariantError, match="saved for backward"):
+        verify(gm, ctx(num_user_outputs=1))
+
+
+def test_pipeline_runs_every_pass_in_order_and_verifies_each() -> None:
+    seen: list[str] = []
+    gm = run_passes(two_unit_forward(), ctx(), on_pass=lambda name, g: seen.append(name))
+    assert seen == ["insert_all_gather_pass", "schedule_pass", "insert_free_pass"]
+    assert normalised_ops(gm).count("fxshard.free") == 2

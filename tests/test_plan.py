@@ -1,0 +1,135 @@
+"""The planner and the policies: pure functions of the module tree."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
+
+from fxshard.errors import PlanError
+from fxshard.plan import make_plan
+from fxshard.policies import by_class, by_predicate, by_size
+
+
+class Tree(nn.Module):
+    """root{ a{ x: 30, y: 30 }, b: 100, w: 7 } (parameter counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Module()
+        self.a.x = nn.Linear(5, 5)  # 30
+        self.a.y = nn.Linear(5, 5)  # 30
+        self.b = nn.Linear(9, 10)  # 100
+        self.w = nn.Parameter(torch.zeros(7))
+
+
+def unit_names(plan) -> list[str]:  # type: ignore[no-untyped-def]
+    return [u.name for u in plan.units]
+
+
+def test_by_size_is_bottom_up_like_fsdp_auto_wrap() -> None:
+    # x and y alone are below 50; their parent a holds 60 unclaimed -> a is a unit.
+    plan = make_plan(Tree(), by_size(50), world_size=2)
+    assert unit_names(plan) == ["a", "b", ""]
+    assert [s.name for s in plan.groups[plan.unit("a").groups[0]].params] == [
+        "a.x.weight", "a.x.bias", "a.y.weight", "a.y.bias"]
+    assert [s.name for s in plan.groups[plan.unit("").groups[0]].params] == ["w"]
+    # With a threshold of 30 the leaves wrap first and a has nothing left to claim.
+    assert unit_names(make_plan(Tree(), by_size(30), world_size=2)) == ["a.x", "a.y", "b", ""]
+
+
+def test_by_class_by_predicate_and_union() -> None:
+    assert unit_names(make_plan(Tree(), by_class(nn.Linear), 1)) == ["a.x", "a.y", "b", ""]
+    only_b = by_predicate(lambda name, m: name == "b")
+    assert unit_names(make_plan(Tree(), only_b, 1)) == ["b", ""]
+    either = only_b | by_size(50)
+    assert unit_names(make_plan(Tree(), either, 1)) == ["a", "b", ""]
+
+
+def test_policies_are_immutable_values_with_readable_repr() -> None:
+    p = by_class(Block, nn.Embedding) | by_size(1e6)
+    assert repr(p) == "by_class(Block, Embedding) | by_size(1_000_000)"
+    assert p == (by_class(Block, nn.Embedding) | by_size(1_000_000))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.policies = ()  # type: ignore[misc]
+    with pytest.raises(TypeError, match="nn.Module subclasses"):
+        by_class(int)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive"):
+        by_size(0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7, 64])
+def test_flat_layout_offsets_padding_and_shards(world_size: int) -> None:
+    plan = make_plan(MLP(), by_class(nn.Linear), world_size)
+    for g in plan.groups:
+        offset = 0
+        for s in g.params:
+            assert s.offset == offset
+            offset += s.numel
+        assert g.numel == offset
+        assert g.padded_numel % world_size == 0
+        assert 0 <= g.pad < world_size
+        assert g.shard_numel * world_size == g.padded_numel
+        assert g.shard_range(world_size - 1)[1] == g.padded_numel
+    assert plan.numel == sum(p.numel() for p in MLP().parameters())
+
+
+def test_tied_weights_merge_units_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="fxshard"):
+        plan = make_plan(SharedUse(), by_class(nn.Linear), 2)
+    merged = plan.unit("a+b")
+    assert merged.modules == ("a", "b")
+    (slot,) = plan.groups[merged.groups[0]].params
+    assert slot.name == "a.weight" and slot.aliases == ("b.weight",)
+    assert "merged" in caplog.text and "a.weight" in caplog.text
+    # A tied weight under a unit and the root merges into the root.
+    gpt = make_plan(TinyGPT(), by_class(Block, nn.Embedding), 2)
+    assert "tok" in gpt.unit("").modules
+    assert gpt.group_of("lm_head.weight") is gpt.group_of("tok.weight")
+
+
+def test_frozen_and_mixed_dtype_parameters_get_their_own_groups() -> None:
+    plan = make_plan(FrozenNet(), None, 2)
+    (root,) = plan.units
+    groups = [plan.groups[i] for i in root.groups]
+    assert [(g.requires_grad, len(g.params)) for g in groups] == [(False, 4), (True, 4)]
+    model = MLP()
+    model.head.half()
+    plan = make_plan(model, None, 2)
+    assert sorted(str(plan.groups[i].dtype) for i in plan.units[0].groups) == ["torch.float16", "torch.float32"]
+
+
+def test_policy_matching_nothing_warns_and_uses_the_root_unit() -> None:
+    with pytest.warns(UserWarning, match="matched no module"):
+        plan = make_plan(MLP(), by_class(nn.Conv2d), 2)
+    assert unit_names(plan) == [""]
+
+
+def test_no_parameters_is_an_error() -> None:
+    with pytest.raises(PlanError, match="no parameters"):
+        make_plan(nn.ReLU(), None, 2)
+
+
+def test_first_use_order_reorders_units_not_layout() -> None:
+    plan = make_plan(Tree(), by_class(nn.Linear), 2)
+    reordered = plan.ordered_by_first_use([2, 0])  # b first, then a.x; a.y and root unused
+    assert unit_names(reordered) == ["b", "a.x", "a.y", ""]
+    assert reordered.groups == plan.groups
+
+
+def test_plan_table_and_unit_graph() -> None:
+    plan = make_plan(TinyGPT(), by_class(Block), 3)
+    text = str(plan)
+    assert "world_size=3" in text and "by_class(Block)" in text
+    for col in ("unit", "dtype", "numel", "padded", "shard", "params"):
+        assert col in text
+    assert "blocks.0" in text and "attn.qkv.weight" in text and "<root>" in text
+    graph = plan.unit_graph()
+    assert list(graph.nodes) == [u.label for u in plan.units]
+    kinds = {(a, b): d["kind"] for a, b, d in graph.edges(data=True)}
+    assert kinds[("blocks.0", "blocks.1")] == "order"
+    assert kinds[("<root>", "blocks.0")] == "contains"
