@@ -4,6 +4,7 @@ Pipeline (one module each): trace.py -> plan.py -> passes/ (rewrite, schedule)
 -> codegen.py -> runtime.py; api.py ties them together.
 """
 
+from fxshard import meta as meta
 from fxshard import ops as ops  # registers the fxshard:: operators
 from fxshard import policies
 from fxshard.api import ShardedModule, compile

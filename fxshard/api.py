@@ -62,7 +62,6 @@ class ShardedModule(nn.Module):
                  verify_passes: bool, on_pass: PassHook | None = None):
         super().__init__()
         self.flat_params = nn.ParameterList(make_shards(module, plan, world.rank, device))
-        strip_parameters(module)
         # A plain attribute: the skeleton's meta parameters are not ours to expose.
         object.__setattr__(self, "_skeleton", module)
         self._plan = plan
@@ -270,8 +269,12 @@ def compile(
         verify_passes = _env_flag("FXSHARD_VERIFY")
     sharded = ShardedModule(model, plan, world, device, verify_passes, on_pass)
     if example_inputs is not None:
+        # Trace before stripping the model: if tracing fails, the model is untouched.
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         leaves, spec = pytree.tree_flatten((args, {}))
         key = sharded._signature(leaves, spec)
         sharded._steps[key] = sharded._last = sharded._trace(leaves, spec)
+    # From here the shards hold the only copy of the parameters
+    # (full_state_dict() gathers them back).
+    strip_parameters(model)
     return sharded

@@ -36,6 +36,25 @@ _DATA_DEPENDENT_HINT = (
     "depend on tensor values (if x.sum() > 0, .item(), .tolist(), .numpy()). Express it with "
     "tensor ops (torch.where, masking), or move it out of the model's forward."
 )
+_DYNAMIC_SHAPE_HINT = (
+    "this operator's output shape depends on tensor values (nonzero, boolean-mask indexing, "
+    "unique), which a static graph cannot hold. Use a fixed-shape form: torch.where, or "
+    "multiply by a mask instead of selecting."
+)
+_UNSUPPORTED_HINT = (
+    "this operator cannot run on fake tensors (it has no meta/fake implementation), so it "
+    "cannot be traced. Register one with torch.library.register_fake, or replace the operator."
+)
+
+
+def _hint(e: BaseException) -> str:
+    from torch._subclasses import fake_tensor
+
+    if isinstance(e, fake_tensor.DynamicOutputShapeException):
+        return _DYNAMIC_SHAPE_HINT
+    if isinstance(e, fake_tensor.UnsupportedOperatorException):
+        return _UNSUPPORTED_HINT
+    return _DATA_DEPENDENT_HINT
 
 
 @dataclasses.dataclass
@@ -195,7 +214,7 @@ def trace_step(
         raise TraceError(
             f"fxshard could not trace {model_name}: failed in {location}"
             + (f" at operator {op_name}" if op_name else "")
-            + f": {type(e).__name__}: {_first_line(e)}\nHint: {_DATA_DEPENDENT_HINT}",
+            + f": {type(e).__name__}: {_first_line(e)}\nHint: {_hint(e)}",
             module=where,
             op=op_name,
         ) from e

@@ -1,0 +1,130 @@
+"""The user-facing contract of fxshard.compile and ShardedModule (world size 1, in process)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from graph_utils import fake_world
+from models import MLP, BNNet, TinyGPT
+
+import fxshard
+from fxshard import predicates as P
+from fxshard.policies import by_class, by_size
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0, mode: str = "dict"):  # type: ignore[no-untyped-def]
+        h = torch.relu(self.a(x)) * scale
+        y = self.b(h)
+        if mode == "dict":
+            return {"y": y, "aux": (h, None, 3)}
+        return Output(y, h, "ok")
+
+
+def test_structured_outputs_and_kwargs() -> None:
+    torch.manual_seed(0)
+    model = Structured()
+    ref = copy.deepcopy(model)
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    x = torch.randn(2, 4)
+    out = sharded(x, scale=2.0)
+    expected = ref(x, scale=2.0)
+    assert out["aux"][1:] == (None, 3)
+    torch.testing.assert_close(out["y"], expected["y"])
+    torch.testing.assert_close(out["aux"][0], expected["aux"][0])
+    dc = sharded(x, mode="dc")
+    assert isinstance(dc, Output) and dc.note == "ok"
+    torch.testing.assert_close(dc.logits, ref(x, mode="dc").logits)
+    dc.logits.sum().backward()
+    assert all(p.grad is not None for p in sharded.parameters())
+
+
+def test_one_trace_per_signature_mode_and_grad_mode() -> None:
+    sharded = fxshard.compile(MLP(), policy=by_size(300))
+    x = torch.randn(4, 12)
+    sharded(x)
+    sharded(torch.randn(4, 12))
+    assert len(sharded._steps) == 1
+    sharded(torch.randn(5, 12))  # a new shape
+    assert len(sharded._steps) == 2
+    sharded.eval()
+    with torch.no_grad():
+        sharded(x)
+    assert len(sharded._steps) == 3 and "backward" not in sharded.graphs
+    sharded.train()
+    sharded(x)
+    assert len(sharded._steps) == 3 and "backward" in sharded.graphs
+
+
+def test_example_inputs_trace_at_once() -> None:
+    with fake_world(2):
+        sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(4, 12))
+        code = sharded.graphs["forward"].code
+    for op in ("all_gather_into_tensor", "wait_tensor", "fxshard.free"):
+        assert op in code
+    assert "reduce_scatter_tensor" in sharded.graphs["backward"].code
+
+
+def test_only_flat_shards_are_parameters_and_adamw_works() -> None:
+    with fake_world(4):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        numel = sum(p.numel() for p in model.parameters())
+        sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+        params = list(sharded.parameters())
+        assert len(params) == len(sharded.plan.groups)
+        assert sum(p.numel() for p in params) * 4 == sharded.plan.padded_numel
+        assert sharded.plan.padded_numel - numel < 4 * len(sharded.plan.groups)
+        torch.optim.AdamW(sharded.parameters())  # right after compile
+        # The original module now holds no parameter storage.
+        assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_state_dict_round_trip_and_buffers() -> None:
+    torch.manual_seed(0)
+    model = BNNet()
+    ref = copy.deepcopy(model)
+    sharded = fxshard.compile(model, policy=by_size(100))
+    x = torch.randn(5, 3, 6, 6)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    sharded(x).sum().backward()
+    opt.step()
+    trained = sharded.full_state_dict()
+    assert trained.keys() == ref.state_dict().keys()
+    assert trained["bn.num_batches_tracked"].item() == 1  # buffers updated as in eager
+    sharded.load_full_state_dict(ref.state_dict())
+    sharded.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(x), ref(x))
+    back = sharded.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(back[k], v)
+
+
+def test_plan_and_graph_text_are_printable() -> None:
+    with fake_world(2):
+        sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(3, 12))
+    table = str(sharded.plan)
+    assert table.splitlines()[1].split() == ["unit", "group", "dtype", "grad", "numel", "padded", "shard", "params"]
+    assert "layers.0" in table and "weight, bias" in table
+    fw = sharded.graphs["forward"]
+    # Forward nodes keep the module they came from.
+    paths = {fxshard.meta.module_path(n) for n in fw.graph.nodes if n.target is torch.ops.aten.addmm.default}
+    assert paths == {"layers.0", "layers.1", "head"}
+    assert sum(1 for n in fw.graph.nodes if P.is_free(n)) == 3
