@@ -4,6 +4,8 @@ Pipeline (one module each): trace.py -> plan.py -> passes/ (rewrite, schedule)
 -> codegen.py -> runtime.py; api.py ties them together.
 """
 
+import logging
+
 from fxshard import meta as meta
 from fxshard import ops as ops  # registers the fxshard:: operators
 from fxshard import policies
@@ -17,6 +19,9 @@ from fxshard.errors import (
 )
 from fxshard.passes import verify
 from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
+
+# Silent unless the application configures logging (see README: Debugging).
+logging.getLogger("fxshard").addHandler(logging.NullHandler())
 
 __all__ = [
     "CollectiveMismatchError",

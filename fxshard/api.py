@@ -58,6 +58,8 @@ class ShardedModule(nn.Module):
     place, as in eager mode.
     """
 
+    _skeleton: nn.Module
+
     def __init__(self, module: nn.Module, plan: ShardPlan, world: World, device: torch.device,
                  verify_passes: bool, on_pass: PassHook | None = None):
         super().__init__()

@@ -227,7 +227,7 @@ def make_plan(
     unit_paths = [*wrapped, ROOT]
     share = nx.Graph()
     share.add_nodes_from(unit_paths)
-    for pid, paths in owners.items():
+    for paths in owners.values():
         for other in paths[1:]:
             share.add_edge(paths[0], other)
     position = {p: i for i, p in enumerate(unit_paths)}

@@ -134,6 +134,8 @@ class StepFunction(nn.Module):
     buffers, which AOTAutograd lifts to graph inputs in that order.
     """
 
+    skeleton: nn.Module
+
     def __init__(
         self,
         skeleton: nn.Module,
@@ -195,8 +197,10 @@ def trace_step(
         with torch.fx.traceback.preserve_node_meta(), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True
         ):
+            # Typed for GraphModules, but lifts the parameters and buffers of any module.
+            module: Any = step
             return aot_module_simplified(
-                step,
+                module,
                 list(example_inputs),
                 fw_compiler=fw_compiler,
                 bw_compiler=bw_compiler,

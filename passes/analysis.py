@@ -28,7 +28,7 @@ def aliases(root: fx.Node) -> list[fx.Node]:
 
 def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
     """The wait nodes that complete an all_gather: each is one gathered flat buffer."""
-    return [n for n in graph.nodes if P.is_wait(n) and P.is_all_gather(n.args[0])]  # type: ignore[arg-type]
+    return [n for n in graph.nodes if P.is_wait(n) and P.is_all_gather(n.args[0])]
 
 
 def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
@@ -41,7 +41,7 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     """
     result: dict[fx.Node, None] = {}
     for node in graph.nodes:
-        if P.is_unshard_marker(node) or (P.is_wait(node) and P.is_all_gather(node.args[0])):  # type: ignore[arg-type]
+        if P.is_unshard_marker(node) or (P.is_wait(node) and P.is_all_gather(node.args[0])):
             result[node] = None
         elif (
             P.is_call(node)
@@ -66,7 +66,7 @@ def first_use_order(graph: fx.Graph) -> list[int]:
     for node in graph.nodes:
         if P.is_unshard_marker(node):
             root, group = node, node.args[1]
-        elif P.is_wait(node) and P.is_all_gather(node.args[0]):  # type: ignore[arg-type]
+        elif P.is_wait(node) and P.is_all_gather(node.args[0]):
             info = meta.get_info(node)
             if info is None:
                 continue

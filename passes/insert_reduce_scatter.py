@@ -39,7 +39,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             marker.replace_all_uses_with(grad)
             gm.graph.erase_node(marker)
             continue
-        info = dict(group=group, unit=ctx.unit_of(group))
+        unit = ctx.unit_of(group)
         with gm.graph.inserting_before(marker):
             scaled = gm.graph.call_function(aten.div.Tensor, (grad, ctx.world_size))
             reduce = gm.graph.call_function(
@@ -49,7 +49,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         scaled.meta["val"] = grad.meta["val"]
         for new, role in ((reduce, meta.REDUCE_SCATTER), (wait, meta.WAIT)):
             new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
-            meta.set_info(new, meta.NodeInfo(role, **info))
+            meta.set_info(new, meta.NodeInfo(role, group, unit))
         marker.replace_all_uses_with(wait)
         gm.graph.erase_node(marker)
     gm.recompile()

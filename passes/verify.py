@@ -67,7 +67,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
 
 def _check_nothing_gathered_is_saved(graph: fx.Graph, num_user_outputs: int) -> None:
     output = next(n for n in graph.nodes if P.is_output(n))
-    saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, fx.Node)]  # type: ignore[index]
+    saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, fx.Node)]
     param_only = parameter_only(graph)
     for node in saved:
         if node in param_only:

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from graph_utils import fake_world
-from models import MLP, BNNet, TinyGPT
 
 import fxshard
 from fxshard import predicates as P
 from fxshard.policies import by_class, by_size
+
+from graph_utils import fake_world
+from models import MLP, BNNet, TinyGPT
 
 
 @dataclass

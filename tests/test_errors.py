@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_ranks
-from models import MLP
 
 import fxshard
 from fxshard.errors import FxShardError, TraceError
 from fxshard.policies import by_class
+
+from dist_utils import run_ranks
+from models import MLP
 
 
 class DataDependent(nn.Module):

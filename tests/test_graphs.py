@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from graph_utils import fake_world, is_gather_wait, nodes, normalised_ops, units_of
-from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 from torch.testing import FileCheck
 
 import fxshard
@@ -19,6 +17,9 @@ from fxshard import predicates as P
 from fxshard.passes import verify
 from fxshard.passes.analysis import aliases, parameter_only
 from fxshard.policies import by_class, by_size
+
+from graph_utils import fake_world, is_gather_wait, nodes, normalised_ops, units_of
+from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 
 
 def compile_mlp(world_size: int) -> fxshard.ShardedModule:

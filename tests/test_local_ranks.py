@@ -13,11 +13,12 @@ import copy
 
 import pytest
 import torch
-from graph_utils import fake_world
-from models import CASES
 from torch.distributed._local_tensor import LocalTensorMode, rank_map
 
 import fxshard
+
+from graph_utils import fake_world
+from models import CASES
 
 
 def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -70,4 +71,4 @@ def _check(sm, outs, grads, ref_outs, full, world_size):  # type: ignore[no-unty
         for g, grad in zip(plan.groups, grads):
             expected = torch.cat([full[s.name].grad.reshape(-1) for s in g.params] + [torch.zeros(g.pad)])
             torch.testing.assert_close(_local(grad, r), expected[slice(*g.shard_range(r))],
-                                       rtol=1e-5, atol=1e-6, msg=lambda m, g=g: f"rank {r}, unit {g.unit!r}: {m}")
+                                       rtol=1e-5, atol=1e-6, msg=lambda m, g=g, r=r: f"rank {r}, unit {g.unit!r}: {m}")

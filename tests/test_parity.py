@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_ranks
-from models import CASES
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
+
+from dist_utils import run_ranks
+from models import CASES
 
 STEPS = 5
 OPTIMIZERS = ("sgd", "adam")
@@ -101,7 +102,7 @@ def test_matches_ddp(world_size: int, case_name: str, opt_name: str) -> None:
             r = res[(case_name, pi, opt_name)]
             where = f"{case_name} / {policy!r} / {opt_name} / rank {rank} of {world_size}"
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
-                                       rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: losses {m}")
+                                       rtol=RTOL, atol=ATOL, msg=lambda m, where=where: f"{where}: losses {m}")
             assert r["state"].keys() == r["ref_state"].keys(), where
             for key, ref in r["ref_state"].items():
                 got = r["state"][key]
@@ -110,7 +111,7 @@ def test_matches_ddp(world_size: int, case_name: str, opt_name: str) -> None:
                     assert err <= RTOL, f"{where}: {key}: relative L2 error {err:.2e} > {RTOL}"
                 else:
                     torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL,
-                                               msg=lambda m, key=key: f"{where}: {key}: {m}")
+                                               msg=lambda m, key=key, where=where: f"{where}: {key}: {m}")
             # Each rank holds 1/N of the (padded) parameters, nothing more.
             assert r["shard_numel"] * world_size == r["padded_numel"], where
             assert not any(r["frozen_grads"]), f"{where}: a frozen shard got a gradient"

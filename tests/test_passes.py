@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-from graph_utils import normalised_ops
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard import ops
@@ -25,6 +24,8 @@ from fxshard.passes import (
 )
 from fxshard.plan import make_plan
 from fxshard.policies import by_class
+
+from graph_utils import normalised_ops
 
 aten = torch.ops.aten
 

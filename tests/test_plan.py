@@ -8,11 +8,12 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 
 from fxshard.errors import PlanError
 from fxshard.plan import make_plan
 from fxshard.policies import by_class, by_predicate, by_size
+
+from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 
 
 class Tree(nn.Module):
