@@ -17,6 +17,7 @@ from fxshard.errors import (
     PlanError,
     TraceError,
 )
+from fxshard.options import ShardingOptions
 from fxshard.passes import verify
 from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
 
@@ -31,6 +32,7 @@ __all__ = [
     "GraphInvariantError",
     "PlanError",
     "ShardPlan",
+    "ShardingOptions",
     "ShardedModule",
     "TraceError",
     "compile",

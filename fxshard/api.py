@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from fxshard.codegen import GraphCompiler
 from fxshard.errors import FxShardError
+from fxshard.options import ShardingOptions
 from fxshard.passes.analysis import first_use_order
 from fxshard.plan import ShardPlan, make_plan
 from fxshard.policies import Policy
@@ -61,7 +62,8 @@ class ShardedModule(nn.Module):
     _skeleton: nn.Module
 
     def __init__(self, module: nn.Module, plan: ShardPlan, world: World, device: torch.device,
-                 verify_passes: bool, on_pass: PassHook | None = None):
+                 verify_passes: bool, on_pass: PassHook | None = None,
+                 options: ShardingOptions | None = None):
         super().__init__()
         self.flat_params = nn.ParameterList(make_shards(module, plan, world.rank, device))
         # A plain attribute: the skeleton's meta parameters are not ours to expose.
@@ -71,6 +73,7 @@ class ShardedModule(nn.Module):
         self._device = device
         self._verify_passes = verify_passes
         self._on_pass = on_pass
+        self._options = options or ShardingOptions()
         self._steps: dict[Any, CompiledStep] = {}
         self._last: CompiledStep | None = None
         self.training = module.training
@@ -92,6 +95,10 @@ class ShardedModule(nn.Module):
         if "backward" in graphs:
             result["backward"] = graphs["backward"]
         return result  # type: ignore[return-value]
+
+    @property
+    def options(self) -> ShardingOptions:
+        return self._options
 
     @property
     def world_size(self) -> int:
@@ -160,7 +167,7 @@ class ShardedModule(nn.Module):
         buffers = dict(self._skeleton.named_buffers(remove_duplicate=False))
         step = StepFunction(self._skeleton, self._plan, list(self.flat_params), buffers, rebuild)
         compiler = GraphCompiler(self._plan, self._world.size, self._world.group_name,
-                                 self._verify_passes)
+                                 self._verify_passes, self._options)
         compiler.on_pass = self._on_pass
         fn = trace_step(
             step,
@@ -237,6 +244,7 @@ def compile(
     *,
     verify_passes: bool | None = None,
     on_pass: PassHook | None = None,
+    **options: Any,
 ) -> ShardedModule:
     """Shard ``model`` across the ranks of ``process_group`` (default: the world).
 
@@ -247,8 +255,12 @@ def compile(
     (default: the ``FXSHARD_VERIFY`` environment variable). ``on_pass(graph,
     pass_name, gm)`` is called with each graph as traced (pass name
     ``"traced"``) and after every pass, ``graph`` being "joint", "forward",
-    "backward" or "inference".
+    "backward" or "inference". Further keyword arguments are scheduling
+    options (``fxshard.ShardingOptions``): ``reshard_after_forward``,
+    ``reshard_root``, ``forward_prefetch``, ``backward_prefetch``,
+    ``max_inflight_gathers``, ``max_inflight_bytes``.
     """
+    sharding_options = ShardingOptions.from_kwargs(**options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxshard.compile takes an nn.Module, got {type(model).__name__}")
     if policy is not None and not isinstance(policy, Policy):
@@ -269,7 +281,8 @@ def compile(
     device = next(iter(devices)) if devices else torch.device("cpu")
     if verify_passes is None:
         verify_passes = _env_flag("FXSHARD_VERIFY")
-    sharded = ShardedModule(model, plan, world, device, verify_passes, on_pass)
+    sharded = ShardedModule(model, plan, world, device, verify_passes, on_pass,
+                            sharding_options)
     if example_inputs is not None:
         # Trace before stripping the model: if tracing fails, the model is untouched.
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

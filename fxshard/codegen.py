@@ -18,6 +18,8 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition
 
+from fxshard import meta, ops
+from fxshard.options import ShardingOptions
 from fxshard.passes import PassContext, run_passes
 from fxshard.plan import ShardPlan
 
@@ -27,18 +29,22 @@ log = logging.getLogger("fxshard")
 class GraphCompiler:
     """One per traced signature; records the emitted graphs in ``graphs``."""
 
-    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None, verify: bool):
+    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None, verify: bool,
+                 options: ShardingOptions):
         self.plan = plan
         self.world_size = world_size
         self.group_name = group_name
         self.verify = verify
+        self.options = options
+        self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
         self.on_pass: Callable[[str, str, fx.GraphModule], None] | None = None
 
     def context(self, graph: Any, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
-                           num_user_outputs=num_user_outputs, verify=self.verify)
+                           num_user_outputs=num_user_outputs, verify=self.verify,
+                           options=self.options)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass
@@ -52,7 +58,17 @@ class GraphCompiler:
         joint = self._run(joint, self.context("joint"))
         self.graphs["joint"] = joint
         self.num_user_outputs = num_fwd_outputs
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        # Buffers of units that are not resharded cross to backward as the
+        # unshard marker's value; backward sees them as inputs of the same name.
+        # Without a process group the "buffer" is the shard itself: never freed.
+        output = next(n for n in fw.graph.nodes if n.op == "output")
+        for node in output.args[0][num_fwd_outputs:] if self.group_name is not None else ():
+            if isinstance(node, fx.Node) and node.target is ops.UNSHARD:
+                group = node.args[1]
+                assert isinstance(group, int)
+                self.saved_buffers[node.name] = group
+        return fw, bw
 
     def _compile(self, kind: str, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         num_user_outputs = self.num_user_outputs if kind == "forward" else None
@@ -65,6 +81,10 @@ class GraphCompiler:
         return self._compile("forward", gm, example_inputs)
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and node.name in self.saved_buffers:
+                group = self.saved_buffers[node.name]
+                meta.set_info(node, meta.NodeInfo(meta.SAVED, group, self.plan.groups[group].unit))
         return self._compile("backward", gm, example_inputs)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ REDUCE_SCATTER = "reduce_scatter"
 WAIT = "wait"
 FREE = "free"
 REMAT = "remat"  # backward copy of a parameter-only computation
+SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .pipeline import BACKWARD_PASSES, FORWARD_PASSES, JOINT_PASSES, run_passes
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import schedule_pass
+from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .verify import verify
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "rematerialize_params_pass",
     "run_passes",
     "schedule_pass",
+    "schedule_reduce_scatter_pass",
     "verify",
 ]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.fx as fx
 
 from fxshard import meta
 from fxshard import predicates as P
 
 
-def node_args(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
+def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def aliases(root: fx.Node) -> list[fx.Node]:
@@ -22,26 +25,48 @@ def aliases(root: fx.Node) -> list[fx.Node]:
             if user not in seen and P.is_view(user) and user.args and user.args[0] is node:
                 seen[user] = None
                 work.append(user)
-    order = {n: i for i, n in enumerate(root.graph.nodes)}
+    order = order_of(root.graph)
     return sorted(seen, key=order.__getitem__)
 
 
+def is_gather_wait(node: fx.Node) -> bool:
+    return P.is_wait(node) and isinstance(node.args[0], fx.Node) and P.is_all_gather(node.args[0])
+
+
+def is_saved_buffer(node: fx.Node) -> bool:
+    info = meta.get_info(node)
+    return P.is_placeholder(node) and info is not None and info.role == meta.SAVED
+
+
 def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
-    """The wait nodes that complete an all_gather: each is one gathered flat buffer."""
-    return [n for n in graph.nodes if P.is_wait(n) and P.is_all_gather(n.args[0])]
+    """Every gathered flat buffer in the graph, in graph order: the wait of each
+    all_gather, and (backward) each buffer kept from forward."""
+    return [n for n in graph.nodes if is_gather_wait(n) or is_saved_buffer(n)]
+
+
+def buffer_group(node: fx.Node) -> int:
+    info = meta.get_info(node)
+    if info is None:
+        raise KeyError(f"{node.name} carries no fxshard metadata")
+    return info.group
+
+
+def buffer_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     """Nodes computed from gathered parameters alone (an ordered set).
 
-    The roots are unshard markers and gather waits; a deterministic, pure node
-    all of whose tensor inputs are parameter-only is parameter-only too: a
-    view, a transpose, a cast of a weight. These are what the partitioner must
-    never save for backward.
+    The roots are unshard markers and gathered buffers; a deterministic, pure
+    node all of whose tensor inputs are parameter-only is parameter-only too:
+    a view, a transpose, a cast of a weight. These are what the partitioner
+    must never save for backward.
     """
     result: dict[fx.Node, None] = {}
     for node in graph.nodes:
-        if P.is_unshard_marker(node) or (P.is_wait(node) and P.is_all_gather(node.args[0])):
+        if P.is_unshard_marker(node) or is_gather_wait(node) or is_saved_buffer(node):
             result[node] = None
         elif (
             P.is_call(node)
@@ -54,6 +79,70 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     return result
 
 
+def source_group(node: fx.Node) -> int | None:
+    """The flat group a parameter-only node derives from, following first inputs."""
+    while True:
+        if P.is_unshard_marker(node):
+            group = node.args[1]
+            return group if isinstance(group, int) else None
+        info = meta.get_info(node)
+        if info is not None and (is_gather_wait(node) or is_saved_buffer(node)):
+            return info.group
+        inputs = node.all_input_nodes
+        if not inputs:
+            return None
+        node = inputs[0]
+
+
+def parameter_chain(buffer: fx.Node) -> list[fx.Node]:
+    """Nodes computed from this one gathered buffer alone, in graph order (not ``buffer``)."""
+    chain: dict[fx.Node, None] = {}
+    members = {buffer}
+    cur = buffer.next
+    while cur.op != "root":
+        if (
+            P.is_call(cur)
+            and not P.is_random(cur)
+            and not cur.is_impure()
+            and cur.all_input_nodes
+            and all(a in members for a in cur.all_input_nodes)
+        ):
+            chain[cur] = None
+            members.add(cur)
+        cur = cur.next
+    return list(chain)
+
+
+@dataclass
+class Window:
+    """Where one gathered buffer is issued, first computed with, last used."""
+
+    buffer: fx.Node  # the wait, or a saved-buffer placeholder
+    issue: int  # position of its all_gather (of the placeholder for a saved buffer)
+    first: int  # first node outside its parameter chain that reads it
+    last: int  # last node that reads it or any view of it (frees excluded)
+    bytes: int
+    resident: bool  # its unit is not resharded: it does not count as in flight
+
+
+def windows(graph: fx.Graph, reshards: dict[int, bool]) -> list[Window]:
+    """The window of every gathered buffer, sorted by first compute."""
+    order = order_of(graph)
+    result = []
+    for buf in gathered_buffers(graph):
+        chain = parameter_chain(buf)
+        inside = {buf, *chain}
+        outside = [u for n in inside for u in n.users if u not in inside and not P.is_free(u)]
+        views = aliases(buf)
+        readers = [u for v in views for u in v.users if not P.is_free(u)] + [*chain, *views]
+        issue = order[buf.args[0]] if is_gather_wait(buf) else order[buf]  # type: ignore[index]
+        first = min((order[u] for u in outside), default=order[buf])
+        last = max(order[u] for u in readers)
+        result.append(Window(buf, issue, first, last, buffer_bytes(buf),
+                             not reshards.get(buffer_group(buf), True)))
+    return sorted(result, key=lambda w: (w.first, w.issue))
+
+
 def first_use_order(graph: fx.Graph) -> list[int]:
     """Flat-group indices in the order the graph first reads each unit's parameters.
 
@@ -61,20 +150,17 @@ def first_use_order(graph: fx.Graph) -> list[int]:
     (all_gather of each shard): a use is any non-view user of the gathered
     buffer or of one of its views.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = order_of(graph)
     first: dict[int, int] = {}
     for node in graph.nodes:
         if P.is_unshard_marker(node):
-            root, group = node, node.args[1]
-        elif P.is_wait(node) and P.is_all_gather(node.args[0]):
-            info = meta.get_info(node)
-            if info is None:
-                continue
-            root, group = node, info.group
+            group = node.args[1]
+        elif is_gather_wait(node):
+            group = buffer_group(node)
         else:
             continue
         assert isinstance(group, int)
-        views = aliases(root)
+        views = aliases(node)
         uses = [order[u] for v in views for u in v.users if u not in views]
         if uses:
             first[group] = min(first.get(group, len(order)), min(uses))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fxshard.errors import GraphInvariantError
+from fxshard.options import ShardingOptions
 from fxshard.plan import ShardPlan
 
 GraphKind = Literal["joint", "forward", "backward", "inference"]
@@ -23,6 +24,7 @@ class PassContext:
     # tensors saved for backward (AOTAutograd's calling convention).
     num_user_outputs: int | None = None
     verify: bool = True
+    options: ShardingOptions = ShardingOptions()
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):
@@ -31,3 +33,7 @@ class PassContext:
                 "the graph was traced for another plan"
             )
         return self.plan.groups[group].unit
+
+    def reshards(self, group: int) -> bool:
+        """Is this group's gathered buffer freed after forward and gathered again in backward?"""
+        return self.options.reshards(self.unit_of(group))

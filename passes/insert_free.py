@@ -7,8 +7,11 @@
 
 "Last use" counts every user of the buffer and of its views. ``free``
 releases the storage shared by all those views, so the gathered parameters
-occupy memory only inside their unit's window. A buffer that escapes through
-the graph's outputs (a model that returns a parameter) is not freed.
+occupy memory only inside their unit's window. In backward, a buffer kept
+from forward (a unit that is not resharded) is freed after its last use there.
+A buffer that escapes through the graph's outputs is not freed: in forward
+that is a unit kept for backward (expected), or a model that returns a
+parameter (logged).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.fx as fx
 from fxshard import meta, ops
 from fxshard import predicates as P
 
-from .analysis import aliases, gathered_buffers
+from .analysis import aliases, buffer_group, gathered_buffers
 from .context import PassContext
 
 log = logging.getLogger("fxshard")
@@ -37,8 +40,11 @@ def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         views = aliases(wait)
         users = {u for v in views for u in v.users if u not in views}
         if any(P.is_output(u) for u in users):
-            log.warning("fxshard: %s escapes through the graph outputs and is not freed", wait.name)
-            continue
+            group = buffer_group(wait)
+            if ctx.reshards(group):
+                log.warning("fxshard: %s (unit %r) escapes through the graph outputs and is not "
+                            "freed", wait.name, ctx.unit_of(group))
+            continue  # not resharded: kept for backward, which frees it
         last = max(users | set(views), key=order.__getitem__)
         plans.append((wait, last))
     for wait, last in plans:

@@ -19,6 +19,7 @@ from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import schedule_pass
+from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .verify import verify
 
 log = logging.getLogger("fxshard")
@@ -48,6 +49,9 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     insert_all_gather_pass,
     insert_reduce_scatter_pass,
     schedule_pass,
+    # After the gathers are placed, before frees: moves only gradient layout
+    # nodes and reductions, which no gather window depends on.
+    schedule_reduce_scatter_pass,
     insert_free_pass,
 )
 

@@ -13,6 +13,14 @@ The partitioner then saves only the shard (a graph input) for backward, never
 a gathered parameter or a transpose or cast of one: that is the classic way
 compiler FSDP silently becomes DDP. Each forward value is copied once, so a
 unit is gathered once per backward.
+
+A unit that is not resharded after forward (ZeRO-2, and the root unit by
+default) keeps its gathered buffer instead: the copy starts from the forward
+``unshard`` itself, so the one tensor saved for backward is the flat buffer,
+never a transpose or cast of it::
+
+    after (not resharded):  shard -> unshard --+--> split -> view -> t -> addmm         (forward)
+                                               +--> split' -> view' -> t' -> mm(grad)   (backward)
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch.fx as fx
 from fxshard import meta
 from fxshard import predicates as P
 
-from .analysis import parameter_only
+from .analysis import parameter_only, source_group
 from .context import PassContext
 
 _TAG = "partitioner_tag"
@@ -50,12 +58,14 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     def copy_of(node: fx.Node, before: fx.Node) -> fx.Node:
         if node not in param_only or _is_backward(node):
             return node  # a graph input (the shard) or an existing backward value
+        if P.is_unshard_marker(node) and not ctx.reshards(_marker_group(node)):
+            return node  # not resharded: backward reads the forward buffer
         if node not in copies:
             inputs = {a: copy_of(a, before) for a in node.all_input_nodes}
             with graph.inserting_before(before):
                 new = graph.node_copy(node, lambda a: inputs[a])
             new.meta = {**node.meta, _TAG: "is_backward"}
-            unit_group = _group(node)
+            unit_group = source_group(node)
             if unit_group is not None:
                 meta.set_info(new, meta.NodeInfo(meta.REMAT, unit_group, ctx.unit_of(unit_group)))
             copies[node] = new
@@ -69,13 +79,7 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     return gm
 
 
-def _group(node: fx.Node) -> int | None:
-    """The flat group a parameter-only node derives from, following first inputs."""
-    while True:
-        if P.is_unshard_marker(node):
-            group = node.args[1]
-            return group if isinstance(group, int) else None
-        inputs = node.all_input_nodes
-        if not inputs:
-            return None
-        node = inputs[0]
+def _marker_group(node: fx.Node) -> int:
+    group = node.args[1]
+    assert isinstance(group, int)
+    return group

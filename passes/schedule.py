@@ -1,73 +1,97 @@
-"""schedule_pass: gather each unit right before its first compute.
+"""schedule_pass: place every gather: just in time, then prefetched within the in-flight limit.
 
 A gathered buffer feeds a chain of parameter-only nodes (split, getitem,
 view, and transposes or casts of a weight) before any real compute reads it.
-The pass moves the gather, its wait and that chain to just before the first
-node outside the chain that uses them::
+First, each gather, its wait and that chain move to just before the first
+node outside the chain that reads them (just in time)::
 
-    before:  ag0; w0; split0; view0; ag1; w1; split1; view1; mm(x, view0); mm(y, view1)
-    after:   ag0; w0; split0; view0; mm(x, view0); ag1; w1; split1; view1; mm(y, view1)
+    ag0; w0; split0; view0; ag1; w1; split1; view1; mm(x, view0); mm(y, view1)
+      -> ag0; w0; split0; view0; mm(x, view0); ag1; w1; split1; view1; mm(y, view1)
 
-The order is a function of graph order alone, so every rank emits the same
-collective sequence. Moving is legal: the gather's only input is a graph
-input, and every chain node depends only on the buffer and on earlier chain
-nodes, while every outside user comes after the first one. A node that reads
-two units' parameters belongs to neither chain. Reduce-scatters stay where
-lowering put them, right after the unit's gradient is complete.
+Then, with prefetch, unit k+1's all_gather moves earlier (its wait stays)::
+
+    "pre":   ag0; w0; view0; ag1; mm(x, view0); ... ; w1; view1; mm(y, view1)
+    "post":  ag0; w0; view0; mm(x, view0); [free0]; ag1; ... ; w1; view1; mm(y, view1)
+
+Forward uses "pre" when ``forward_prefetch`` is on; backward uses
+``backward_prefetch``. Backward needs no reordering of units: AOTAutograd
+emits backward in reverse order of forward, so "next" is the previous unit.
+
+In-flight limit: a prefetch may not make more than ``max_inflight_gathers``
+buffers of resharded units (or more than ``max_inflight_bytes``) alive at its
+issue point. If it would, the gather is delayed to just after the earliest
+last use among the live buffers (where insert_free_pass will free it), and
+so on; a gather that cannot move stays just in time. The limit is a property
+of the schedule, so no CPU synchronisation enforces it. Buffers of units that
+are not resharded (the root, by default) are resident and do not count.
+
+Every decision reads graph order and the plan, which every rank has alike,
+so every rank emits the same collective sequence.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard import predicates as P
-
-from .analysis import gathered_buffers
+from .analysis import Window, is_gather_wait, order_of, parameter_chain, windows
 from .context import PassContext
 
 
-def parameter_chain(wait: fx.Node) -> list[fx.Node]:
-    """Nodes computed from this one gathered buffer alone, in graph order (not ``wait``)."""
-    chain: dict[fx.Node, None] = {}
-    members = {wait}
-    for node in _after(wait):
-        if (
-            P.is_call(node)
-            and not P.is_random(node)
-            and not node.is_impure()
-            and node.all_input_nodes
-            and all(a in members for a in node.all_input_nodes)
-        ):
-            chain[node] = None
-            members.add(node)
-    return list(chain)
-
-
-def _after(node: fx.Node) -> list[fx.Node]:
-    result = []
-    cur = node.next
-    while cur.op != "root":
-        result.append(cur)
-        cur = cur.next
-    return result
-
-
-def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    waits = gathered_buffers(gm.graph)
-    if not waits:
-        return gm
+def _just_in_time(gm: fx.GraphModule) -> None:
     moves = []
-    for wait in waits:
+    for wait in [n for n in gm.graph.nodes if is_gather_wait(n)]:
         chain = parameter_chain(wait)
         inside = {wait, *chain}
         outside = [u for n in inside for u in n.users if u not in inside]
         if outside:
             moves.append((wait, chain, outside))
     for wait, chain, outside in moves:
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        order = order_of(gm.graph)
         first = min(outside, key=order.__getitem__)
         for node in (wait.args[0], wait, *chain):
             assert isinstance(node, fx.Node)
             first.prepend(node)
+
+
+def _fits(live: list[Window], new: Window, ctx: PassContext) -> bool:
+    counted = [w for w in live if not w.resident] + ([] if new.resident else [new])
+    if len(counted) > ctx.options.max_inflight_gathers:
+        return False
+    cap = ctx.options.max_inflight_bytes
+    return cap is None or sum(w.bytes for w in counted) <= cap
+
+
+def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
+    reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
+    sequence = windows(gm.graph, reshards)
+    for j in range(1, len(sequence)):
+        current = windows(gm.graph, reshards)  # positions after earlier moves
+        by_buffer = {w.buffer: w for w in current}
+        target, prev = by_buffer[sequence[j].buffer], by_buffer[sequence[j - 1].buffer]
+        if not is_gather_wait(target.buffer):
+            continue  # a saved buffer is already there
+        point = prev.first if mode == "pre" else prev.last + 1
+        earlier = [by_buffer[w.buffer] for w in sequence[:j]]
+        while point < target.issue:
+            live = [w for w in earlier if w.issue <= point <= w.last]
+            if _fits(live, target, ctx):
+                break
+            point = min(w.last for w in live if not w.resident or w.bytes) + 1
+        if point >= target.issue:
+            continue  # stays just in time
+        anchor = list(gm.graph.nodes)[point]
+        anchor.prepend(target.buffer.args[0])  # type: ignore[arg-type]
+
+
+def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not any(is_gather_wait(n) for n in gm.graph.nodes):
+        return gm
+    _just_in_time(gm)
+    if ctx.graph == "backward":
+        mode = ctx.options.backward_prefetch
+    else:
+        mode = "pre" if ctx.options.forward_prefetch else None
+    if mode is not None:
+        _prefetch(gm, ctx, mode)
     gm.recompile()
     return gm

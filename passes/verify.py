@@ -11,7 +11,15 @@ import torch.fx as fx
 from fxshard import predicates as P
 from fxshard.errors import GraphInvariantError
 
-from .analysis import aliases, gathered_buffers, parameter_only
+from .analysis import (
+    aliases,
+    gathered_buffers,
+    is_gather_wait,
+    order_of,
+    parameter_only,
+    source_group,
+    windows,
+)
 from .context import PassContext
 
 
@@ -59,32 +67,83 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
                 f"{buf.name} is used after {node.name} frees it, by {[u.name for u in late]}"
             )
 
-    if ctx is not None and ctx.graph == "forward" and ctx.num_user_outputs is not None:
-        _check_nothing_gathered_is_saved(graph, ctx.num_user_outputs)
-    if ctx is not None and ctx.graph == "joint":
-        _check_joint_saves_no_parameter(graph)
+    if ctx is None:
+        return
+    if ctx.graph == "forward" and ctx.num_user_outputs is not None:
+        _check_nothing_gathered_is_saved(graph, ctx)
+    if ctx.graph == "joint":
+        _check_joint_saves_no_parameter(graph, ctx)
+    if final and ctx.graph != "joint":
+        _check_windows(graph, ctx)
 
 
-def _check_nothing_gathered_is_saved(graph: fx.Graph, num_user_outputs: int) -> None:
+def _kept(node: fx.Node, ctx: PassContext) -> bool:
+    """A unit's whole gathered buffer, for a unit that is not resharded: allowed to cross."""
+    if P.is_unshard_marker(node) or is_gather_wait(node):
+        group = source_group(node)
+        return group is not None and not ctx.reshards(group)
+    return False
+
+
+def _check_nothing_gathered_is_saved(graph: fx.Graph, ctx: PassContext) -> None:
     output = next(n for n in graph.nodes if P.is_output(n))
-    saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, fx.Node)]
+    saved = [a for a in output.args[0][ctx.num_user_outputs:] if isinstance(a, fx.Node)]
     param_only = parameter_only(graph)
     for node in saved:
-        if node in param_only:
+        if node in param_only and not _kept(node, ctx):
             raise GraphInvariantError(
                 f"{node.name} is computed from gathered parameters alone and is saved for "
                 "backward: the full parameter would stay alive between forward and backward"
             )
 
 
-def _check_joint_saves_no_parameter(graph: fx.Graph) -> None:
+def _check_joint_saves_no_parameter(graph: fx.Graph, ctx: PassContext) -> None:
     param_only = parameter_only(graph)
     for node in graph.nodes:
         if node.meta.get("partitioner_tag") != "is_backward":
             continue
         for a in node.all_input_nodes:
-            if a in param_only and a.meta.get("partitioner_tag") != "is_backward":
+            if (a in param_only and a.meta.get("partitioner_tag") != "is_backward"
+                    and not _kept(a, ctx)):
                 raise GraphInvariantError(
                     f"backward node {node.name} reads forward value {a.name}, computed from "
                     "gathered parameters alone: the partitioner would save it for backward"
                 )
+
+
+def _check_windows(graph: fx.Graph, ctx: PassContext) -> None:
+    """Every freed buffer is freed right after its last use, and the in-flight limit holds.
+
+    The limit binds prefetches only: where the model itself reads more units at
+    once than the limit (overlapping windows), that many must be alive.
+    """
+    reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
+    spans = windows(graph, reshards)
+    order = order_of(graph)
+    nodes = list(graph.nodes)
+    for w in spans:
+        frees = [u for u in w.buffer.users if P.is_free(u)]
+        if not frees:
+            continue
+        between = nodes[w.last + 1:order[frees[0]]]
+        if any(not P.is_free(n) for n in between):
+            raise GraphInvariantError(
+                f"{w.buffer.name} outlives its window: freed at {frees[0].name}, "
+                f"{[n.name for n in between if not P.is_free(n)]} run after its last use"
+            )
+    counted = [w for w in spans if not w.resident]
+    limit = ctx.options.max_inflight_gathers
+    cap = ctx.options.max_inflight_bytes
+    for point in range(len(nodes)):
+        live = [w for w in counted if w.issue <= point <= w.last]
+        needed = [w for w in counted if w.first <= point <= w.last]
+        if len(live) > max(limit, len(needed)):
+            raise GraphInvariantError(
+                f"{len(live)} gathered buffers in flight at {nodes[point].name} "
+                f"({[w.buffer.name for w in live]}), over max_inflight_gathers={limit}"
+            )
+        if cap is not None and sum(w.bytes for w in live) > max(cap, sum(w.bytes for w in needed)):
+            raise GraphInvariantError(
+                f"{sum(w.bytes for w in live)} gathered bytes in flight at {nodes[point].name}, "
+                f"over max_inflight_bytes={cap}"
+            )

@@ -22,9 +22,14 @@ from graph_utils import fake_world, is_gather_wait, nodes, normalised_ops, units
 from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 
 
-def compile_mlp(world_size: int) -> fxshard.ShardedModule:
+JIT = dict(forward_prefetch=False, backward_prefetch=None)  # gather just in time
+FULL = dict(reshard_root=True)  # every unit resharded, the root too
+
+
+def compile_mlp(world_size: int, **options: object) -> fxshard.ShardedModule:
     torch.manual_seed(0)
-    return fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(6, 12))
+    return fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(6, 12),
+                           **options)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -50,9 +55,9 @@ def test_mlp_collective_counts_per_unit(world_size: int) -> None:
             assert c.args[-2] == world_size  # group size
 
 
-def test_mlp_forward_text_in_order() -> None:
+def test_mlp_forward_text_in_order_just_in_time() -> None:
     with fake_world(2):
-        sm = compile_mlp(2)
+        sm = compile_mlp(2, **JIT)
     code = sm.graphs["forward"].code
     check = FileCheck()
     for _ in range(3):  # gather, compute with the unit, free; then the next unit
@@ -70,7 +75,8 @@ def test_mlp_forward_text_in_order() -> None:
 def test_gather_sits_right_before_first_use_and_free_right_after_last() -> None:
     with fake_world(2):
         torch.manual_seed(0)
-        sm = fxshard.compile(TinyGPT(), policy=by_class(Block), example_inputs=torch.randint(0, 61, (2, 16)))
+        sm = fxshard.compile(TinyGPT(), policy=by_class(Block), example_inputs=torch.randint(0, 61, (2, 16)),
+                             **JIT, **FULL)
     for gm in (sm.graphs["forward"], sm.graphs["backward"]):
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         param_only = parameter_only(gm.graph)
@@ -109,7 +115,8 @@ def _reads(node, wait, param_only) -> bool:  # type: ignore[no-untyped-def]
 def test_no_gathered_parameter_is_saved_for_backward() -> None:
     with fake_world(2):
         torch.manual_seed(0)
-        sm = fxshard.compile(TinyGPT(), policy=by_class(Block), example_inputs=torch.randint(0, 61, (2, 16)))
+        sm = fxshard.compile(TinyGPT(), policy=by_class(Block), example_inputs=torch.randint(0, 61, (2, 16)),
+                             **FULL)
     fw, bw = sm.graphs["forward"], sm.graphs["backward"]
     output = next(n for n in fw.graph.nodes if P.is_output(n))
     param_only = parameter_only(fw.graph)

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxshard import ops
 from fxshard import predicates as P
 from fxshard.errors import GraphInvariantError
+from fxshard.options import ShardingOptions
 from fxshard.passes import (
     PassContext,
     insert_all_gather_pass,
@@ -57,7 +58,11 @@ class Builder:
         return fx.GraphModule(torch.nn.Module(), self.graph)
 
 
+JIT = ShardingOptions(forward_prefetch=False, backward_prefetch=None)
+
+
 def ctx(graph: str = "forward", world_size: int = 2, group: str | None = "pg", **kw: Any) -> PassContext:
+    kw.setdefault("options", JIT)
     plan = make_plan(torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)),
                      by_class(torch.nn.Linear), world_size)
     return PassContext(plan, world_size, group, graph, **kw)  # type: ignore[arg-type]
@@ -113,6 +118,57 @@ def test_schedule_moves_each_gather_to_its_units_first_compute() -> None:
         "aten.mm",
     ]
     assert schedule_pass(gm, ctx()).code == gm.code  # idempotent
+
+
+def three_unit_forward() -> fx.GraphModule:
+    """x -> mm(w0) -> relu -> mm(w1) -> relu -> mm(w2): three units in a row."""
+    b = Builder()
+    shards = [b.input(f"shard{i}", 8) for i in range(3)]
+    h = b.input("x", 3, 4)
+    weights = [b.op(aten.view.default, b.op(ops.UNSHARD, s, i % 2, 2), [4, 4])
+               for i, s in enumerate(shards)]
+    for w in weights:
+        h = b.op(aten.relu.default, b.op(aten.mm.default, h, w))
+    return b.done(h)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) -> None:
+    options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit)
+    c = ctx(options=options)
+    gm = run_passes(three_unit_forward(), c)
+    ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
+    ag, w, free = "all_gather_into_tensor", "wait_tensor", "free"
+    if limit == 1:  # no room before unit k's mm: the gather waits for unit k's free
+        assert ops_ == [ag, w, "view", "mm", free, ag, "relu",
+                        w, "view", "mm", free, ag, "relu",
+                        w, "view", "mm", free, "relu"]
+    else:  # unit k+1's gather goes out before unit k's mm; its wait stays put
+        assert ops_ == [ag, w, "view", ag, "mm", free, "relu",
+                        w, "view", ag, "mm", free, "relu",
+                        w, "view", "mm", free, "relu"]
+    verify(gm, c, final=True)  # includes the in-flight check
+
+
+def test_post_prefetch_issues_next_gather_after_current_unit() -> None:
+    options = ShardingOptions(forward_prefetch=False, backward_prefetch="post")
+    c = ctx("backward", options=options)
+    gm = run_passes(three_unit_forward(), c)
+    ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
+    ag, w, free = "all_gather_into_tensor", "wait_tensor", "free"
+    assert ops_ == [ag, w, "view", "mm", free, ag, "relu",
+                    w, "view", "mm", free, ag, "relu",
+                    w, "view", "mm", free, "relu"]
+
+
+def test_verify_catches_a_schedule_over_the_in_flight_limit() -> None:
+    c = ctx(options=ShardingOptions(max_inflight_gathers=2))
+    gm = run_passes(three_unit_forward(), c)
+    gathers = [n for n in gm.graph.nodes if P.is_all_gather(n)]
+    gm.graph.find_nodes(op="placeholder")[-1].append(gathers[2])  # hoist the third gather to the top
+    gm.graph.find_nodes(op="placeholder")[-1].append(gathers[1])
+    with pytest.raises(GraphInvariantError, match="3 gathered buffers in flight.*max_inflight_gathers=2"):
+        verify(gm, c, final=True)
 
 
 def test_insert_free_after_last_use_of_any_view() -> None:

@@ -1,0 +1,53 @@
+"""Scheduling and sharding options: one frozen dataclass, passed through to every pass.
+
+Each option's effect on the emitted graphs is described in docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+BackwardPrefetch = Literal["pre", "post"] | None
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    # ZeRO-3 (True): gathered parameters are freed after forward and gathered
+    # again in backward. ZeRO-2 (False): kept from forward to backward.
+    reshard_after_forward: bool = True
+    # The root unit, as in FSDP2, is not resharded by default: backward needs
+    # it first. True reshards it like every other unit.
+    reshard_root: bool = False
+    # Issue unit k+1's all_gather before unit k's compute.
+    forward_prefetch: bool = True
+    # Backward: "pre" issues the next unit's gather before the current unit's
+    # gradient computation, "post" after it, None just in time.
+    backward_prefetch: BackwardPrefetch = "pre"
+    # At most this many gathered buffers of resharded units alive at once;
+    # a prefetch that would exceed it waits for a free. Never a CPU sync.
+    max_inflight_gathers: int = 2
+    # Optional cap on the bytes of those buffers.
+    max_inflight_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backward_prefetch not in ("pre", "post", None):
+            raise ValueError(
+                f"backward_prefetch must be 'pre', 'post' or None, got {self.backward_prefetch!r}"
+            )
+        if self.max_inflight_gathers < 1:
+            raise ValueError(f"max_inflight_gathers must be at least 1, got {self.max_inflight_gathers}")
+        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
+            raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ShardingOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown fxshard option(s) {unknown}; options are {sorted(known)}")
+        return cls(**kwargs)
+
+    def reshards(self, unit: str) -> bool:
+        """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
+        return self.reshard_root if unit == "" else self.reshard_after_forward
