@@ -19,6 +19,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition
 
 from fxshard import meta, ops
+from fxshard.errors import FxShardError
 from fxshard.options import ShardingOptions
 from fxshard.passes import PassContext, run_passes
 from fxshard.plan import ShardPlan
@@ -51,7 +52,17 @@ class GraphCompiler:
         on_pass = None if hook is None else (lambda name, g: hook(ctx.graph, name, g))
         if on_pass is not None:
             on_pass("traced", gm)
-        return run_passes(gm, ctx, on_pass=on_pass)
+        try:
+            return run_passes(gm, ctx, on_pass=on_pass)
+        except FxShardError:
+            raise
+        except Exception as e:
+            # Not the model's fault: keep it apart from TraceError.
+            raise FxShardError(
+                f"internal error in fxshard's passes on the {ctx.graph} graph: "
+                f"{type(e).__name__}: {e}. Please report it with the model; "
+                "FXSHARD_VERIFY=1 checks the graph after every pass."
+            ) from e
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -76,7 +76,11 @@ def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
             live = [w for w in earlier if w.issue <= point <= w.last]
             if _fits(live, target, ctx):
                 break
-            point = min(w.last for w in live if not w.resident or w.bytes) + 1
+            blocking = [w.last for w in live if not w.resident]
+            if not blocking:  # the buffer alone is over the byte cap: just in time
+                point = target.issue
+                break
+            point = min(blocking) + 1
         if point >= target.issue:
             continue  # stays just in time
         anchor = list(gm.graph.nodes)[point]

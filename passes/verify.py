@@ -136,7 +136,8 @@ def _check_windows(graph: fx.Graph, ctx: PassContext) -> None:
     cap = ctx.options.max_inflight_bytes
     for point in range(len(nodes)):
         live = [w for w in counted if w.issue <= point <= w.last]
-        needed = [w for w in counted if w.first <= point <= w.last]
+        # Gathering just in time (issue, then wait at once) is always allowed.
+        needed = [w for w in counted if order[w.buffer] - 1 <= point <= w.last]
         if len(live) > max(limit, len(needed)):
             raise GraphInvariantError(
                 f"{len(live)} gathered buffers in flight at {nodes[point].name} "

@@ -1,0 +1,142 @@
+"""Scheduling options, pipeline level: the emitted graphs of real models under each option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from graph_utils import fake_world, is_gather_wait, nodes, units_of
+from models import MLP, Block, TinyGPT
+
+import fxshard
+from fxshard import meta
+from fxshard import predicates as P
+from fxshard.passes.analysis import order_of, windows
+
+ag, wait = P.is_all_gather, is_gather_wait
+
+
+def compile_with(model_cls: type[nn.Module], policy, world_size: int = 2, **options):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = model_cls()
+    x = torch.randint(0, 61, (2, 16)) if model_cls is TinyGPT else torch.randn(6, 12)
+    with fake_world(world_size):
+        return fxshard.compile(model, policy=policy, example_inputs=x, **options)
+
+
+def first_compute(gm, buffer) -> int:  # type: ignore[no-untyped-def]
+    reshards = {g: True for g in range(64)}
+    (w,) = [w for w in windows(gm.graph, reshards) if w.buffer is buffer]
+    return w.first
+
+
+def test_forward_prefetch_distance_is_one_unit() -> None:
+    sm = compile_with(MLP, fxshard.policies.by_class(nn.Linear))
+    fw = sm.graphs["forward"]
+    order = order_of(fw.graph)
+    waits = nodes(fw, wait)
+    for k in range(len(waits) - 1):
+        nxt = waits[k + 1].args[0]
+        # unit k+1's gather: after unit k's wait, before unit k's first compute
+        assert order[waits[k]] < order[nxt] < first_compute(fw, waits[k])
+        # and its wait right before unit k+1's own first compute chain
+        assert order[waits[k + 1]] > first_compute(fw, waits[k])
+
+
+def test_prefetch_off_gathers_just_in_time() -> None:
+    sm = compile_with(MLP, fxshard.policies.by_class(nn.Linear), forward_prefetch=False, backward_prefetch=None)
+    for gm in (sm.graphs["forward"], sm.graphs["backward"]):
+        order = order_of(gm.graph)
+        for w in nodes(gm, wait):
+            assert order[w] == order[w.args[0]] + 1
+
+
+@pytest.mark.parametrize("mode", ["pre", "post", None])
+def test_backward_gathers_run_in_reverse_unit_order(mode: str | None) -> None:
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block), reshard_root=True, backward_prefetch=mode)
+    fw_units = units_of(sm.graphs["forward"], ag)
+    bw_units = units_of(sm.graphs["backward"], ag)
+    assert fw_units == ["", "blocks.0", "blocks.1"]
+    assert bw_units == ["", "blocks.1", "blocks.0"]  # root first: lm_head is tied to it
+    bw = sm.graphs["backward"]
+    order = order_of(bw.graph)
+    gathers, waits = nodes(bw, ag), nodes(bw, wait)
+    if mode is None:
+        assert all(order[w] == order[g] + 1 for g, w in zip(gathers, waits))
+    else:  # each next gather is issued before the previous unit's wait... is done computing
+        for k in range(1, len(gathers)):
+            prev_first = first_compute(bw, waits[k - 1])
+            if mode == "pre":
+                assert order[gathers[k]] < prev_first
+            else:
+                assert order[gathers[k]] > prev_first
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_in_flight_limit_holds_at_every_point(limit: int) -> None:
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block, nn.Linear, nn.LayerNorm),
+                      max_inflight_gathers=limit)
+    for gm in (sm.graphs["forward"], sm.graphs["backward"]):
+        reshards = {g.index: g.unit != "" for g in sm.plan.groups}
+        spans = [w for w in windows(gm.graph, reshards) if not w.resident]
+        assert len(spans) > 3
+        worst = 0
+        for point in range(len(gm.graph.nodes)):
+            live = sum(1 for w in spans if w.issue <= point <= w.last)
+            needed = sum(1 for w in spans if order_of(gm.graph)[w.buffer] - 1 <= point <= w.last)
+            assert live <= max(limit, needed)
+            worst = max(worst, live)
+        assert worst == limit or limit > 1 and worst >= 2  # the limit is used, not just respected
+
+
+def test_byte_cap_limits_prefetch() -> None:
+    policy = fxshard.policies.by_class(nn.Linear)
+    # Buffers: layers.0 1248 B, layers.1 2400 B, head 504 B. A cap of the largest
+    # one leaves no room for two: each prefetch waits for the previous unit's free.
+    capped = compile_with(MLP, policy, max_inflight_bytes=2400).graphs["forward"]
+    for g in nodes(capped, ag)[1:]:
+        assert P.is_free(g.prev), f"{g.name} should be issued right after a free"
+    # Under a cap smaller than any buffer, every gather is just in time.
+    tiny = compile_with(MLP, policy, max_inflight_bytes=1).graphs["forward"]
+    assert all(P.is_wait(g.next) for g in nodes(tiny, ag))
+    # Uncapped, the default limit of two buffers lets each gather go before the previous compute.
+    free = compile_with(MLP, policy).graphs["forward"]
+    assert not any(P.is_free(g.prev) for g in nodes(free, ag))
+
+
+def test_zero2_keeps_parameters_and_never_gathers_in_backward() -> None:
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block), reshard_after_forward=False)
+    fw, bw = sm.graphs["forward"], sm.graphs["backward"]
+    assert nodes(bw, ag) == []
+    assert nodes(fw, P.is_free) == []  # every buffer crosses to backward
+    saved = [n for n in bw.graph.nodes if n.op == "placeholder" and meta.get_info(n)]
+    assert sorted(meta.get_info(n).unit for n in saved) == ["", "blocks.0", "blocks.1"]
+    # Backward frees each kept buffer after its last use there.
+    assert sorted(units_of(bw, P.is_free)) == ["", "blocks.0", "blocks.1"]
+    assert len(nodes(bw, P.is_reduce_scatter)) == 3
+
+
+def test_root_is_resident_by_default_like_fsdp2() -> None:
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block))
+    fw, bw = sm.graphs["forward"], sm.graphs["backward"]
+    assert "" not in units_of(fw, P.is_free) and "" not in units_of(bw, ag)
+    assert units_of(bw, ag) == ["blocks.1", "blocks.0"]
+    assert "" in units_of(bw, P.is_free)
+
+
+def test_reduce_scatter_issued_when_gradients_complete_and_waited_before_the_next() -> None:
+    sm = compile_with(MLP, fxshard.policies.by_class(nn.Linear))
+    bw = sm.graphs["backward"]
+    order = order_of(bw.graph)
+    scatters = nodes(bw, P.is_reduce_scatter)
+    assert [meta.get_info(n).unit for n in scatters] == ["head", "layers.1", "layers.0"]
+    # head's gradient is ready long before backward ends: its reduction is issued before
+    # any of layers.1's gradient compute (its gather's first compute)
+    l1_wait = next(w for w in nodes(bw, wait) if meta.get_info(w).unit == "layers.1")
+    assert order[scatters[0]] < first_compute(bw, l1_wait)
+    for rs, nxt in zip(scatters, scatters[1:]):
+        (w,) = rs.users
+        assert order[rs] < order[w] < order[nxt]
+    (last_wait,) = scatters[-1].users
+    output = next(n for n in bw.graph.nodes if n.op == "output")
+    assert order[last_wait] == order[output] - 1
