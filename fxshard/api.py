@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxshard.codegen import GraphCompiler
+from fxshard.collectives import Collective, step_collectives
+from fxshard.consistency import check_same_collectives
 from fxshard.errors import FxShardError
 from fxshard.options import ShardingOptions
 from fxshard.passes.analysis import first_use_order
@@ -43,6 +45,8 @@ class CompiledStep:
     graphs: dict[str, fx.GraphModule]
     output_spec: OutputSpec
     group_order: list[int]
+    collectives: list[Collective]
+    checked: bool = False  # ranks have compared their collective sequences
 
 
 def _env_flag(name: str) -> bool:
@@ -74,6 +78,8 @@ class ShardedModule(nn.Module):
         self._verify_passes = verify_passes
         self._on_pass = on_pass
         self._options = options or ShardingOptions()
+        # Seconds a rank waits for the others at a step's first run before raising.
+        self.check_timeout = 300.0
         self._steps: dict[Any, CompiledStep] = {}
         self._last: CompiledStep | None = None
         self.training = module.training
@@ -143,6 +149,9 @@ class ShardedModule(nn.Module):
             step = self._trace(leaves, spec)
             self._steps[key] = step
         self._last = step
+        if not step.checked:
+            check_same_collectives(step.collectives, self._world, self.check_timeout)
+            step.checked = True
         return step.output_spec.unflatten(step.fn(*tensors))
 
     def _signature(self, leaves: list[Any], spec: pytree.TreeSpec) -> Any:
@@ -185,7 +194,8 @@ class ShardedModule(nn.Module):
             self._plan = self._plan.ordered_by_first_use(order)
         log.info("fxshard: traced %s (%s) on rank %d", type(self._skeleton).__name__,
                  "train" if self.training else "eval", self._world.rank)
-        return CompiledStep(fn, dict(compiler.graphs), step.output_spec, order)
+        graphs = dict(compiler.graphs)
+        return CompiledStep(fn, graphs, step.output_spec, order, step_collectives(graphs))
 
     # -- checkpoints --------------------------------------------------------------------------
 

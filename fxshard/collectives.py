@@ -1,0 +1,97 @@
+"""The collectives a step issues, read off the emitted graphs.
+
+One ordered list per step: what every rank must issue identically (the
+fingerprint compared across ranks) and what the communication report adds up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard import predicates as P
+
+KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    graph: str  # "forward", "backward" or "inference"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
+    unit: str
+    shape: tuple[int, ...]  # of the input tensor
+    dtype: torch.dtype
+    group_size: int
+    group_name: str
+    reduce_op: str | None
+
+    @property
+    def input_bytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+    @property
+    def bus_bytes(self) -> int:
+        """Bytes each rank sends (= receives): the (N-1)/N accounting of ring algorithms."""
+        return bus_bytes(self.kind, self.input_bytes, self.group_size)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        op = f", {self.reduce_op}" if self.reduce_op else ""
+        return (f"{self.graph}: {self.kind}({dtype}{list(self.shape)}{op}, group={self.group_name} "
+                f"of {self.group_size}) for unit {self.unit or '<root>'!r}")
+
+
+def bus_bytes(kind: str, input_bytes: int, group_size: int) -> int:
+    n = group_size
+    if kind == "all_gather":  # input is one shard; each rank receives the N-1 others
+        return input_bytes * (n - 1)
+    if kind == "reduce_scatter":  # input is the full buffer
+        return input_bytes * (n - 1) // n
+    if kind == "all_reduce":  # reduce-scatter + all-gather
+        return 2 * input_bytes * (n - 1) // n
+    raise ValueError(kind)
+
+
+def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
+    result = []
+    for node in gm.graph.nodes:
+        if not P.is_collective(node):
+            continue
+        val = node.args[0].meta["val"]  # type: ignore[union-attr]
+        info = meta.get_info(node)
+        if P.is_all_gather(node):
+            _, size, name = node.args
+            op = None
+        else:
+            _, op, size, name = node.args
+        assert isinstance(size, int) and isinstance(name, str)
+        result.append(Collective(graph_name, KINDS[node.target], info.unit if info else "?",  # type: ignore[index]
+                                 tuple(val.shape), val.dtype, size, name,
+                                 op if isinstance(op, str) else None))
+    return result
+
+
+def step_collectives(graphs: dict[str, fx.GraphModule]) -> list[Collective]:
+    """Forward (or inference) then backward: the order one step issues them in."""
+    order = ("forward", "inference", "backward")
+    return [c for name in order if name in graphs for c in collectives(name, graphs[name])]
+
+
+def fingerprint(sequence: list[Collective]) -> bytes:
+    text = "\n".join(str(c) for c in sequence)
+    return hashlib.sha256(text.encode()).digest()[:8]
+
+
+def bytes_per_kind(sequence: list[Collective]) -> dict[str, int]:
+    totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for c in sequence:
+        totals[c.kind] += c.bus_bytes
+    totals["total"] = sum(totals.values())
+    return totals
