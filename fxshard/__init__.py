@@ -20,6 +20,7 @@ from fxshard.errors import (
 from fxshard.options import ShardingOptions
 from fxshard.passes import verify
 from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
+from fxshard.report import Report
 
 # Silent unless the application configures logging (see README: Debugging).
 logging.getLogger("fxshard").addHandler(logging.NullHandler())
@@ -31,6 +32,7 @@ __all__ = [
     "FxShardError",
     "GraphInvariantError",
     "PlanError",
+    "Report",
     "ShardPlan",
     "ShardingOptions",
     "ShardedModule",

@@ -22,6 +22,7 @@ from fxshard.options import ShardingOptions
 from fxshard.passes.analysis import first_use_order
 from fxshard.plan import ShardPlan, make_plan
 from fxshard.policies import Policy
+from fxshard.report import Report, build_report
 from fxshard.runtime import (
     World,
     full_parameters,
@@ -46,6 +47,8 @@ class CompiledStep:
     output_spec: OutputSpec
     group_order: list[int]
     collectives: list[Collective]
+    input_bytes: int
+    num_user_outputs: int | None
     checked: bool = False  # ranks have compared their collective sequences
 
 
@@ -101,6 +104,21 @@ class ShardedModule(nn.Module):
         if "backward" in graphs:
             result["backward"] = graphs["backward"]
         return result  # type: ignore[return-value]
+
+    def report(self) -> Report:
+        """Predicted peak memory and communication per step on this rank (see fxshard.report).
+
+        Describes the latest traced training step (or the latest step, if none
+        trains). Known before the step first runs: compile with
+        ``example_inputs`` to get it without running anything.
+        """
+        if self._last is None:
+            raise FxShardError("nothing traced yet: call the module once, or pass example_inputs= to compile")
+        training = [s for s in self._steps.values() if "backward" in s.graphs]
+        step = self._last if "backward" in self._last.graphs or not training else training[-1]
+        return build_report(self._plan, self._world.rank, step.graphs, step.collectives,
+                            list(self.flat_params), list(self._skeleton.buffers()), step.input_bytes,
+                            step.num_user_outputs)
 
     @property
     def options(self) -> ShardingOptions:
@@ -195,7 +213,9 @@ class ShardedModule(nn.Module):
         log.info("fxshard: traced %s (%s) on rank %d", type(self._skeleton).__name__,
                  "train" if self.training else "eval", self._world.rank)
         graphs = dict(compiler.graphs)
-        return CompiledStep(fn, graphs, step.output_spec, order, step_collectives(graphs))
+        input_bytes = sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+        return CompiledStep(fn, graphs, step.output_spec, order, step_collectives(graphs),
+                            input_bytes, compiler.num_user_outputs)
 
     # -- checkpoints --------------------------------------------------------------------------
 

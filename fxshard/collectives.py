@@ -64,7 +64,7 @@ def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
     for node in gm.graph.nodes:
         if not P.is_collective(node):
             continue
-        val = node.args[0].meta["val"]  # type: ignore[union-attr]
+        val = node.args[0].meta["val"]
         info = meta.get_info(node)
         if P.is_all_gather(node):
             _, size, name = node.args
@@ -72,7 +72,7 @@ def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)
-        result.append(Collective(graph_name, KINDS[node.target], info.unit if info else "?",  # type: ignore[index]
+        result.append(Collective(graph_name, KINDS[node.target], info.unit if info else "?",
                                  tuple(val.shape), val.dtype, size, name,
                                  op if isinstance(op, str) else None))
     return result

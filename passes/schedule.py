@@ -84,7 +84,7 @@ def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
         if point >= target.issue:
             continue  # stays just in time
         anchor = list(gm.graph.nodes)[point]
-        anchor.prepend(target.buffer.args[0])  # type: ignore[arg-type]
+        anchor.prepend(target.buffer.args[0])
 
 
 def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

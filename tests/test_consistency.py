@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from dist_utils import run_ranks
-from models import MLP
 
 import fxshard
 from fxshard.errors import CollectiveMismatchError
 from fxshard.policies import by_class
+
+from dist_utils import run_ranks
+from models import MLP
 
 
 def _divergent(rank: int, world_size: int) -> str:

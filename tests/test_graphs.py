@@ -21,7 +21,6 @@ from fxshard.policies import by_class, by_size
 from graph_utils import fake_world, is_gather_wait, nodes, normalised_ops, units_of
 from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
 
-
 JIT = dict(forward_prefetch=False, backward_prefetch=None)  # gather just in time
 FULL = dict(reshard_root=True)  # every unit resharded, the root too
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from graph_utils import fake_world, is_gather_wait, nodes, units_of
-from models import MLP, Block, TinyGPT
 
 import fxshard
 from fxshard import meta
 from fxshard import predicates as P
 from fxshard.passes.analysis import order_of, windows
+
+from graph_utils import fake_world, is_gather_wait, nodes, units_of
+from models import MLP, Block, TinyGPT
 
 ag, wait = P.is_all_gather, is_gather_wait
 

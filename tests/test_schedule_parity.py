@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_ranks
-from models import CASES
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
+
+from dist_utils import run_ranks
+from models import CASES
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},

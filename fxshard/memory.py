@@ -1,0 +1,123 @@
+"""Static memory prediction: a liveness analysis over a step's emitted graphs.
+
+Each node's ``meta["val"]`` gives the size of the storage it allocates. Views
+(read from operator schemas: split, view, transpose, wait_tensor...) share
+their base's storage. A storage dies after the last use of any tensor that
+shares it, unless a graph output keeps it; ``fxshard.free`` releases it at
+once. The forward's outputs (user outputs and tensors saved for backward) stay
+alive into backward, where they die after their last use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard import predicates as P
+
+
+def _nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        try:
+            return int(val.untyped_storage().nbytes())
+        except (NotImplementedError, RuntimeError):
+            return val.numel() * val.element_size()
+    return 0
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """Does the node's result share storage with its first input?"""
+    if P.is_view(node):
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return False
+
+
+@dataclass
+class Timeline:
+    """Live bytes over one graph: ``peak`` and, after the graph returns, ``end``."""
+
+    peak: int
+    end: int
+    peak_at: str
+
+
+def simulate(
+    gm: fx.GraphModule,
+    live_inputs: dict[str, int],
+    persistent_inputs: set[str],
+    base: int = 0,
+    shared: dict[str, str] | None = None,
+) -> tuple[Timeline, dict[str, tuple[str, int]]]:
+    """Walk ``gm`` in order, tracking live storage bytes on top of ``base``.
+
+    ``live_inputs`` maps placeholder names to the bytes of the storage each
+    holds that is counted here (0 for storages already counted in ``base``).
+    Placeholders in ``persistent_inputs`` never die (parameters, buffers).
+    ``shared`` maps a placeholder to another whose storage it shares (saved
+    views of one buffer). Returns the timeline and, for each output whose
+    storage is still alive, (name of the node owning the storage, its bytes).
+    """
+    shared = shared or {}
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    storage: dict[fx.Node, fx.Node] = {}  # node -> node that owns its storage
+    size: dict[fx.Node, int] = {}
+    by_name = {n.name: n for n in nodes}
+    for node in nodes:
+        if node.op == "placeholder" and node.name in shared:
+            storage[node] = storage[by_name[shared[node.name]]]
+        elif node.op == "placeholder":
+            storage[node] = node
+            size[node] = live_inputs.get(node.name, 0)
+        elif node.op == "call_function":
+            first = node.args[0] if node.args else None
+            if isinstance(first, fx.Node) and first in storage and _aliases_input(node):
+                storage[node] = storage[first]
+            elif isinstance(node.meta.get("val"), (tuple, list)):
+                pass  # multi-output: each getitem owns its storage
+            else:
+                storage[node] = node
+                size[node] = _nbytes(node.meta.get("val"))
+    output = next(n for n in nodes if n.op == "output")
+    kept = {storage[a] for a in output.all_input_nodes if a in storage}
+    last: dict[fx.Node, int] = {}
+    for node in nodes:
+        owner = storage.get(node)
+        if owner is None:
+            continue
+        uses = [order[u] for u in node.users if u is not output]
+        last[owner] = max([last.get(owner, order[node]), order[node], *uses])
+    for name in persistent_inputs:
+        for n in nodes:
+            if n.op == "placeholder" and n.name == name:
+                kept.add(n)
+    dies_at: dict[int, list[fx.Node]] = {}
+    for owner, pos in last.items():
+        if owner not in kept:
+            dies_at.setdefault(pos, []).append(owner)
+
+    live = base + sum(size.get(n, 0) for n in nodes if n.op == "placeholder")
+    peak, peak_at = live, "start"
+    freed: set[fx.Node] = set()
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and storage.get(node) is node:
+            live += size.get(node, 0)
+        if live > peak:
+            peak, peak_at = live, node.name
+        if P.is_free(node):
+            owner = storage[node.args[0]]
+            if owner not in freed:
+                live -= size[owner]
+                freed.add(owner)
+        for owner in dies_at.get(i, []):
+            if owner not in freed:
+                live -= size[owner]
+                freed.add(owner)
+    outs = {a.name: (storage[a].name, size[storage[a]]) for a in output.all_input_nodes
+            if a in storage and storage[a] not in freed and storage[a].op != "placeholder"}
+    return Timeline(peak, live, peak_at), outs

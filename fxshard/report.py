@@ -1,0 +1,131 @@
+"""``sharded.report()``: predicted peak memory and communication of one step, per rank.
+
+Everything here is read off the emitted graphs (``meta["val"]`` sizes, the
+collective nodes), so it is known before the step first runs. The measured
+counterparts live in fxshard.measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard.collectives import Collective, bytes_per_kind
+from fxshard.memory import simulate
+from fxshard.plan import ShardPlan
+
+
+@dataclass(frozen=True)
+class UnitReport:
+    name: str
+    padded_bytes: int  # the unit's full (gathered) flat buffers
+    shard_bytes: int  # what this rank holds
+    gathers: int  # all_gathers per step
+    comm_bytes: int  # bus bytes per step, all kinds
+
+
+@dataclass(frozen=True)
+class Report:
+    world_size: int
+    rank: int
+    predicted_peak_bytes: int  # one forward + backward, gradients cleared beforehand
+    peak_phase: str  # "forward" or "backward", and the node at the peak
+    shard_bytes: int  # parameters held by this rank
+    grad_shard_bytes: int
+    buffer_bytes: int  # module buffers (BatchNorm statistics)
+    input_bytes: int
+    comm_bytes_per_step: dict[str, int]  # bus bytes per rank, per kind and "total"
+    units: tuple[UnitReport, ...]
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [
+            f"fxshard report: rank {self.rank} of {self.world_size}",
+            f"  predicted peak      {self.predicted_peak_bytes / mib:10.3f} MiB  (at {self.peak_phase})",
+            f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
+            f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
+            f"  buffers, inputs     {(self.buffer_bytes + self.input_bytes) / mib:10.3f} MiB",
+            "  communication per step (bytes each rank sends):",
+        ]
+        for kind, value in self.comm_bytes_per_step.items():
+            lines.append(f"    {kind:<16}{value / mib:10.3f} MiB")
+        header = ("unit", "gathered MiB", "shard MiB", "gathers", "comm MiB")
+        rows = [(u.name or "<root>", f"{u.padded_bytes / mib:.3f}", f"{u.shard_bytes / mib:.3f}",
+                 str(u.gathers), f"{u.comm_bytes / mib:.3f}") for u in self.units]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for r in [header, *rows]:
+            lines.append("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
+                                          for i, (c, w) in enumerate(zip(r, widths))))
+        return "\n".join(lines)
+
+
+def _tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def build_report(
+    plan: ShardPlan,
+    rank: int,
+    graphs: dict[str, fx.GraphModule],
+    sequence: list[Collective],
+    shards: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    input_bytes: int,
+    num_user_outputs: int | None = None,
+) -> Report:
+    shard_bytes = _tensor_bytes(shards)
+    grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
+    buffer_bytes = _tensor_bytes(buffers)
+    base = shard_bytes + buffer_bytes + input_bytes
+    forward = graphs.get("forward", graphs.get("inference"))
+    assert forward is not None
+    persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
+    fw, outs = simulate(forward, {}, persistent, base)
+    peak, phase = fw.peak, f"forward: {fw.peak_at}"
+    if "backward" in graphs and num_user_outputs is not None:
+        backward = graphs["backward"]
+        # Backward's inputs are the forward's outputs past the user outputs, in order.
+        fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        saved_names = [a.name if isinstance(a, fx.Node) else None
+                       for a in fw_out[num_user_outputs:]]
+        bw_inputs = [n for n in backward.graph.nodes
+                     if n.op == "placeholder" and not n.name.startswith("tangents")]
+        as_forward = dict(zip([n.name for n in bw_inputs], saved_names))
+        # Saved tensors carry their forward storage into backward (views of
+        # one storage share it); tangents (gradients of the outputs) arrive fresh.
+        inputs: dict[str, int] = {}
+        shared: dict[str, str] = {}
+        owners: dict[str, str] = {}
+        for n in backward.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            if n.name.startswith("tangents"):
+                inputs[n.name] = _tensor_bytes([n.meta["val"]])
+            elif as_forward.get(n.name) in outs:
+                owner, nbytes = outs[as_forward[n.name]]
+                if owner in owners:
+                    shared[n.name] = owners[owner]
+                else:
+                    owners[owner] = n.name
+                    inputs[n.name] = nbytes
+        carried = {k for k in inputs if not k.startswith("tangents")}
+        # AOTAutograd holds the saved tensors until backward returns: only an
+        # explicit fxshard.free releases one earlier.
+        bw, _ = simulate(backward, inputs, carried, fw.end - sum(inputs[k] for k in carried), shared)
+        if bw.peak > peak:
+            peak, phase = bw.peak, f"backward: {bw.peak_at}"
+    units = []
+    for unit in plan.units:
+        groups = [plan.groups[g] for g in unit.groups]
+        mine = [c for c in sequence if c.unit == unit.name]
+        units.append(UnitReport(
+            unit.name,
+            sum(g.padded_numel * g.dtype.itemsize for g in groups),
+            sum(g.shard_numel * g.dtype.itemsize for g in groups),
+            sum(1 for c in mine if c.kind == "all_gather"),
+            sum(c.bus_bytes for c in mine),
+        ))
+    return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
+                  input_bytes, bytes_per_kind(sequence), tuple(units))
