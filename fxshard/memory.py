@@ -104,13 +104,13 @@ def simulate(
     live = base + sum(size.get(n, 0) for n in nodes if n.op == "placeholder")
     peak, peak_at = live, "start"
     freed: set[fx.Node] = set()
-    for i, node in enumerate(nodes):
-        if node.op == "call_function" and storage.get(node) is node:
-            live += size.get(node, 0)
+    for i, cur in enumerate(nodes):
+        if cur.op == "call_function" and storage.get(cur, None) == cur:
+            live += size.get(cur, 0)
         if live > peak:
-            peak, peak_at = live, node.name
-        if P.is_free(node):
-            owner = storage[node.args[0]]
+            peak, peak_at = live, cur.name
+        if P.is_free(cur):
+            owner = storage[cur.args[0]]
             if owner not in freed:
                 live -= size[owner]
                 freed.add(owner)
