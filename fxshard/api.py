@@ -288,7 +288,8 @@ def compile(
     "backward" or "inference". Further keyword arguments are scheduling
     options (``fxshard.ShardingOptions``): ``reshard_after_forward``,
     ``reshard_root``, ``forward_prefetch``, ``backward_prefetch``,
-    ``max_inflight_gathers``, ``max_inflight_bytes``.
+    ``max_inflight_gathers``, ``max_inflight_bytes``, ``bucket_bytes``,
+    ``replicate_below``.
     """
     sharding_options = ShardingOptions.from_kwargs(**options)
     if not isinstance(model, nn.Module):
@@ -307,7 +308,8 @@ def compile(
         )
     if devices == {torch.device("meta")}:
         raise FxShardError("the model's parameters are on the meta device; materialise them first")
-    plan = make_plan(model, policy, world.size)
+    plan = make_plan(model, policy, world.size, bucket_bytes=sharding_options.bucket_bytes,
+                     replicate_below=sharding_options.replicate_below)
     device = next(iter(devices)) if devices else torch.device("cpu")
     if verify_passes is None:
         verify_passes = _env_flag("FXSHARD_VERIFY")

@@ -69,6 +69,9 @@ def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
         if P.is_all_gather(node):
             _, size, name = node.args
             op = None
+        elif P.is_all_reduce(node):
+            _, op, name = node.args
+            size = torch.distributed.distributed_c10d._resolve_process_group(name).size()
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)

@@ -17,6 +17,7 @@ MODULE_ANNOTATION = "fxshard.module"
 # Roles a pass gives the nodes it creates.
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
 WAIT = "wait"
 FREE = "free"
 REMAT = "remat"  # backward copy of a parameter-only computation

@@ -7,6 +7,10 @@ that AOTAutograd traces through them, and the rewriting passes lower them to
 ``torch.ops._c10d_functional`` collectives. Running one unlowered is a bug, so
 their eager kernels raise.
 
+``replicate`` and ``allreduce_grad`` are the same pair for parameters kept
+whole on every rank (``replicate_below``): no gather; the gradient is
+all-reduced.
+
 ``free`` releases a gathered buffer's storage. It is declared as mutating its
 argument, so ``fx`` treats it as impure and dead-code elimination keeps it.
 """
@@ -56,6 +60,39 @@ def _unshard_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
+@torch.library.custom_op("fxshard::replicate", mutates_args=())
+def replicate(param: Tensor, group: int, world_size: int) -> Tensor:
+    raise RuntimeError(
+        "fxshard::replicate is a trace-time marker and must be lowered by "
+        "insert_all_gather_pass before the graph runs"
+    )
+
+
+@replicate.register_fake
+def _replicate_fake(param: Tensor, group: int, world_size: int) -> Tensor:
+    return torch.empty_like(param)
+
+
+@torch.library.custom_op("fxshard::allreduce_grad", mutates_args=())
+def allreduce_grad(grad: Tensor, group: int, world_size: int) -> Tensor:
+    raise RuntimeError(
+        "fxshard::allreduce_grad is a trace-time marker and must be lowered by "
+        "insert_reduce_scatter_pass before the graph runs"
+    )
+
+
+@allreduce_grad.register_fake
+def _allreduce_grad_fake(grad: Tensor, group: int, world_size: int) -> Tensor:
+    return torch.empty_like(grad)
+
+
+def _replicate_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    return torch.ops.fxshard.allreduce_grad(grad, ctx.group, ctx.world_size), None, None
+
+
+replicate.register_autograd(_replicate_backward, setup_context=_unshard_setup)
+
+
 @torch.library.custom_op("fxshard::free", mutates_args=("buf",))
 def free(buf: Tensor) -> None:
     # Views share the storage, so this releases the gathered buffer for all of them.
@@ -69,4 +106,6 @@ def _free_fake(buf: Tensor) -> None:
 
 UNSHARD = torch.ops.fxshard.unshard.default
 REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default
+REPLICATE = torch.ops.fxshard.replicate.default
+ALLREDUCE_GRAD = torch.ops.fxshard.allreduce_grad.default
 FREE = torch.ops.fxshard.free.default

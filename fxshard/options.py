@@ -29,6 +29,12 @@ class ShardingOptions:
     max_inflight_gathers: int = 2
     # Optional cap on the bytes of those buffers.
     max_inflight_bytes: int | None = None
+    # Merge runs of adjacent units smaller than this many bytes into one unit
+    # (one collective each way). 0: off. Shown in the plan.
+    bucket_bytes: int = 0
+    # Parameters with fewer elements than this stay whole on every rank; their
+    # gradients are all-reduced (DeepSpeed's persistence threshold). 0: off.
+    replicate_below: int = 0
 
     def __post_init__(self) -> None:
         if self.backward_prefetch not in ("pre", "post", None):
@@ -37,6 +43,8 @@ class ShardingOptions:
             )
         if self.max_inflight_gathers < 1:
             raise ValueError(f"max_inflight_gathers must be at least 1, got {self.max_inflight_gathers}")
+        if self.bucket_bytes < 0 or self.replicate_below < 0:
+            raise ValueError("bucket_bytes and replicate_below must be non-negative")
         if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
 

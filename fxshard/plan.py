@@ -61,16 +61,21 @@ class FlatGroup:
     numel: int
     padded_numel: int
     world_size: int
+    # Kept whole on every rank (parameters under ``replicate_below`` elements):
+    # no gather, gradients all-reduced.
+    replicated: bool = False
 
     @property
     def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
+        return self.padded_numel if self.replicated else self.padded_numel // self.world_size
 
     @property
     def pad(self) -> int:
         return self.padded_numel - self.numel
 
     def shard_range(self, rank: int) -> tuple[int, int]:
+        if self.replicated:
+            return 0, self.numel
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
 
@@ -148,8 +153,8 @@ class ShardPlan:
                 g = self.groups[gi]
                 names = ", ".join(_relative(s.name, unit.modules) for s in g.params)
                 rows.append(
-                    (unit.label, str(gi), str(g.dtype).removeprefix("torch."),
-                     "yes" if g.requires_grad else "no",
+                    (unit.label, str(gi) + (" (replicated)" if g.replicated else ""),
+                     str(g.dtype).removeprefix("torch."), "yes" if g.requires_grad else "no",
                      f"{g.numel:_}", f"{g.padded_numel:_}", f"{g.shard_numel:_}", names)
                 )
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
@@ -165,6 +170,8 @@ def _is_ancestor(outer: str, inner: str) -> bool:
 
 
 def _relative(name: str, modules: tuple[str, ...]) -> str:
+    if len(modules) > 1:
+        return name
     for m in modules:
         if m and name.startswith(m + "."):
             return name[len(m) + 1:]
@@ -176,12 +183,18 @@ def make_plan(
     policy: Policy | None,
     world_size: int,
     first_use: Sequence[int] | None = None,
+    *,
+    bucket_bytes: int = 0,
+    replicate_below: int = 0,
 ) -> ShardPlan:
     """Partition ``module``'s parameters into FSDP units for ``world_size`` ranks.
 
     A pure function of its arguments. ``first_use`` is the order in which a
     trace first uses each flat group; without it units are in the order the
-    module tree is walked (post-order, root last).
+    module tree is walked (post-order, root last). ``bucket_bytes`` merges runs
+    of adjacent units smaller than it (root excluded) into one unit, so they
+    share one collective. Parameters with fewer than ``replicate_below``
+    elements go to a replicated group of their unit.
     """
     if world_size < 1:
         raise PlanError(f"world_size must be at least 1, got {world_size}")
@@ -250,6 +263,10 @@ def make_plan(
         unit = merged_name[owners[pid][0]]
         unit_params.setdefault(unit, []).append(pid)
 
+    if bucket_bytes > 0:
+        components, unit_params = _bucket(components, merged_name, unit_params, param_of,
+                                          bucket_bytes)
+
     groups: list[FlatGroup] = []
     units: list[FSDPUnit] = []
     for comp in components:
@@ -257,23 +274,75 @@ def make_plan(
         pids = unit_params.get(name, [])
         if not pids:
             continue
-        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+        keys: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
         for pid in pids:
             p = param_of[pid]
-            keys.setdefault((p.dtype, p.requires_grad), []).append(pid)
+            small = p.numel() < replicate_below
+            keys.setdefault((p.dtype, p.requires_grad, small), []).append(pid)
         group_ids = []
-        for (dtype, requires_grad), members in keys.items():
+        for (dtype, requires_grad, replicated), members in keys.items():
             slots, offset = [], 0
             for pid in members:
                 p = param_of[pid]
                 names = names_of[pid]
                 slots.append(ParamSlot(names[0], tuple(names[1:]), tuple(p.shape), offset))
                 offset += p.numel()
-            padded = -(-offset // world_size) * world_size
+            padded = offset if replicated else -(-offset // world_size) * world_size
             group_ids.append(len(groups))
             groups.append(FlatGroup(len(groups), name, dtype, requires_grad, tuple(slots),
-                                    offset, padded, world_size))
+                                    offset, padded, world_size, replicated))
         units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
 
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
     return plan.ordered_by_first_use(first_use) if first_use is not None else plan
+
+
+def _bucket(
+    components: list[list[str]],
+    merged_name: dict[str, str],
+    unit_params: dict[str, list[int]],
+    param_of: dict[int, nn.Parameter],
+    bucket_bytes: int,
+) -> tuple[list[list[str]], dict[str, list[int]]]:
+    """Merge runs of adjacent units under ``bucket_bytes`` into buckets of about that size.
+
+    Adjacent means next to each other in plan order (the post-order walk,
+    which is forward order for sequential models). The root unit is never
+    bucketed: it is resident by default and its window spans the step.
+    """
+
+    def nbytes(name: str) -> int:
+        return sum(param_of[p].numel() * param_of[p].element_size() for p in unit_params.get(name, []))
+
+    result: list[list[str]] = []
+    params: dict[str, list[int]] = {}
+    bucket: list[list[str]] = []
+
+    def close() -> None:
+        if not bucket:
+            return
+        modules = [m for comp in bucket for m in comp]
+        name = "+".join(merged_name[comp[0]] for comp in bucket)
+        if len(bucket) > 1:
+            log.info("fxshard: bucketing units %s into %r", [merged_name[c[0]] for c in bucket], name)
+        for m in modules:
+            merged_name[m] = name
+        params[name] = [p for comp in bucket for p in unit_params.get(merged_name_orig[comp[0]], [])]
+        result.append(modules)
+        bucket.clear()
+
+    merged_name_orig = dict(merged_name)
+    for comp in components:
+        name = merged_name_orig[comp[0]]
+        small = name != ROOT and nbytes(name) < bucket_bytes
+        if not small:
+            close()
+            result.append(comp)
+            params[name] = unit_params.get(name, [])
+            continue
+        current = sum(nbytes(merged_name_orig[c[0]]) for c in bucket)
+        if bucket and current + nbytes(name) > bucket_bytes:
+            close()
+        bucket.append(comp)
+    close()
+    return result, params

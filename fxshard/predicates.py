@@ -43,8 +43,17 @@ def is_reduce_grad_marker(node: fx.Node) -> bool:
     return is_call(node) and node.target is ops.REDUCE_GRAD
 
 
+def is_replicate_marker(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ops.REPLICATE
+
+
+def is_allreduce_grad_marker(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ops.ALLREDUCE_GRAD
+
+
 def is_marker(node: fx.Node) -> bool:
-    return is_unshard_marker(node) or is_reduce_grad_marker(node)
+    return (is_unshard_marker(node) or is_reduce_grad_marker(node)
+            or is_replicate_marker(node) or is_allreduce_grad_marker(node))
 
 
 def is_all_gather(node: fx.Node) -> bool:

@@ -94,7 +94,7 @@ def strip_parameters(module: nn.Module) -> None:
 
 def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: float) -> torch.Tensor:
     """All-gather one flat group (a collective). Raises instead of hanging past ``timeout`` s."""
-    if world.group is None:
+    if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
     work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)

@@ -161,7 +161,8 @@ class StepFunction(nn.Module):
         tensors: dict[str, torch.Tensor] = {}
         for group in self.plan.groups:
             shard = getattr(self, f"shard{group.index}")
-            full = torch.ops.fxshard.unshard(shard, group.index, group.world_size)
+            marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
+            full = marker(shard, group.index, group.world_size)
             sizes = [slot.numel for slot in group.params] + ([group.pad] if group.pad else [])
             for slot, piece in zip(group.params, torch.split(full, sizes)):
                 view = piece.view(slot.shape)

@@ -7,6 +7,8 @@
 
 With no process group (world size 1) the shard is the whole flat parameter,
 so the marker is replaced by the shard itself and no collective is emitted.
+A replicated group's ``fxshard.replicate`` marker is replaced by the
+parameter itself the same way, at any world size: it is never gathered.
 The gather is left where the marker was; schedule_pass places it.
 """
 
@@ -22,8 +24,14 @@ from .context import PassContext
 
 
 def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    replicated = [n for n in gm.graph.nodes if P.is_replicate_marker(n)]
+    for marker in replicated:
+        marker.replace_all_uses_with(marker.args[0])
+        gm.graph.erase_node(marker)
     markers = [n for n in gm.graph.nodes if P.is_unshard_marker(n)]
     if not markers:
+        if replicated:
+            gm.recompile()
         return gm
     for marker in markers:
         shard, group, world_size = marker.args

@@ -11,6 +11,9 @@ summing is also DDP's order of operations (it divides each gradient by N
 before its all-reduce), so fxshard's gradients round the same way DDP's do.
 With no process group (world size 1) the concatenated gradient is the
 shard's gradient.
+
+A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
+``div -> all_reduce(.., "sum") -> wait_tensor``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ aten = torch.ops.aten
 
 
 def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    markers = [n for n in gm.graph.nodes if P.is_reduce_grad_marker(n)]
+    markers = [n for n in gm.graph.nodes
+               if P.is_reduce_grad_marker(n) or P.is_allreduce_grad_marker(n)]
     if not markers:
         return gm
     for marker in markers:
@@ -42,12 +46,16 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         unit = ctx.unit_of(group)
         with gm.graph.inserting_before(marker):
             scaled = gm.graph.call_function(aten.div.Tensor, (grad, ctx.world_size))
-            reduce = gm.graph.call_function(
-                P.REDUCE_SCATTER, (scaled, "sum", ctx.world_size, ctx.group_name)
-            )
+            if P.is_allreduce_grad_marker(marker):
+                reduce = gm.graph.call_function(P.ALL_REDUCE, (scaled, "sum", ctx.group_name))
+            else:
+                reduce = gm.graph.call_function(
+                    P.REDUCE_SCATTER, (scaled, "sum", ctx.world_size, ctx.group_name)
+                )
             wait = gm.graph.call_function(P.WAIT, (reduce,))
         scaled.meta["val"] = grad.meta["val"]
-        for new, role in ((reduce, meta.REDUCE_SCATTER), (wait, meta.WAIT)):
+        kind = meta.ALL_REDUCE if P.is_allreduce_grad_marker(marker) else meta.REDUCE_SCATTER
+        for new, role in ((reduce, kind), (wait, meta.WAIT)):
             new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
             meta.set_info(new, meta.NodeInfo(role, group, unit))
         marker.replace_all_uses_with(wait)

@@ -25,6 +25,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "zero3": dict(reshard_root=True),
     "zero2": dict(reshard_after_forward=False),
     "default": {},
+    "replicated": dict(reshard_root=True, replicate_below=300),
 }
 
 
@@ -52,7 +53,9 @@ def worker(rank: int, world_size: int) -> dict[Any, Any]:
                 p.grad = None
             measured = peak_memory(lambda f=loss_fn, m=sharded, x=x: f(m(x)).backward(), sharded, x)
             report = sharded.report()
-            padded = {u.name: u.padded_bytes for u in report.units}
+            padded = {(g.unit, g.replicated): 0 for g in sharded.plan.groups}
+            for g in sharded.plan.groups:
+                padded[(g.unit, g.replicated)] += g.padded_numel * g.dtype.itemsize
             out[(name, setup)] = dict(report=report, measured_peak=measured,
                                       measured_comm=dict(counter.bytes), padded=padded,
                                       text=str(report))
@@ -64,12 +67,13 @@ def results(world_size: int) -> list[dict[Any, Any]]:
     return run_ranks(worker, world_size)
 
 
-def theory(padded: dict[str, int], n: int, setup: str) -> int:
-    """ZeRO volume per rank: gathers in forward, again in backward (ZeRO-3), and reduce-scatters."""
+def theory(padded: dict[tuple[str, bool], int], n: int, setup: str) -> int:
+    """Volume per rank: sharded bytes are gathered in forward, again in backward (ZeRO-3)
+    and reduce-scattered; replicated bytes are all-reduced (2x)."""
     total = 0
-    for unit, psi in padded.items():
-        regather = setup == "zero3" or (setup == "default" and unit != "")
-        total += (3 if regather else 2) * psi * (n - 1) // n
+    for (unit, replicated), psi in padded.items():
+        regather = setup in ("zero3", "replicated") or (setup == "default" and unit != "")
+        total += (2 if replicated or not regather else 3) * psi * (n - 1) // n
     return total
 
 

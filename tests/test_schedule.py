@@ -141,3 +141,34 @@ def test_reduce_scatter_issued_when_gradients_complete_and_waited_before_the_nex
     (last_wait,) = scatters[-1].users
     output = next(n for n in bw.graph.nodes if n.op == "output")
     assert order[last_wait] == order[output] - 1
+
+
+def test_bucketing_merges_adjacent_small_units_and_nothing_else() -> None:
+    # MLP units: layers.0 1248 B, layers.1 2400 B, head 504 B (float32, world size 2).
+    sm = compile_with(MLP, fxshard.policies.by_class(nn.Linear), bucket_bytes=3000)
+    assert [u.name for u in sm.plan.units] == ["layers.0", "layers.1+head"]
+    assert units_of(sm.graphs["forward"], ag) == ["layers.0", "layers.1+head"]
+    # A threshold below every unit merges nothing.
+    sm = compile_with(MLP, fxshard.policies.by_class(nn.Linear), bucket_bytes=500)
+    assert [u.name for u in sm.plan.units] == ["layers.0", "layers.1", "head"]
+    # The root is never bucketed.
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block, nn.LayerNorm), bucket_bytes=1 << 20)
+    names = [u.name for u in sm.plan.units]
+    assert "" in names and all("+" not in n or "" not in n.split("+") for n in names)
+    assert len(units_of(sm.graphs["forward"], ag)) == len(sm.plan.units)
+
+
+def test_small_parameters_are_replicated_and_all_reduced() -> None:
+    sm = compile_with(TinyGPT, fxshard.policies.by_class(Block), replicate_below=100)
+    replicated = [g for g in sm.plan.groups if g.replicated]
+    assert replicated and all(s.numel < 100 for g in replicated for s in g.params)
+    assert all(s.numel >= 100 for g in sm.plan.groups if not g.replicated for s in g.params)
+    fw, bw = sm.graphs["forward"], sm.graphs["backward"]
+    gathered = {meta.get_info(n).group for n in nodes(fw, ag)} | {meta.get_info(n).group for n in nodes(bw, ag)}
+    reduced = [meta.get_info(n).group for n in nodes(bw, P.is_all_reduce)]
+    scattered = [meta.get_info(n).group for n in nodes(bw, P.is_reduce_scatter)]
+    assert sorted(reduced) == sorted(g.index for g in replicated)
+    assert not gathered & set(reduced) and not set(scattered) & set(reduced)
+    # Each rank holds a replicated group whole.
+    assert all(g.shard_numel == g.numel for g in replicated)
+    assert "(replicated)" in str(sm.plan)

@@ -29,7 +29,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "byte_cap": dict(max_inflight_bytes=4096, max_inflight_gathers=8),
     "full_reshard": dict(reshard_root=True),
     "zero2": dict(reshard_after_forward=False),
+    # These two change which collective reduces a gradient (a merged buffer;
+    # an all_reduce), so the rounding of the sum may differ: compared within
+    # the DDP tolerance instead of bit for bit.
+    "bucketed": dict(bucket_bytes=1 << 16),
+    "replicate_small": dict(replicate_below=100),
 }
+REGROUPING = {"bucketed", "replicate_small"}
 MODELS = ("gpt", "batchnorm", "shared_use", "frozen")
 STEPS = 4
 
@@ -85,13 +91,19 @@ def results(world_size: int) -> list[dict[Any, Any]]:
 
 @pytest.mark.parametrize("label", [k for k in OPTIONS if k != "default"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_option_trains_bit_for_bit_like_the_default(world_size: int, label: str) -> None:
+def test_option_trains_like_the_default_and_ddp(world_size: int, label: str) -> None:
     for rank, res in enumerate(results(world_size)):
         for name in MODELS:
             base, got = res[(name, "default")], res[(name, label)]
             where = f"{name} / {label} / rank {rank} of {world_size}"
-            assert got["losses"] == base["losses"], where
-            for key, value in base["state"].items():
-                assert torch.equal(got["state"][key], value), f"{where}: {key}"
+            if label in REGROUPING:
+                for key, value in base["state"].items():
+                    if value.is_floating_point():
+                        err = ((got["state"][key] - value).norm() / value.norm().clamp_min(1e-12)).item()
+                        assert err <= 1e-5, f"{where}: {key}: relative error {err:.2e}"
+            else:
+                assert got["losses"] == base["losses"], where
+                for key, value in base["state"].items():
+                    assert torch.equal(got["state"][key], value), f"{where}: {key}"
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(res[(name, "ddp")]),
                                        rtol=1e-5, atol=1e-6)
