@@ -1,6 +1,7 @@
 """fxshard's rewriting passes. The order they run in is in ``pipeline.py``."""
 
 from .context import PassContext
+from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
@@ -15,6 +16,7 @@ __all__ = [
     "FORWARD_PASSES",
     "JOINT_PASSES",
     "PassContext",
+    "eliminate_dead_code_pass",
     "insert_all_gather_pass",
     "insert_free_pass",
     "insert_reduce_scatter_pass",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from .context import PassContext
+from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
@@ -35,6 +36,9 @@ JOINT_PASSES: tuple[Pass, ...] = (
 
 # Forward graph of a training step, and the graph of an inference step.
 FORWARD_PASSES: tuple[Pass, ...] = (
+    # First: dead nodes the partitioner kept would otherwise be lowered,
+    # gathered and scheduled like live ones.
+    eliminate_dead_code_pass,
     # Lower markers first: every later pass reasons about real collectives.
     insert_all_gather_pass,
     # Place gathers before freeing: a buffer's window runs from its gather to
@@ -46,6 +50,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
 
 # Backward graph: the rematerialized gathers, then gradient reduction.
 BACKWARD_PASSES: tuple[Pass, ...] = (
+    eliminate_dead_code_pass,
     insert_all_gather_pass,
     insert_reduce_scatter_pass,
     schedule_pass,

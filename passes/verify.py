@@ -46,6 +46,19 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         if final and P.is_marker(node):
             raise GraphInvariantError(f"{node.name}: marker {node.target} was never lowered")
 
+    if final:
+        seen: dict[int, str] = {}
+        for node in graph.nodes:
+            if is_gather_wait(node):
+                group = source_group(node)
+                if group is not None and group in seen:
+                    raise GraphInvariantError(
+                        f"flat group {group} is gathered twice in one graph ({seen[group]} and "
+                        f"{node.name}): one gather per unit per pass"
+                    )
+                if group is not None:
+                    seen[group] = node.name
+
     gathered = set(gathered_buffers(graph))
     freed: set[fx.Node] = set()
     for node in graph.nodes:

@@ -180,3 +180,16 @@ def test_inference_graph_has_gathers_and_frees_but_no_backward() -> None:
     fw = sm.graphs["forward"]
     assert len(nodes(fw, P.is_all_gather)) == len(sm.plan.units) == len(nodes(fw, P.is_free))
     assert "reduce_scatter" not in " ".join(normalised_ops(fw))
+
+
+def test_dropout_model_gathers_each_unit_once_in_backward() -> None:
+    """AOTAutograd copies the forward's (dead) dropout into backward; it must not cost a gather."""
+    from models import Net
+
+    with fake_world(2):
+        torch.manual_seed(0)
+        sm = fxshard.compile(Net(dropout=True), policy=by_size(20000),
+                             example_inputs=torch.randn(4, 1, 28, 28))
+    bw = sm.graphs["backward"]
+    assert units_of(bw, P.is_all_gather) == ["fc1"]  # the root is resident
+    assert not [n for n in bw.graph.nodes if "native_dropout.default" in str(n.target)]

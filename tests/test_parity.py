@@ -168,3 +168,27 @@ def test_train_mode_dropout_trains() -> None:
         opt.zero_grad()
         losses.append(loss.item())
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
+
+
+def test_train_mode_dropout_matches_eager_with_the_same_seed() -> None:
+    """Dropout draws the same masks as eager: backward recomputes no random op."""
+    from models import Net
+
+    torch.manual_seed(0)
+    model = Net(dropout=True)
+    ref = copy.deepcopy(model)
+    sharded = fxshard.compile(model, policy=fxshard.policies.by_size(20000))
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    runs = []
+    for m in (sharded, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        torch.manual_seed(5)
+        losses = []
+        for _ in range(4):
+            loss = nn.functional.nll_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1]

@@ -15,6 +15,7 @@ from fxshard.errors import GraphInvariantError
 from fxshard.options import ShardingOptions
 from fxshard.passes import (
     PassContext,
+    eliminate_dead_code_pass,
     insert_all_gather_pass,
     insert_free_pass,
     insert_reduce_scatter_pass,
@@ -63,8 +64,8 @@ JIT = ShardingOptions(forward_prefetch=False, backward_prefetch=None)
 
 def ctx(graph: str = "forward", world_size: int = 2, group: str | None = "pg", **kw: Any) -> PassContext:
     kw.setdefault("options", JIT)
-    plan = make_plan(torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)),
-                     by_class(torch.nn.Linear), world_size)
+    layers = [torch.nn.Linear(4, 4, bias=False) for _ in range(3)]
+    plan = make_plan(torch.nn.Sequential(*layers), by_class(torch.nn.Linear), world_size)
     return PassContext(plan, world_size, group, graph, **kw)  # type: ignore[arg-type]
 
 
@@ -125,7 +126,7 @@ def three_unit_forward() -> fx.GraphModule:
     b = Builder()
     shards = [b.input(f"shard{i}", 8) for i in range(3)]
     h = b.input("x", 3, 4)
-    weights = [b.op(aten.view.default, b.op(ops.UNSHARD, s, i % 2, 2), [4, 4])
+    weights = [b.op(aten.view.default, b.op(ops.UNSHARD, s, i, 2), [4, 4])
                for i, s in enumerate(shards)]
     for w in weights:
         h = b.op(aten.relu.default, b.op(aten.mm.default, h, w))
@@ -276,5 +277,20 @@ def test_verify_rejects_broken_graphs() -> None:
 def test_pipeline_runs_every_pass_in_order_and_verifies_each() -> None:
     seen: list[str] = []
     gm = run_passes(two_unit_forward(), ctx(), on_pass=lambda name, g: seen.append(name))
-    assert seen == ["insert_all_gather_pass", "schedule_pass", "insert_free_pass"]
+    assert seen == ["eliminate_dead_code_pass", "insert_all_gather_pass", "schedule_pass",
+                    "insert_free_pass"]
     assert normalised_ops(gm).count("fxshard.free") == 2
+
+
+def test_eliminate_dead_code_drops_dead_random_ops_but_keeps_collectives() -> None:
+    b = Builder()
+    s, x = b.input("shard0", 8), b.input("x", 3, 4)
+    w = b.op(aten.view.default, b.op(ops.UNSHARD, s, 0, 2), [4, 4])
+    y = b.op(aten.mm.default, x, w)
+    b.op(aten.native_dropout.default, y, 0.5, True)  # dead, as the partitioner leaves it
+    gm = b.done(b.op(aten.relu.default, x))
+    gm = run_passes(gm, ctx("backward"))
+    assert normalised_ops(gm) == ["aten.relu"]  # the dropout, the mm and the gather are gone
+    kept = insert_all_gather_pass(two_unit_forward(), ctx())
+    n_before = len(kept.graph.nodes)
+    assert len(eliminate_dead_code_pass(kept, ctx()).graph.nodes) == n_before
