@@ -17,6 +17,7 @@ from fxshard.errors import (
     PlanError,
     TraceError,
 )
+from fxshard.explain import Explanation, explain
 from fxshard.options import ShardingOptions
 from fxshard.passes import verify
 from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
@@ -27,6 +28,7 @@ logging.getLogger("fxshard").addHandler(logging.NullHandler())
 
 __all__ = [
     "CollectiveMismatchError",
+    "Explanation",
     "FSDPUnit",
     "FlatGroup",
     "FxShardError",
@@ -38,6 +40,7 @@ __all__ = [
     "ShardedModule",
     "TraceError",
     "compile",
+    "explain",
     "make_plan",
     "policies",
     "verify",

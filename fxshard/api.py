@@ -274,6 +274,7 @@ def compile(
     *,
     verify_passes: bool | None = None,
     on_pass: PassHook | None = None,
+    _allow_meta: bool = False,
     **options: Any,
 ) -> ShardedModule:
     """Shard ``model`` across the ranks of ``process_group`` (default: the world).
@@ -306,8 +307,11 @@ def compile(
             f"the model's parameters are on several devices {sorted(map(str, devices))}: "
             "move the whole model to this rank's device before fxshard.compile"
         )
-    if devices == {torch.device("meta")}:
-        raise FxShardError("the model's parameters are on the meta device; materialise them first")
+    if devices == {torch.device("meta")} and not _allow_meta:
+        raise FxShardError(
+            "the model's parameters are on the meta device: materialise them (to_empty + init) "
+            "to train, or use fxshard.explain to inspect the plan, graphs and report"
+        )
     plan = make_plan(model, policy, world.size, bucket_bytes=sharding_options.bucket_bytes,
                      replicate_below=sharding_options.replicate_below)
     device = next(iter(devices)) if devices else torch.device("cpu")

@@ -44,6 +44,7 @@ class Timeline:
     peak: int
     end: int
     peak_at: str
+    curve: list[int]  # live bytes after each node, in graph order
 
 
 def simulate(
@@ -104,6 +105,7 @@ def simulate(
     live = base + sum(size.get(n, 0) for n in nodes if n.op == "placeholder")
     peak, peak_at = live, "start"
     freed: set[fx.Node] = set()
+    curve: list[int] = []
     for i, cur in enumerate(nodes):
         if cur.op == "call_function" and storage.get(cur, None) == cur:
             live += size.get(cur, 0)
@@ -118,6 +120,7 @@ def simulate(
             if owner not in freed:
                 live -= size[owner]
                 freed.add(owner)
+        curve.append(live)
     outs = {a.name: (storage[a].name, size[storage[a]]) for a in output.all_input_nodes
             if a in storage and storage[a] not in freed and storage[a].op != "placeholder"}
-    return Timeline(peak, live, peak_at), outs
+    return Timeline(peak, live, peak_at, curve), outs

@@ -7,7 +7,7 @@ counterparts live in fxshard.measure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -38,6 +38,8 @@ class Report:
     input_bytes: int
     comm_bytes_per_step: dict[str, int]  # bus bytes per rank, per kind and "total"
     units: tuple[UnitReport, ...]
+    # Predicted live bytes after each node of the forward, then the backward graph.
+    memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -84,6 +86,7 @@ def build_report(
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
     fw, outs = simulate(forward, {}, persistent, base)
     peak, phase = fw.peak, f"forward: {fw.peak_at}"
+    curves = {"forward": tuple(fw.curve)}
     if "backward" in graphs and num_user_outputs is not None:
         backward = graphs["backward"]
         # Backward's inputs are the forward's outputs past the user outputs, in order.
@@ -114,6 +117,7 @@ def build_report(
         # AOTAutograd holds the saved tensors until backward returns: only an
         # explicit fxshard.free releases one earlier.
         bw, _ = simulate(backward, inputs, carried, fw.end - sum(inputs[k] for k in carried), shared)
+        curves["backward"] = tuple(bw.curve)
         if bw.peak > peak:
             peak, phase = bw.peak, f"backward: {bw.peak_at}"
     units = []
@@ -128,4 +132,4 @@ def build_report(
             sum(c.bus_bytes for c in mine),
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
-                  input_bytes, bytes_per_kind(sequence), tuple(units))
+                  input_bytes, bytes_per_kind(sequence), tuple(units), curves)

@@ -1,0 +1,153 @@
+"""The ``fxshard`` command line.
+
+    fxshard explain MODULE:FACTORY --world-size N --policy "by_class(Block) | by_size(1e6)" \\
+        --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR]
+
+MODULE is a dotted module name or a path to a .py file; FACTORY a function in
+it that returns the model. The model is built on the meta device (no memory),
+unless --no-meta.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxshard.errors import FxShardError
+from fxshard.policies import Policy, by_class, by_size
+
+_TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
+
+
+def load_factory(spec: str) -> tuple[ModuleType, Callable[[], nn.Module]]:
+    if ":" not in spec:
+        raise FxShardError(f"expected MODULE:FACTORY, got {spec!r} (e.g. mypkg.models:build_gpt)")
+    module_name, factory_name = spec.rsplit(":", 1)
+    if module_name.endswith(".py") or Path(module_name).is_file():
+        path = Path(module_name).resolve()
+        sys.path.insert(0, str(path.parent))  # so the file's own imports resolve
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise FxShardError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[path.stem] = module  # dataclasses and pickling look modules up by name
+        loader_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise FxShardError(f"{module_name} has no callable {factory_name!r}")
+    return module, factory
+
+
+def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
+    """``by_size(N)`` and ``by_class(Name, ...)`` terms joined by ``|``; names from the
+    factory's module, then torch.nn."""
+    if not text:
+        return None
+    policy: Policy | None = None
+    for term in text.split("|"):
+        match = _TERM.match(term)
+        if match is None:
+            raise FxShardError(f"cannot parse policy term {term.strip()!r}: use by_size(N) or by_class(Name, ...)")
+        kind, body = match.groups()
+        if kind == "by_size":
+            part = by_size(float(body))
+        else:
+            classes = []
+            for name in (n.strip() for n in body.split(",") if n.strip()):
+                cls = getattr(namespace, name, None) or getattr(nn, name, None)
+                if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                    raise FxShardError(f"by_class: no nn.Module class {name!r} in {namespace.__name__} or torch.nn")
+                classes.append(cls)
+            part = by_class(*classes)
+        policy = part if policy is None else policy | part
+    return policy
+
+
+def _value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _inputs(shapes: list[str], dtypes: list[str]) -> tuple[torch.Tensor, ...]:
+    if not shapes:
+        raise FxShardError("give the model's input with --input-shape (e.g. --input-shape 8,1024)")
+    result = []
+    for i, shape in enumerate(shapes):
+        dims = tuple(int(d) for d in shape.split(","))
+        name = dtypes[i] if i < len(dtypes) else (dtypes[-1] if dtypes else "float32")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise FxShardError(f"unknown dtype {name!r}")
+        result.append(torch.zeros(dims, dtype=dtype, device="meta"))
+    return tuple(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fxshard.explain import explain
+
+    parser = argparse.ArgumentParser(prog="fxshard", description="fxshard: FSDP as a compiler pass")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("explain", help="plan, graphs and predicted memory at any world size, no cluster")
+    ex.add_argument("factory", help="MODULE:FACTORY returning the model")
+    ex.add_argument("--world-size", type=int, required=True)
+    ex.add_argument("--rank", type=int, default=0)
+    ex.add_argument("--policy", default=None, help='e.g. "by_class(Block) | by_size(1e6)"')
+    ex.add_argument("--input-shape", action="append", default=[], help="comma-separated; repeat per input")
+    ex.add_argument("--input-dtype", action="append", default=[], help="torch dtype name per input")
+    ex.add_argument("--option", action="append", default=[], help="scheduling option key=value")
+    ex.add_argument("--eval", action="store_true", help="explain an inference step")
+    ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
+    ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
+    ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
+    args = parser.parse_args(argv)
+    try:
+        module, factory = load_factory(args.factory)
+        if args.no_meta:
+            model = factory()
+        else:
+            with torch.device("meta"):
+                model = factory()
+        options = {}
+        for item in args.option:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise FxShardError(f"--option takes key=value, got {item!r}")
+            options[key.strip()] = _value(value.strip())
+        result = explain(model, _inputs(args.input_shape, args.input_dtype),
+                         parse_policy(args.policy, module), args.world_size, rank=args.rank,
+                         train=not args.eval, dump_dir=args.dump, **options)
+    except (FxShardError, TypeError, ValueError) as e:
+        print(f"fxshard explain: error: {e}", file=sys.stderr)
+        return 2
+    print(result)
+    if args.graphs:
+        for name, gm in result.graphs.items():
+            print(f"\n--- {name} graph ---\n{gm.code}")
+    if args.dump:
+        print(f"\ndumped to {args.dump}: plan.txt, report.txt, passes/, timeline.png/.svg, units.graphml/.dot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

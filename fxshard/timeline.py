@@ -1,0 +1,82 @@
+"""A picture of one rank's step: compute and communication lanes, predicted memory, unit windows.
+
+The x axis is node order: the forward graph, then the backward graph. Time
+on a real machine depends on it; order does not. Needs matplotlib (the
+``viz`` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch.fx as fx  # noqa: E402
+
+from fxshard import meta  # noqa: E402
+from fxshard import predicates as P  # noqa: E402
+from fxshard.passes.analysis import aliases  # noqa: E402
+
+if TYPE_CHECKING:
+    from fxshard.explain import Explanation
+
+
+def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, int, int]], list[int]]:
+    """(kind, unit, issue, wait) per collective; (unit, start, end) per gathered buffer's use; compute positions."""
+    order = {n: i + offset for i, n in enumerate(gm.graph.nodes)}
+    comms, windows, compute = [], [], []
+    for node in gm.graph.nodes:
+        if P.is_collective(node):
+            (wait,) = node.users
+            info = meta.get_info(node)
+            kind = "gather" if P.is_all_gather(node) else "reduce"
+            comms.append((kind, info.unit if info else "?", order[node], order[wait]))
+            if P.is_all_gather(node):
+                uses = [order[u] for v in aliases(wait) for u in v.users if not P.is_free(u)]
+                windows.append((info.unit if info else "?", order[wait], max(uses, default=order[wait])))
+        elif node.op == "call_function" and not (P.is_wait(node) or P.is_free(node) or P.is_view(node)):
+            compute.append(order[node])
+    return comms, windows, compute
+
+
+def draw_timeline(explanation: Explanation, path: Path) -> None:
+    graphs = [(name, explanation.graphs[name]) for name in ("forward", "backward") if name in explanation.graphs]
+    units = [u.name for u in explanation.plan.units]
+    colors = {u: plt.cm.tab20(i % 20) for i, u in enumerate(units)}
+    fig, (lanes, mem) = plt.subplots(2, 1, figsize=(14, 6), sharex=True,
+                                     gridspec_kw={"height_ratios": [1, 1.4]})
+    offset, boundaries = 0, []
+    for name, gm in graphs:
+        comms, windows, compute = _spans(gm, offset)
+        lanes.vlines(compute, 1.6, 2.4, color="0.35", linewidth=0.6)
+        for kind, unit, start, end in comms:
+            y = 0.75 if kind == "gather" else 0.25
+            lanes.broken_barh([(start, max(end - start, 0.8))], (y - 0.2, 0.4),
+                              facecolor=colors.get(unit, "0.5"), edgecolor="black", linewidth=0.4)
+        for unit, start, end in windows:
+            mem.axvspan(start, end, color=colors.get(unit, "0.5"), alpha=0.18, linewidth=0)
+            mem.text((start + end) / 2, 0.98, unit or "<root>", rotation=90, va="top", ha="center",
+                     fontsize=7, transform=mem.get_xaxis_transform())
+        curve = explanation.report.memory_curve.get(name, ())
+        mem.plot(range(offset, offset + len(curve)), [b / (1 << 20) for b in curve], color="C3")
+        offset += len(gm.graph.nodes)
+        boundaries.append((name, offset))
+    for _, end in boundaries[:-1]:
+        for ax in (lanes, mem):
+            ax.axvline(end, color="black", linestyle="--", linewidth=1)
+    lanes.set_yticks([0.25, 0.75, 2.0], ["reduce", "gather", "compute"])
+    lanes.set_ylim(0, 2.6)
+    lanes.set_title(f"fxshard step, rank {explanation.rank} of {explanation.world_size}: "
+                    f"{' | '.join(n for n, _ in graphs)} (x: node order)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[u]) for u in units]
+    lanes.legend(handles, [u or "<root>" for u in units], loc="upper right", fontsize=7, ncol=4)
+    mem.set_ylabel("predicted live MiB")
+    mem.set_xlabel("node (forward, then backward)")
+    mem.axhline(explanation.report.predicted_peak_bytes / (1 << 20), color="C3", linestyle=":",
+                linewidth=1)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

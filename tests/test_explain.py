@@ -1,0 +1,103 @@
+"""fxshard.explain and the CLI: any model, any world size, one process, no real memory."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxshard
+from fxshard import predicates as P
+from fxshard.errors import FxShardError
+from fxshard.policies import by_class
+
+from graph_utils import fake_world
+from models import MLP, Block, TinyGPT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_explain_meta_model_at_world_size_64_follows_zero3() -> None:
+    with torch.device("meta"):
+        model = TinyGPT(dim=64, layers=4)
+    n = 64
+    e = fxshard.explain(model, torch.randint(0, 61, (2, 16)), policy=by_class(Block), world_size=n,
+                        reshard_root=True)
+    assert not dist.is_initialized()  # the fake process group is gone again
+    psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
+    assert e.report.shard_bytes * n == psi  # each rank holds exactly 1/N
+    assert e.report.comm_bytes_per_step["total"] == 3 * psi * (n - 1) // n
+    for gm in e.graphs.values():
+        assert all(c.args[-2] == n for c in gm.graph.nodes if P.is_collective(c))
+    assert e.report.predicted_peak_bytes > e.report.shard_bytes
+    assert all(p.device.type == "meta" for p in model.parameters())  # untouched
+
+
+def test_explain_leaves_a_real_model_untouched() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    e = fxshard.explain(model, torch.randn(4, 12), policy=by_class(nn.Linear), world_size=3)
+    assert [u.name for u in e.plan.units] == ["layers.0", "layers.1", "head"]
+    for k, v in model.state_dict().items():
+        assert v.device.type == "cpu" and torch.equal(v, before[k])
+    inference = fxshard.explain(model, torch.randn(4, 12), world_size=3, train=False)
+    assert "backward" not in inference.graphs
+
+
+def test_explain_refuses_inside_a_job() -> None:
+    with fake_world(2), pytest.raises(FxShardError, match="without a cluster"):
+        fxshard.explain(MLP(), torch.randn(2, 12), world_size=4)
+
+
+def test_cli_explain_writes_every_dump_file(tmp_path: Path) -> None:
+    out = tmp_path / "dump"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fxshard.cli", "explain", "tests/models.py:TinyGPT", "--world-size", "16",
+         "--policy", "by_class(Block) | by_size(1e3)", "--input-shape", "2,16", "--input-dtype", "int64",
+         "--option", "reshard_root=true", "--dump", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ShardPlan(world_size=16" in proc.stdout and "predicted peak" in proc.stdout
+    for name in ("plan.txt", "report.txt", "timeline.png", "timeline.svg", "units.graphml", "units.dot"):
+        assert (out / name).stat().st_size > 0, name
+    passes = sorted(p.name for p in (out / "passes").iterdir())
+    for graph, name in [("joint", "rematerialize_params_pass"), ("forward", "insert_free_pass"),
+                        ("backward", "schedule_reduce_scatter_pass")]:
+        assert any(p.endswith(f"-{graph}-{name}.py") for p in passes), passes
+        assert any(p.endswith(f"-{graph}-{name}.diff") for p in passes), passes
+    gather_diff = next(p for p in passes if p.endswith("-forward-insert_all_gather_pass.diff"))
+    assert "+    all_gather_into_tensor" in (out / "passes" / gather_diff).read_text()
+    # The picture shows the units: its SVG carries their labels.
+    svg = (out / "timeline.svg").read_text()
+    for unit in ("blocks.0", "blocks.1", "&lt;root&gt;"):
+        assert unit in svg, unit
+    assert (out / "timeline.png").stat().st_size > 20_000
+    assert "blocks.0" in (out / "units.dot").read_text()
+
+
+def test_cli_reports_bad_input_clearly() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fxshard.cli", "explain", "tests/models.py:TinyGPT", "--world-size", "4",
+         "--policy", "by_class(Blok)", "--input-shape", "2,16", "--input-dtype", "int64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "no nn.Module class 'Blok'" in proc.stderr
+
+
+def test_logging_is_silent_by_default_and_goes_through_one_logger(
+        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logging.getLogger("fxshard")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    with caplog.at_level(logging.DEBUG, logger="fxshard"):
+        fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(2, 12))
+    assert any("insert_all_gather_pass" in r.getMessage() for r in caplog.records)
+    assert all(r.name == "fxshard" for r in caplog.records)
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
