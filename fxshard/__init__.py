@@ -10,6 +10,7 @@ from fxshard import meta as meta
 from fxshard import ops as ops  # registers the fxshard:: operators
 from fxshard import policies
 from fxshard.api import ShardedModule, compile
+from fxshard.backend import FxShardBackend, backend, parameters
 from fxshard.errors import (
     CollectiveMismatchError,
     FxShardError,
@@ -29,6 +30,7 @@ logging.getLogger("fxshard").addHandler(logging.NullHandler())
 __all__ = [
     "CollectiveMismatchError",
     "Explanation",
+    "FxShardBackend",
     "FSDPUnit",
     "FlatGroup",
     "FxShardError",
@@ -39,9 +41,11 @@ __all__ = [
     "ShardingOptions",
     "ShardedModule",
     "TraceError",
+    "backend",
     "compile",
     "explain",
     "make_plan",
+    "parameters",
     "policies",
     "verify",
 ]

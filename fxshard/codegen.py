@@ -41,6 +41,8 @@ class GraphCompiler:
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
         self.on_pass: Callable[[str, str, fx.GraphModule], None] | None = None
+        # Turns an emitted graph into what runs it: by default the GraphModule itself.
+        self.finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None
 
     def context(self, graph: Any, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
@@ -86,6 +88,15 @@ class GraphCompiler:
         gm = self._run(gm, self.context(kind, num_user_outputs))
         gm.recompile()
         self.graphs[kind] = gm
+        if self.finish is not None:
+            try:
+                return self.finish(gm, example_inputs)
+            except Exception as e:
+                raise FxShardError(
+                    f"compiling fxshard's emitted {kind} graph failed: {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+                    "compute='eager' runs the same graph without Inductor."
+                ) from e
         return make_boxed_func(gm.forward)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:

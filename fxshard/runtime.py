@@ -75,11 +75,14 @@ def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.dev
     return shards
 
 
-def strip_parameters(module: nn.Module) -> None:
-    """Replace every parameter by a meta-device stand-in, keeping ties.
+def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
+    """Replace every parameter by a stand-in that holds no data, keeping ties.
 
     The module stays as the skeleton that ``functional_call`` runs; its real
-    parameters live only in the flat shards from here on.
+    parameters live only in the flat shards from here on. Stand-ins live on
+    the meta device, or with ``on_device`` on the parameter's own device as one
+    element broadcast to the parameter's shape (for Dynamo, which bakes the
+    device of tensors computed from parameters into its graphs).
     """
     stand_ins: dict[int, nn.Parameter] = {}
     for mod in module.modules():
@@ -87,8 +90,11 @@ def strip_parameters(module: nn.Module) -> None:
             if p is None:
                 continue
             if id(p) not in stand_ins:
-                stand_ins[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                                requires_grad=p.requires_grad)
+                if on_device:
+                    data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                else:
+                    data = torch.empty_like(p, device="meta")
+                stand_ins[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
             mod._parameters[name] = stand_ins[id(p)]
 
 

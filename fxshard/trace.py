@@ -127,6 +127,25 @@ class _ModuleScopes:
             h.remove()
 
 
+def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter (under every name) as a view of its group's unsharded flat buffer.
+
+    ``shards`` maps flat-group indices to the shard tensors to unshard; each
+    enters through its marker, so this is where parameters enter a trace.
+    """
+    views: dict[str, torch.Tensor] = {}
+    for index, shard in shards.items():
+        group = plan.groups[index]
+        marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
+        full = marker(shard, group.index, group.world_size)
+        sizes = [slot.numel for slot in group.params] + ([group.pad] if group.pad else [])
+        for slot, piece in zip(group.params, torch.split(full, sizes)):
+            view = piece.view(slot.shape)
+            for name in slot.names:
+                views[name] = view
+    return views
+
+
 class StepFunction(nn.Module):
     """The function AOTAutograd traces: shards and buffers in, module outputs out.
 
@@ -158,16 +177,9 @@ class StepFunction(nn.Module):
         self.failed_in: str | None = None
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        tensors: dict[str, torch.Tensor] = {}
-        for group in self.plan.groups:
-            shard = getattr(self, f"shard{group.index}")
-            marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
-            full = marker(shard, group.index, group.world_size)
-            sizes = [slot.numel for slot in group.params] + ([group.pad] if group.pad else [])
-            for slot, piece in zip(group.params, torch.split(full, sizes)):
-                view = piece.view(slot.shape)
-                for name in slot.names:
-                    tensors[name] = view
+        tensors = parameter_views(
+            self.plan, {g.index: getattr(self, f"shard{g.index}") for g in self.plan.groups}
+        )
         for i, name in enumerate(self.buffer_names):
             tensors[name] = getattr(self, f"buffer{i}")
         args, kwargs = self.rebuild_inputs(inputs)
@@ -192,6 +204,7 @@ def trace_step(
     bw_compiler: Callable[..., Any],
     inference_compiler: Callable[..., Any],
     model_name: str,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """Trace and compile ``step``; returns AOTAutograd's callable over the user inputs."""
     try:
@@ -207,6 +220,7 @@ def trace_step(
                 bw_compiler=bw_compiler,
                 inference_compiler=inference_compiler,
                 partition_fn=partition_fn,
+                decompositions=decompositions,
                 keep_inference_input_mutations=True,
             )
     except FxShardError:

@@ -1,0 +1,150 @@
+"""fxshard as a torch.compile backend: the two-line contract, parity with DDP, graph breaks, misuse."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxshard
+from fxshard import predicates as P
+from fxshard.errors import FxShardError
+from fxshard.policies import by_class
+from fxshard.runtime import full_parameters
+
+from dist_utils import run_ranks
+from models import CASES, MLP, TinyGPT
+
+STEPS = 4
+
+
+class Broken(nn.Module):
+    """Two blocks with a graph break between them: Dynamo captures two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(12, 24), nn.Tanh())
+        self.second = nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h) + self.first[0].bias.sum()  # first's bias is read by both graphs
+
+
+def _train(name: str, rank: int, compute: str = "eager") -> dict[str, Any]:
+    if name == "broken":
+        make, policy = Broken, by_class(nn.Sequential)
+        inputs = CASES["mlp"].inputs
+        loss_fn = CASES["mlp"].loss
+    else:
+        case = CASES[name]
+        make, policy, inputs, loss_fn = case.make, case.policies[0], case.inputs, case.loss
+    torch.manual_seed(0)
+    model = make()
+    ddp = DDP(copy.deepcopy(model), broadcast_buffers=False)
+    be = fxshard.backend(policy=policy, compute=compute)
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    opt = torch.optim.Adam(fxshard.parameters(compiled), lr=1e-3)  # the two changed lines
+    ref_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        x, y = inputs(gen)
+        for m, o, out in ((compiled, opt, losses), (ddp, ref_opt, ref_losses)):
+            loss = loss_fn(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    sharding = be._modules[0]
+    full = full_parameters(sharding.shards, sharding.plan, sharding.world, 60)
+    ref = dict(ddp.module.named_parameters())
+    graphs = be.graphs()
+    return {
+        "losses": losses, "ref_losses": ref_losses,
+        "errors": {k: ((full[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref.items()},
+        "n_graphs": len(graphs),
+        "gathers": [sum(1 for n in g["forward"].graph.nodes if P.is_all_gather(n)) for g in graphs],
+    }
+
+
+def worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    return {name: _train(name, rank) for name in ("gpt", "mlp", "broken")}
+
+
+@cache
+def results(world_size: int) -> list[dict[str, Any]]:
+    return run_ranks(worker, world_size)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "broken"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_backend_matches_ddp(world_size: int, name: str) -> None:
+    for rank, res in enumerate(results(world_size)):
+        r = res[name]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        bad = {k: e for k, e in r["errors"].items() if e > 1e-5}
+        assert not bad, f"{name} rank {rank}: {bad}"
+
+
+def test_graph_break_gives_two_sharded_graphs() -> None:
+    r = results(2)[0]["broken"]
+    assert r["n_graphs"] == 2
+    assert all(g >= 1 for g in r["gathers"])  # each graph gathers the units it reads
+
+
+def _inductor_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    return _train("mlp", rank, compute="inductor")
+
+
+def test_inductor_compute_matches_ddp() -> None:
+    for r in run_ranks(_inductor_worker, 2):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_over_the_original_parameters_is_refused() -> None:
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend=fxshard.backend(policy=by_class(nn.Linear)), dynamic=False)
+    wrong = torch.optim.SGD(model.parameters(), lr=0.1)
+    fxshard.parameters(compiled)
+    compiled(torch.randn(2, 12)).sum().backward()
+    with pytest.raises(FxShardError, match="no longer holds the model.*fxshard.parameters"):
+        wrong.step()
+
+
+def test_calling_before_sharding_is_refused() -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(MLP(), backend=fxshard.backend(), dynamic=False)
+    with pytest.raises(Exception, match="not sharded.*fxshard.parameters"):
+        compiled(torch.randn(2, 12))
+
+
+def test_parameters_needs_a_compiled_model() -> None:
+    with pytest.raises(FxShardError, match="torch.compile returned"):
+        fxshard.parameters(MLP())
+    compiled = torch.compile(MLP(), backend="eager")
+    with pytest.raises(FxShardError, match="not fxshard.backend"):
+        fxshard.parameters(compiled)
+
+
+def test_registered_backend_name() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fxshard", dynamic=False)
+    shards = fxshard.parameters(compiled)
+    assert len(shards) == 1  # default options: one unit
+    x = torch.randint(0, 61, (2, 16))
+    torch.testing.assert_close(compiled(x), ref(x))
