@@ -101,6 +101,8 @@ class _CompiledGraph:
 class _GraphStep(nn.Module):
     """One Dynamo graph with its parameter inputs replaced by views of unsharded shards."""
 
+    gm: fx.GraphModule
+
     def __init__(self, gm: fx.GraphModule, plan: ShardPlan, shards: dict[int, nn.Parameter],
                  param_inputs: dict[int, str], n_inputs: int):
         super().__init__()
@@ -253,7 +255,8 @@ def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
             "model = torch.compile(model, backend=fxshard.backend(...)); "
             "fxshard.parameters(model). For fxshard without torch.compile use fxshard.compile."
         )
-    fn: Any = innermost_backend(model.dynamo_ctx.callback)
+    callback: Any = model.dynamo_ctx.callback
+    fn: Any = innermost_backend(callback)
     fn = getattr(fn, "compiler_fn", fn)
     if not isinstance(fn, FxShardBackend):
         raise FxShardError(f"this model was compiled with backend {fn!r}, not fxshard.backend(...)")

@@ -196,7 +196,7 @@ class StepFunction(nn.Module):
 
 
 def trace_step(
-    step: StepFunction,
+    step: nn.Module,
     example_inputs: Sequence[torch.Tensor],
     *,
     partition_fn: Callable[..., Any],
@@ -206,7 +206,12 @@ def trace_step(
     model_name: str,
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
-    """Trace and compile ``step``; returns AOTAutograd's callable over the user inputs."""
+    """Trace and compile ``step``; returns AOTAutograd's callable over the user inputs.
+
+    ``step`` is a module whose parameters are the flat shards (StepFunction,
+    or the backend's per-graph step); its ``failed_in`` and ``skeleton``
+    attributes locate a failure.
+    """
     try:
         with torch.fx.traceback.preserve_node_meta(), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True
@@ -226,10 +231,11 @@ def trace_step(
     except FxShardError:
         raise
     except Exception as e:
-        where = step.failed_in
+        where = getattr(step, "failed_in", None)
+        skeleton = getattr(step, "skeleton", step)
         op = getattr(e, "func", None)
         op_name = str(op) if op is not None else None
-        location = f"module {where or '<root>'!r} ({_module_type(step.skeleton, where)})" if where is not None else "the model"
+        location = f"module {where or '<root>'!r} ({_module_type(skeleton, where)})" if where is not None else "the model"
         raise TraceError(
             f"fxshard could not trace {model_name}: failed in {location}"
             + (f" at operator {op_name}" if op_name else "")
