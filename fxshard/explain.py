@@ -110,16 +110,17 @@ def explain(
     )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    passes = PassLog()
+    target = dump_dir if dump_dir is not None else os.environ.get("FXSHARD_DUMP")
+    passes = PassLog()  # filled only when dumping: rendering code after every pass costs time
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with torch.set_grad_enabled(train):
             sharded = fxshard_compile(meta_model, policy=policy, example_inputs=meta_args,
-                                      on_pass=passes, _allow_meta=True, **options)
+                                      on_pass=passes if target else None, _allow_meta=True,
+                                      **options)
         result = Explanation(sharded.plan, sharded.graphs, sharded.report(), passes, world_size, rank)
     finally:
         dist.destroy_process_group()
-    target = dump_dir if dump_dir is not None else os.environ.get("FXSHARD_DUMP")
     if target:
         written = result.dump(target)
         log.info("fxshard: explain wrote %d files to %s", len(written), target)

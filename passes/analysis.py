@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def aliases(root: fx.Node) -> list[fx.Node]:
+def aliases(root: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.Node]:
     """``root`` and every node that is a view of it, transitively, in graph order."""
     seen = {root: None}
     work = [root]
@@ -25,7 +26,9 @@ def aliases(root: fx.Node) -> list[fx.Node]:
             if user not in seen and P.is_view(user) and user.args and user.args[0] is node:
                 seen[user] = None
                 work.append(user)
-    order = order_of(root.graph)
+    if len(seen) == 1:
+        return [root]
+    order = order if order is not None else order_of(root.graph)
     return sorted(seen, key=order.__getitem__)
 
 
@@ -94,23 +97,32 @@ def source_group(node: fx.Node) -> int | None:
         node = inputs[0]
 
 
-def parameter_chain(buffer: fx.Node) -> list[fx.Node]:
-    """Nodes computed from this one gathered buffer alone, in graph order (not ``buffer``)."""
-    chain: dict[fx.Node, None] = {}
+def parameter_chain(buffer: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.Node]:
+    """Nodes computed from this one gathered buffer alone, in graph order (not ``buffer``).
+
+    Walks users outward in graph order, so it costs the chain's size, not the graph's.
+    """
+    order = order if order is not None else order_of(buffer.graph)
     members = {buffer}
-    cur = buffer.next
-    while cur.op != "root":
+    chain: list[fx.Node] = []
+    frontier = [(order[u], u) for u in buffer.users]
+    heapq.heapify(frontier)
+    seen = set(buffer.users)
+    while frontier:
+        _, cur = heapq.heappop(frontier)
         if (
             P.is_call(cur)
             and not P.is_random(cur)
             and not cur.is_impure()
-            and cur.all_input_nodes
             and all(a in members for a in cur.all_input_nodes)
         ):
-            chain[cur] = None
+            chain.append(cur)
             members.add(cur)
-        cur = cur.next
-    return list(chain)
+            for u in cur.users:
+                if u not in seen:
+                    seen.add(u)
+                    heapq.heappush(frontier, (order[u], u))
+    return chain
 
 
 @dataclass
@@ -125,19 +137,41 @@ class Window:
     resident: bool  # its unit is not resharded: it does not count as in flight
 
 
-def windows(graph: fx.Graph, reshards: dict[int, bool]) -> list[Window]:
-    """The window of every gathered buffer, sorted by first compute."""
+@dataclass
+class BufferUses:
+    """Which nodes read a gathered buffer: fixed while a schedule only moves gathers."""
+
+    buffer: fx.Node
+    outside: list[fx.Node]  # first readers outside its parameter chain
+    readers: list[fx.Node]  # every node that reads it or a view of it (frees excluded)
+
+
+def buffer_uses(graph: fx.Graph) -> list[BufferUses]:
     order = order_of(graph)
     result = []
     for buf in gathered_buffers(graph):
-        chain = parameter_chain(buf)
+        chain = parameter_chain(buf, order)
         inside = {buf, *chain}
         outside = [u for n in inside for u in n.users if u not in inside and not P.is_free(u)]
-        views = aliases(buf)
+        views = aliases(buf, order)
         readers = [u for v in views for u in v.users if not P.is_free(u)] + [*chain, *views]
+        result.append(BufferUses(buf, outside, readers))
+    return result
+
+
+def windows(graph: fx.Graph, reshards: dict[int, bool],
+            uses: list[BufferUses] | None = None) -> list[Window]:
+    """The window of every gathered buffer, sorted by first compute.
+
+    Pass ``uses`` (from ``buffer_uses``) to recompute positions only.
+    """
+    order = order_of(graph)
+    result = []
+    for u in uses if uses is not None else buffer_uses(graph):
+        buf = u.buffer
         issue = order[buf.args[0]] if is_gather_wait(buf) else order[buf]  # type: ignore[index]
-        first = min((order[u] for u in outside), default=order[buf])
-        last = max(order[u] for u in readers)
+        first = min((order[n] for n in u.outside), default=order[buf])
+        last = max(order[n] for n in u.readers)
         result.append(Window(buf, issue, first, last, buffer_bytes(buf),
                              not reshards.get(buffer_group(buf), True)))
     return sorted(result, key=lambda w: (w.first, w.issue))

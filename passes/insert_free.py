@@ -37,7 +37,7 @@ def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
     for wait in waits:
-        views = aliases(wait)
+        views = aliases(wait, order)
         users = {u for v in views for u in v.users if u not in views}
         if any(P.is_output(u) for u in users):
             group = buffer_group(wait)

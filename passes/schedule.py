@@ -33,14 +33,22 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .analysis import Window, is_gather_wait, order_of, parameter_chain, windows
+from .analysis import (
+    Window,
+    buffer_uses,
+    is_gather_wait,
+    order_of,
+    parameter_chain,
+    windows,
+)
 from .context import PassContext
 
 
 def _just_in_time(gm: fx.GraphModule) -> None:
     moves = []
+    order = order_of(gm.graph)
     for wait in [n for n in gm.graph.nodes if is_gather_wait(n)]:
-        chain = parameter_chain(wait)
+        chain = parameter_chain(wait, order)
         inside = {wait, *chain}
         outside = [u for n in inside for u in n.users if u not in inside]
         if outside:
@@ -63,9 +71,10 @@ def _fits(live: list[Window], new: Window, ctx: PassContext) -> bool:
 
 def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
     reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
-    sequence = windows(gm.graph, reshards)
+    uses = buffer_uses(gm.graph)  # moving gathers changes positions, not readers
+    sequence = windows(gm.graph, reshards, uses)
     for j in range(1, len(sequence)):
-        current = windows(gm.graph, reshards)  # positions after earlier moves
+        current = windows(gm.graph, reshards, uses)  # positions after earlier moves
         by_buffer = {w.buffer: w for w in current}
         target, prev = by_buffer[sequence[j].buffer], by_buffer[sequence[j - 1].buffer]
         if not is_gather_wait(target.buffer):

@@ -28,7 +28,7 @@ aten = torch.ops.aten
 _FLATTEN_OPS = {aten.cat.default, aten.div.Tensor, aten.zeros.default, aten.full.default}
 
 
-def _flatten_chain(rs: fx.Node) -> list[fx.Node]:
+def _flatten_chain(rs: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
     """The layout nodes (views, zeros, cat, div) that only exist to build this reduction's input."""
     chain: dict[fx.Node, None] = {}
     work = list(rs.all_input_nodes)
@@ -39,7 +39,6 @@ def _flatten_chain(rs: fx.Node) -> list[fx.Node]:
         if all(u is rs or u in chain for u in node.users):
             chain[node] = None
             work.extend(node.all_input_nodes)
-    order = order_of(rs.graph)
     return sorted(chain, key=order.__getitem__)
 
 
@@ -47,10 +46,12 @@ def schedule_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
     reductions = [n for n in gm.graph.nodes if P.is_reduce_scatter(n) or P.is_all_reduce(n)]
     if not reductions:
         return gm
+    # Chains are disjoint and moving one keeps every other node's relative
+    # order, so positions computed once stay valid for the comparisons below.
+    order = order_of(gm.graph)
     for rs in reductions:
-        chain = _flatten_chain(rs)
+        chain = _flatten_chain(rs, order)
         members = {*chain, rs}
-        order = order_of(gm.graph)
         inputs = [a for n in members for a in n.all_input_nodes if a not in members]
         if not inputs:
             continue

@@ -71,7 +71,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         if buf in freed:
             raise GraphInvariantError(f"{node.name} frees {buf.name} a second time")
         freed.add(buf)
-        views = aliases(buf)
+        views = aliases(buf, order)
         late = [u for v in views for u in v.users
                 if u is not node and u not in views and order[u] > order[node]]
         late += [v for v in views if order[v] > order[node]]
