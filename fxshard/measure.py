@@ -53,6 +53,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.uncounted: Counter[str] = Counter()
 
     def _count(self, kind: str, input_bytes: int, group_size: int) -> None:
         self.bytes[kind] += bus_bytes(kind, input_bytes, group_size)
@@ -77,6 +78,15 @@ class CommCounter(TorchDispatchMode):
             self._count("all_gather", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
         elif func is _c.reduce_scatter_tensor_coalesced_.default:
             self._count("reduce_scatter", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
+        elif func is _c.allgather_.default:  # list form, used by FSDP1 on CPU
+            self._count("all_gather", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
+        elif func is _c.reduce_scatter_.default:
+            full = sum(_nbytes(t) for ts in args[1] for t in ts)
+            self._count("reduce_scatter", full, _group_size(args[2]))
+        elif func is _c.allreduce_coalesced_.default:
+            self._count("all_reduce", sum(_nbytes(t) for t in args[0]), _group_size(args[1]))
+        elif func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.name():
+            self.uncounted[func.name()] += 1  # a collective this counter does not size
         return func(*args, **kwargs)
 
     @property

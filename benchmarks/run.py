@@ -1,0 +1,311 @@
+"""Side-by-side benchmark: fxshard against FSDP2, FSDP1, DDP and a single process.
+
+    python benchmarks/run.py                 # full run: MNIST Net and a 12-layer GPT, 2 gloo ranks
+    python benchmarks/run.py --quick         # small models, few steps (what CI runs)
+    python benchmarks/run.py --scaling       # also: compile time vs depth, explain at scale
+
+Every system trains the same model from the same initial weights on the same
+per-rank data, in its own spawned process group (gloo, one intra-op thread
+per rank), and is measured with the same tools:
+
+- step time: median over the measured steps (forward, backward, optimizer step), rank 0;
+- peak live tensor bytes of one step: torch's MemTracker (fxshard.measure.peak_memory);
+- max RSS: the largest of the ranks' peak resident set sizes;
+- bytes communicated per step per rank: fxshard.measure.CommCounter (bus bytes).
+
+Results go to benchmarks/results/latest.{json,md,png}; ratios are against
+FSDP2 and DDP measured in the same run. Absolute times on a shared machine
+are noise; the ratios are the claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_noprefetch")
+
+
+def model_spec(name: str, quick: bool) -> dict[str, Any]:
+    """How to build a model, its inputs, its loss and its units, per benchmark model."""
+    from mnist import Net
+
+    from models import Block, TinyGPT
+
+    if name == "net":
+        batch = 16 if quick else 64
+        return dict(make=Net, block=None, min_params=20000, loss=lambda o, y: F.nll_loss(o, y),
+                    inputs=lambda g: (torch.randn(batch, 1, 28, 28, generator=g),
+                                      torch.randint(0, 10, (batch,), generator=g)))
+    layers, dim, seq, vocab, batch = (2, 128, 32, 512, 2) if quick else (12, 512, 64, 8192, 2)
+
+    def make() -> nn.Module:
+        return TinyGPT(vocab=vocab, dim=dim, heads=8, layers=layers, seq=seq)
+
+    def inputs(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+
+    def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o.reshape(-1, o.shape[-1]), y.reshape(-1))
+
+    return dict(make=make, block=Block, min_params=dim * dim * 4, loss=loss, inputs=inputs,
+                label=f"GPT {layers}x{dim}")
+
+
+def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -> nn.Module:
+    import fxshard
+    from fxshard.policies import by_class, by_size
+
+    block = spec["block"]
+    if system == "single":
+        return model
+    if system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model)
+    if system == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=spec["min_params"])
+        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for m in model.modules():
+            if (block is not None and isinstance(m, block)) or (block is None and m is not model and
+                                                                 sum(p.numel() for p in m.parameters(recurse=False)) >= spec["min_params"]):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    policy = by_class(block) if block is not None else by_size(spec["min_params"])
+    options: dict[str, Any] = {}
+    if system == "fxshard_noprefetch":
+        options = dict(forward_prefetch=False, backward_prefetch=None)
+    return fxshard.compile(model, policy=policy, **options)
+
+
+def run_system(rank: int, world_size: int, port: int, system: str, model_name: str, args: Any,
+               out_dir: str) -> None:
+    from fxshard.measure import CommCounter, peak_memory
+
+    torch.set_num_threads(1)
+    distributed = system != "single"
+    if distributed:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    spec = model_spec(model_name, args.quick)
+    torch.manual_seed(0)
+    model = wrap(system, spec["make"](), spec, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [spec["inputs"](gen) for _ in range(args.warmup + args.steps + 2)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = spec["loss"](model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    t0 = time.perf_counter()
+    for x, y in batches[:args.warmup]:
+        step(x, y)
+    warmup_s = time.perf_counter() - t0
+    times, losses = [], []
+    for x, y in batches[args.warmup:args.warmup + args.steps]:
+        if distributed:
+            dist.barrier()
+        start = time.perf_counter()
+        losses.append(step(x, y))
+        times.append(time.perf_counter() - start)
+    x, y = batches[-2]
+    peak = peak_memory(lambda: step(x, y), model, opt, x, y)
+    x, y = batches[-1]
+    with CommCounter() as counter:
+        step(x, y)
+    result = {
+        "system": system, "model": model_name, "rank": rank,
+        "step_s": statistics.median(times), "warmup_s": warmup_s, "peak_bytes": peak,
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "comm_bytes": counter.total, "comm_uncounted": dict(counter.uncounted), "losses": losses,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+    torch.save(result, os.path.join(out_dir, f"{system}-{model_name}-{rank}.pt"))
+    if distributed:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, Any]:
+    n = 1 if system == "single" else args.world_size
+    mp.spawn(run_system, args=(n, free_port(), system, model_name, args, out_dir), nprocs=n)
+    ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
+    first = ranks[0]
+    return {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
+            "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+
+
+def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
+    """Trace + plan + passes + recompile time of a GPT (width 512) by depth, via explain (world size 8)."""
+    import fxshard
+    from models import Block, TinyGPT
+
+    rows = []
+    for layers in depths:
+        with torch.device("meta"):
+            model = TinyGPT(vocab=8192, dim=512, heads=8, layers=layers, seq=64)
+        start = time.perf_counter()
+        fxshard.explain(model, torch.zeros(2, 64, dtype=torch.long), policy=fxshard.policies.by_class(Block),
+                        world_size=8)
+        rows.append({"layers": layers, "seconds": time.perf_counter() - start})
+        print(f"  compile, {layers} layers: {rows[-1]['seconds']:.1f}s", flush=True)
+    return rows
+
+
+def planning_at_scale(world_sizes: list[int], models: list[str]) -> list[dict[str, Any]]:
+    import fxshard
+    from llama import LLAMA3_8B, LLAMA3_70B, Llama, TransformerBlock
+
+    rows = []
+    for name in models:
+        config = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}[name]
+        for n in world_sizes:
+            with torch.device("meta"):
+                model = Llama(config)
+            start = time.perf_counter()
+            e = fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long),
+                                policy=fxshard.policies.by_class(TransformerBlock), world_size=n)
+            seconds = time.perf_counter() - start
+            psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
+            largest = max(u.padded_bytes for u in e.report.units)
+            # shards + gradients + two Adam states, over N; plus the largest unit gathered
+            # (times the prefetch depth, 2).
+            formula = 4 * psi // n + 2 * largest
+            rows.append({"model": name, "world_size": n, "seconds": seconds,
+                         "predicted_peak_bytes": e.report.predicted_peak_bytes,
+                         "shards_grads_adam_over_n_plus_2_units": formula})
+            print(f"  explain {name} at {n}: {seconds:.1f}s, predicted peak "
+                  f"{e.report.predicted_peak_bytes / 2**30:.1f} GiB", flush=True)
+    return rows
+
+
+def ratios(results: list[dict[str, Any]]) -> None:
+    by = {(r["model"], r["system"]): r for r in results}
+    for r in results:
+        for base in ("fsdp2", "ddp"):
+            ref = by.get((r["model"], base))
+            for key in ("step_s", "peak_bytes", "rss_bytes"):
+                r[f"{key}_vs_{base}"] = r[key] / ref[key] if ref and ref[key] else None
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    mib = 1 << 20
+    lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, world size {meta['world_size']}, "
+             "one thread per rank; medians of the measured steps.", "",
+             "| model | system | step ms | ×FSDP2 | ×DDP | peak MiB | ×FSDP2 | ×DDP | max RSS MiB | comm MiB/step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v: float | None) -> str:
+        return "–" if v is None else f"{v:.2f}"
+
+    for r in results:
+        lines.append(f"| {r['model']} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
+                     f"{f(r['step_s_vs_ddp'])} | {r['peak_bytes'] / mib:.1f} | {f(r['peak_bytes_vs_fsdp2'])} | "
+                     f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {r['comm_bytes'] / mib:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, title in ((axes[0], "step_s_vs_fsdp2", "step time ÷ FSDP2"),
+                           (axes[1], "peak_bytes_vs_fsdp2", "peak tensor memory ÷ FSDP2")):
+        width = 0.8 / len(SYSTEMS)
+        for i, system in enumerate(SYSTEMS):
+            values = [next((r[key] or 0 for r in results if r["model"] == m and r["system"] == system), 0)
+                      for m in models]
+            ax.bar([j + i * width for j in range(len(models))], values, width, label=system)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default="net,gpt")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--scaling", action="store_true", help="compile-time scaling and planning at scale")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    args.steps = args.steps or (2 if args.quick else 5)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = out / "ranks"
+    scratch.mkdir(exist_ok=True)
+    results = []
+    for model_name in args.models.split(","):
+        for system in args.systems.split(","):
+            print(f"{model_name} / {system} ...", flush=True)
+            results.append(measure(system, model_name, args, str(scratch)))
+    ratios(results)
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "world_size": args.world_size, "quick": args.quick, "steps": args.steps}
+    report: dict[str, Any] = {"meta": meta, "results": results}
+    if args.scaling:
+        report["compile_scaling"] = compile_scaling([12, 24, 48])
+        report["planning"] = planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"])
+    (out / "latest.json").write_text(json.dumps(report, indent=1, default=str))
+    table = markdown(results, meta)
+    (out / "latest.md").write_text(table)
+    chart(results, out / "latest.png")
+    for f in scratch.iterdir():
+        f.unlink()
+    scratch.rmdir()
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Train a small character-level GPT with fxshard on a text this repo ships.
+
+    python examples/gpt.py                        # 2 CPU ranks, spawned here
+    torchrun --nproc_per_node=2 examples/gpt.py   # one process per rank
+
+Prints a tqdm progress bar, tokens per second, the plan and fxshard's report
+(predicted peak memory and bytes communicated per step), and a sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import fxshard
+from fxshard.policies import by_class
+
+TEXT = Path(__file__).resolve().parent / "data" / "fxshard_docs.txt"
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: fxshard keeps them in one unit
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    text = TEXT.read_text()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    torch.manual_seed(0)
+    model = GPT(len(chars), args.dim, args.heads, args.layers, args.seq)
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    opt = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank reads its own windows
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
+        windows = torch.stack([data[s:s + args.seq + 1] for s in starts])
+        return windows[:, :-1], windows[:, 1:]
+
+    steps = tqdm(range(args.steps), disable=rank != 0, desc="training")
+    start, tokens = time.perf_counter(), 0
+    for step in steps:
+        x, y = batch()
+        loss = F.cross_entropy(sharded(x).reshape(-1, len(chars)), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tokens += x.numel() * world_size
+        if step == 0:
+            start, tokens = time.perf_counter(), 0  # the first step traces; time the rest
+        steps.set_postfix(loss=f"{loss.item():.3f}")
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        rate = tokens / elapsed if elapsed > 0 else math.nan
+        print(f"\n{tokens} tokens in {elapsed:.1f}s: {rate:,.0f} tokens/s over {world_size} ranks")
+        print(sharded.plan)
+        print(sharded.report())
+    sharded.eval()
+    idx = torch.tensor([[stoi[c] for c in "fxshard "]], dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(args.sample):  # every rank samples in lockstep: each call is collective
+            window = idx[:, -args.seq:]
+            if window.shape[1] < args.seq:  # keep one input shape: one trace
+                window = F.pad(window, (args.seq - window.shape[1], 0))
+            logits = sharded(window)[0, -1]
+            idx = torch.cat([idx, logits.argmax().view(1, 1)], dim=1)
+    if rank == 0 and args.sample:
+        print("sample:", "".join(chars[i] for i in idx[0].tolist()))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--sample", type=int, default=60, help="characters to generate (0: none)")
+    p.add_argument("--nproc", type=int, default=2)
+    args = p.parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    mp.spawn(run, args=(args.nproc, args), nprocs=args.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()
