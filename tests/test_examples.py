@@ -54,3 +54,12 @@ def test_mnist_missing_data_dir_fails_clearly(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "MNIST file not found" in proc.stderr and "train-images-idx3-ubyte" in proc.stderr
+
+
+def test_gpt_example_trains_and_reports() -> None:
+    out = run("examples/gpt.py", "--nproc", "2", "--steps", "6", "--layers", "2", "--dim", "32",
+              "--sample", "5")
+    assert re.search(r"tokens in [\d.]+s: [\d,]+ tokens/s over 2 ranks", out), out
+    assert "fxshard report: rank 0 of 2" in out and "predicted peak" in out
+    assert "ShardPlan(world_size=2, policy=by_class(Block)" in out
+    assert "sample: fxshard " in out
