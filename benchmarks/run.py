@@ -44,13 +44,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_noprefetch")
+SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_noprefetch", "fxshard_inductor")
 
 
 def model_spec(name: str, quick: bool) -> dict[str, Any]:
     """How to build a model, its inputs, its loss and its units, per benchmark model."""
     from mnist import Net
-
     from models import Block, TinyGPT
 
     if name == "net":
@@ -103,6 +102,11 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
         fully_shard(model, mesh=mesh)
         return model
     policy = by_class(block) if block is not None else by_size(spec["min_params"])
+    if system == "fxshard_inductor":  # the torch.compile backend, Inductor compiling the graphs
+        compiled = torch.compile(model, backend=fxshard.backend(policy=policy, compute="inductor"),
+                                 dynamic=False)
+        compiled.shards = fxshard.parameters(compiled)  # type: ignore[attr-defined]
+        return compiled
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
@@ -121,7 +125,8 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
     spec = model_spec(model_name, args.quick)
     torch.manual_seed(0)
     model = wrap(system, spec["make"](), spec, world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = getattr(model, "shards", None) or model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [spec["inputs"](gen) for _ in range(args.warmup + args.steps + 2)]
 
@@ -178,6 +183,7 @@ def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, 
 def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
     """Trace + plan + passes + recompile time of a GPT (width 512) by depth, via explain (world size 8)."""
     import fxshard
+
     from models import Block, TinyGPT
 
     rows = []
@@ -194,6 +200,7 @@ def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
 
 def planning_at_scale(world_sizes: list[int], models: list[str]) -> list[dict[str, Any]]:
     import fxshard
+
     from llama import LLAMA3_8B, LLAMA3_70B, Llama, TransformerBlock
 
     rows = []

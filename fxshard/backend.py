@@ -207,6 +207,7 @@ class FxShardBackend:
                                  self.verify_passes, self.options)
         if self.compute == "inductor":
             compiler.finish = _inductor_finish
+            compiler.emit_free = False  # Inductor frees buffers after their last use itself
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
         decompositions = None
         if self.compute == "inductor":

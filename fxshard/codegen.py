@@ -43,11 +43,12 @@ class GraphCompiler:
         self.on_pass: Callable[[str, str, fx.GraphModule], None] | None = None
         # Turns an emitted graph into what runs it: by default the GraphModule itself.
         self.finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None
+        self.emit_free = True
 
     def context(self, graph: Any, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
                            num_user_outputs=num_user_outputs, verify=self.verify,
-                           options=self.options)
+                           options=self.options, emit_free=self.emit_free)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass

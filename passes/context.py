@@ -25,6 +25,10 @@ class PassContext:
     num_user_outputs: int | None = None
     verify: bool = True
     options: ShardingOptions = ShardingOptions()
+    # False when Inductor compiles the emitted graphs: it frees every buffer
+    # after its last use itself, and may reorder reads of a buffer's views
+    # past an explicit free.
+    emit_free: bool = True
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):

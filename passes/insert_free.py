@@ -32,7 +32,7 @@ log = logging.getLogger("fxshard")
 def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     waits = gathered_buffers(graph)
-    if not waits:
+    if not waits or not ctx.emit_free:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []

@@ -71,6 +71,7 @@ def _train(name: str, rank: int, compute: str = "eager") -> dict[str, Any]:
         "errors": {k: ((full[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref.items()},
         "n_graphs": len(graphs),
         "gathers": [sum(1 for n in g["forward"].graph.nodes if P.is_all_gather(n)) for g in graphs],
+        "frees": sum(1 for g in graphs for gm in g.values() for n in gm.graph.nodes if P.is_free(n)),
     }
 
 
@@ -103,13 +104,16 @@ def test_graph_break_gives_two_sharded_graphs() -> None:
 
 def _inductor_worker(rank: int, world_size: int) -> dict[str, Any]:
     torch._dynamo.reset()
-    return _train("mlp", rank, compute="inductor")
+    return _train("gpt", rank, compute="inductor")
 
 
 def test_inductor_compute_matches_ddp() -> None:
+    # The GPT segfaulted while fxshard still emitted explicit frees under Inductor,
+    # which may move a read of a buffer's view past the free; Inductor frees buffers itself.
     for r in run_ranks(_inductor_worker, 2):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
                                    rtol=1e-4, atol=1e-5)
+        assert r["frees"] == 0
 
 
 def test_optimizer_over_the_original_parameters_is_refused() -> None:
