@@ -173,7 +173,13 @@ def free_port() -> int:
 
 def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, Any]:
     n = 1 if system == "single" else args.world_size
-    mp.spawn(run_system, args=(n, free_port(), system, model_name, args, out_dir), nprocs=n)
+    try:
+        mp.spawn(run_system, args=(n, free_port(), system, model_name, args, out_dir), nprocs=n)
+    except Exception as e:  # one system failing must not lose the others' numbers
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")
+        print(f"  {system} on {model_name} failed: {reason}", flush=True)
+        return {"system": system, "model": model_name, "failed": reason[:200]}
     ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
     first = ranks[0]
     return {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
@@ -227,8 +233,10 @@ def planning_at_scale(world_sizes: list[int], models: list[str]) -> list[dict[st
 
 
 def ratios(results: list[dict[str, Any]]) -> None:
-    by = {(r["model"], r["system"]): r for r in results}
+    by = {(r["model"], r["system"]): r for r in results if "failed" not in r}
     for r in results:
+        if "failed" in r:
+            continue
         for base in ("fsdp2", "ddp"):
             ref = by.get((r["model"], base))
             for key in ("step_s", "peak_bytes", "rss_bytes"):
@@ -246,6 +254,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return "–" if v is None else f"{v:.2f}"
 
     for r in results:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | {r['system']} | failed: {r['failed']} |" + " |" * 7)
+            continue
         lines.append(f"| {r['model']} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
                      f"{f(r['step_s_vs_ddp'])} | {r['peak_bytes'] / mib:.1f} | {f(r['peak_bytes_vs_fsdp2'])} | "
                      f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {r['comm_bytes'] / mib:.2f} |")
@@ -264,7 +275,7 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
                            (axes[1], "peak_bytes_vs_fsdp2", "peak tensor memory ÷ FSDP2")):
         width = 0.8 / len(SYSTEMS)
         for i, system in enumerate(SYSTEMS):
-            values = [next((r[key] or 0 for r in results if r["model"] == m and r["system"] == system), 0)
+            values = [next((r.get(key) or 0 for r in results if r["model"] == m and r["system"] == system), 0)
                       for m in models]
             ax.bar([j + i * width for j in range(len(models))], values, width, label=system)
         ax.axhline(1.0, color="black", linewidth=0.8)

@@ -25,6 +25,7 @@ Misuse fails loudly:
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,9 @@ class FxShardBackend:
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
         decompositions = None
         if self.compute == "inductor":
+            # Load the lowerings the decomposition table consults (a plain
+            # `import torch._inductor...` here would make `torch` a local name).
+            importlib.import_module("torch._inductor.compile_fx")
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()

@@ -9,14 +9,12 @@ first collective that differs and raise.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 from fxshard.collectives import Collective, fingerprint
 from fxshard.errors import CollectiveMismatchError
-from fxshard.runtime import World
+from fxshard.runtime import World, wait_within
 
 
 def check_same_collectives(sequence: list[Collective], world: World, timeout: float) -> None:
@@ -27,15 +25,11 @@ def check_same_collectives(sequence: list[Collective], world: World, timeout: fl
     mine = digest.to(device)
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)
     work = dist.all_gather_single(everyone, mine, group=world.group, async_op=True)
-    assert work is not None
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise CollectiveMismatchError(
-            f"rank {world.rank}: not every rank reached the collective check of a newly traced "
-            f"step within {timeout:g}s. Ranks must call the model with the same input shapes, "
-            "mode (train/eval) and grad mode, so that they trace the same steps."
-        ) from e
+    wait_within(work, timeout, lambda: CollectiveMismatchError(
+        f"rank {world.rank}: not every rank reached the collective check of a newly traced "
+        f"step within {timeout:g}s. Ranks must call the model with the same input shapes, "
+        "mode (train/eval) and grad mode, so that they trace the same steps."
+    ))
     if bool((everyone == mine).all()):
         return
     sequences: list[list[str] | None] = [None] * world.size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,21 +99,26 @@ def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
             mod._parameters[name] = stand_ins[id(p)]
 
 
+def wait_within(work: dist.Work | None, timeout: float, error: Callable[[], Exception]) -> None:
+    """Wait for an async collective; past ``timeout`` seconds raise ``error()`` instead of hanging."""
+    assert work is not None
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise error() from e
+
+
 def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: float) -> torch.Tensor:
     """All-gather one flat group (a collective). Raises instead of hanging past ``timeout`` s."""
     if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
     work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
-    assert work is not None
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise FxShardError(
-            f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}) "
-            f"timed out after {timeout:g}s. full_state_dict / load_full_state_dict are collectives: "
-            "every rank of the process group must call them, in the same order."
-        ) from e
+    wait_within(work, timeout, lambda: FxShardError(
+        f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}) "
+        f"timed out after {timeout:g}s. full_state_dict / load_full_state_dict are collectives: "
+        "every rank of the process group must call them, in the same order."
+    ))
     return out
 
 

@@ -21,6 +21,7 @@ from fxshard import predicates as P
 from fxshard.errors import GraphInvariantError
 
 from .context import PassContext
+from .lowering import replace_with_collective
 
 
 def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -47,14 +48,7 @@ def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             marker.replace_all_uses_with(shard)
             gm.graph.erase_node(marker)
             continue
-        unit = ctx.unit_of(group)
-        with gm.graph.inserting_before(marker):
-            gather = gm.graph.call_function(P.ALL_GATHER, (shard, ctx.world_size, ctx.group_name))
-            wait = gm.graph.call_function(P.WAIT, (gather,))
-        for new, role in ((gather, meta.ALL_GATHER), (wait, meta.WAIT)):
-            new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
-            meta.set_info(new, meta.NodeInfo(role, group, unit))
-        marker.replace_all_uses_with(wait)
-        gm.graph.erase_node(marker)
+        replace_with_collective(gm, marker, P.ALL_GATHER, (shard, ctx.world_size, ctx.group_name),
+                                meta.ALL_GATHER, group, ctx.unit_of(group))
     gm.recompile()
     return gm

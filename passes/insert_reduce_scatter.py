@@ -4,7 +4,7 @@ AOTAutograd has already concatenated the unit's parameter gradients (the
 backward of the split that unflattened the gathered buffer is a ``cat``)::
 
     before:  grad_p0, grad_p1, ..., zeros(pad) -> cat -> fxshard.reduce_grad(cat, g, N) -> shard.grad
-    after:   ... -> cat -> div(cat, N) -> reduce_scatter_tensor(div, "sum", N, pg) -> wait_tensor -> shard.grad
+    after:   ... -> cat -> div_(cat, N) -> reduce_scatter_tensor(cat, "sum", N, pg) -> wait_tensor -> shard.grad
 
 The result is the average over ranks, as DDP computes it. Dividing before
 summing is also DDP's order of operations (it divides each gradient by N
@@ -26,6 +26,7 @@ from fxshard import predicates as P
 from fxshard.errors import GraphInvariantError
 
 from .context import PassContext
+from .lowering import replace_with_collective
 
 aten = torch.ops.aten
 
@@ -44,21 +45,19 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             gm.graph.erase_node(marker)
             continue
         unit = ctx.unit_of(group)
+        # A cat's result is a fresh buffer read only here: divide it in place,
+        # rather than hold a second full-size copy until the reduction is issued.
+        fresh = grad.target is aten.cat.default and len(grad.users) == 1
+        divide = aten.div_.Tensor if fresh else aten.div.Tensor
         with gm.graph.inserting_before(marker):
-            scaled = gm.graph.call_function(aten.div.Tensor, (grad, ctx.world_size))
-            if P.is_allreduce_grad_marker(marker):
-                reduce = gm.graph.call_function(P.ALL_REDUCE, (scaled, "sum", ctx.group_name))
-            else:
-                reduce = gm.graph.call_function(
-                    P.REDUCE_SCATTER, (scaled, "sum", ctx.world_size, ctx.group_name)
-                )
-            wait = gm.graph.call_function(P.WAIT, (reduce,))
+            scaled = gm.graph.call_function(divide, (grad, ctx.world_size))
         scaled.meta["val"] = grad.meta["val"]
-        kind = meta.ALL_REDUCE if P.is_allreduce_grad_marker(marker) else meta.REDUCE_SCATTER
-        for new, role in ((reduce, kind), (wait, meta.WAIT)):
-            new.meta.update({k: v for k, v in marker.meta.items() if k != meta.KEY})
-            meta.set_info(new, meta.NodeInfo(role, group, unit))
-        marker.replace_all_uses_with(wait)
-        gm.graph.erase_node(marker)
+        if P.is_allreduce_grad_marker(marker):
+            replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
+                                    meta.ALL_REDUCE, group, unit)
+        else:
+            replace_with_collective(gm, marker, P.REDUCE_SCATTER,
+                                    (scaled, "sum", ctx.world_size, ctx.group_name),
+                                    meta.REDUCE_SCATTER, group, unit)
     gm.recompile()
     return gm

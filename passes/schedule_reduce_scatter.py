@@ -25,7 +25,8 @@ from .context import PassContext
 aten = torch.ops.aten
 
 
-_FLATTEN_OPS = {aten.cat.default, aten.div.Tensor, aten.zeros.default, aten.full.default}
+_FLATTEN_OPS = {aten.cat.default, aten.div.Tensor, aten.div_.Tensor, aten.zeros.default,
+                aten.full.default}
 
 
 def _flatten_chain(rs: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
