@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +26,17 @@ def test_mnist_demo_trains_prints_graphs_and_saves(tmp_path: Path) -> None:
     out = run("examples/mnist.py", "--nproc", "2", "--epochs", "1", "--max-steps", "3",
               "--save-model", "--save-path", str(path))
     assert "ShardPlan(world_size=2, policy=by_size(20_000)" in out
-    fw = re.search(r"forward +graph: .*all_gather_into_tensor x(\d+).*free x(\d+)", out)
-    bw = re.search(r"backward graph: .*all_gather_into_tensor x(\d+).*reduce_scatter_tensor x(\d+)", out)
-    assert fw and bw, out
-    assert int(fw.group(1)) == 2 and int(fw.group(2)) >= 1
-    assert int(bw.group(1)) >= 1 and int(bw.group(2)) == 2
-    assert re.search(r"epoch 1: train loss [\d.]+ +test loss [\d.]+ +accuracy [\d.]+%", out), out
+    # The graph summary: ops, all_gather_into_tensor, wait_tensor, free, reduce_scatter_tensor.
+    counts = {graph: [int(n) for n in numbers.split()] for graph, numbers in
+              re.findall(r"^(forward|backward) +((?:\d+ +){4}\d+)$", out, re.MULTILINE)}
+    assert counts.keys() == {"forward", "backward"}, out
+    _, fw_gather, fw_wait, fw_free, fw_scatter = counts["forward"]
+    _, bw_gather, bw_wait, bw_free, bw_scatter = counts["backward"]
+    assert fw_gather == 2 and fw_wait >= 2 and fw_free >= 1 and fw_scatter == 0  # one per unit
+    assert bw_gather >= 1 and bw_free >= 1 and bw_scatter == 2 and bw_wait >= bw_gather + 2
+    assert re.search(r"epoch 1: train loss [\d.]+, test loss [\d.]+, "
+                     r"accuracy \d+/360 \([\d.]+%\)", out), out
+
     sys.path.insert(0, str(ROOT / "examples"))
     from mnist import Net
 
@@ -40,20 +47,55 @@ def test_mnist_demo_trains_prints_graphs_and_saves(tmp_path: Path) -> None:
 
 
 def test_mnist_compare_ddp_prints_both_systems_with_equal_losses() -> None:
-    out = run("examples/mnist.py", "--nproc", "2", "--epochs", "1", "--max-steps", "2", "--compare-ddp")
-    ours = re.search(r"\[fxshard\] epoch 1: train loss ([\d.]+)", out)
-    ddp = re.search(r"\[ddp\] epoch 1: train loss ([\d.]+)", out)
+    out = run("examples/mnist.py", "--nproc", "2", "--epochs", "1", "--max-steps", "2",
+              "--compare-ddp")
+    ours = re.search(r"\[fxshard by_size\(20_000\)\] epoch 1: train loss ([\d.]+)", out)
+    ddp = re.search(r"\[DDP\] epoch 1: train loss ([\d.]+)", out)
     assert ours and ddp, out
+    # Same seed, same data, same dropout masks: the same training, sharded or replicated.
     assert abs(float(ours.group(1)) - float(ddp.group(1))) < 1e-4
-    for row in ("time per epoch", "peak tensor MiB", "params+grads+optim MiB"):
-        assert row in out
+    assert re.search(r"^ +fxshard by_size\(20_000\) +DDP$", out, re.MULTILINE), out
+    for label in ("train time per epoch (s)", "params + grads + optimizer state (MiB)",
+                  "peak live tensors in a step (MiB)", "max RSS of the process (MiB)"):
+        assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+$", out, re.MULTILINE), label
+    state = re.search(r"^params \+ grads \+ optimizer state \(MiB\) +([\d.]+) +([\d.]+)$", out,
+                      re.MULTILINE)
+    assert state and float(state.group(1)) < 0.6 * float(state.group(2))  # sharded over 2 ranks
 
 
 def test_mnist_missing_data_dir_fails_clearly(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "examples/mnist.py", "--data-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "MNIST file not found" in proc.stderr and "train-images-idx3-ubyte" in proc.stderr
+    assert "MNIST file not found" in proc.stderr
+    assert str(tmp_path / "train-images-idx3-ubyte") in proc.stderr
+
+
+def _write_idx(path: Path, array: torch.Tensor, compress: bool) -> None:
+    header = struct.pack(f">HBB{array.dim()}I", 0, 0x08, array.dim(), *array.shape)
+    data = header + array.to(torch.uint8).numpy().tobytes()
+    if compress:
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+
+
+def test_mnist_reads_idx_files_plain_and_gzipped(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist import MNIST_MEAN, MNIST_STD, mnist_datasets
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (5, 28, 28), generator=g)
+    labels = torch.randint(0, 10, (5,), generator=g)
+    _write_idx(tmp_path / "train-images-idx3-ubyte", images, compress=True)
+    _write_idx(tmp_path / "train-labels-idx1-ubyte", labels, compress=False)
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", images[:3], compress=False)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels[:3], compress=True)
+    train, test = mnist_datasets(str(tmp_path))
+    x, y = train.tensors
+    assert x.shape == (5, 1, 28, 28) and torch.equal(y, labels)
+    torch.testing.assert_close(x[:, 0], (images / 255.0 - MNIST_MEAN) / MNIST_STD)
+    assert test.tensors[0].shape == (3, 1, 28, 28) and torch.equal(test.tensors[1], labels[:3])
 
 
 def test_gpt_example_trains_and_reports() -> None:

@@ -97,7 +97,11 @@ def test_logging_is_silent_by_default_and_goes_through_one_logger(
     assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
     with caplog.at_level(logging.DEBUG, logger="fxshard"):
         fxshard.compile(MLP(), policy=by_class(nn.Linear), example_inputs=torch.randn(2, 12))
-    assert any("insert_all_gather_pass" in r.getMessage() for r in caplog.records)
-    assert all(r.name == "fxshard" for r in caplog.records)
+    # Records emitted from fxshard's own code (torch may log too, depending on
+    # what ran before in this process) all go through the one logger.
+    here = (str(ROOT / "fxshard"), str(ROOT / "passes"))
+    ours = [r for r in caplog.records if r.pathname.startswith(here)]
+    assert any("insert_all_gather_pass" in r.getMessage() for r in ours)
+    assert all(r.name == "fxshard" for r in ours), {r.name for r in ours}
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
