@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fxshard.policies import Policy, by_class, by_size
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from mnist import Net as TutorialNet  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -26,27 +31,13 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-class Net(nn.Module):
-    """The Net of the PyTorch FSDP MNIST tutorial."""
+class Net(TutorialNet):
+    """The Net of the PyTorch FSDP MNIST tutorial (examples/mnist.py); dropout can be switched off."""
 
     def __init__(self, dropout: bool = True):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
-        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
-        return F.log_softmax(self.fc2(x), dim=1)
+        if not dropout:
+            self.dropout1.p = self.dropout2.p = 0.0
 
 
 class Attention(nn.Module):
