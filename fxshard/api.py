@@ -45,7 +45,6 @@ class CompiledStep:
     fn: Callable[..., Any]
     graphs: dict[str, fx.GraphModule]
     output_spec: OutputSpec
-    group_order: list[int]
     collectives: list[Collective]
     input_bytes: int
     num_user_outputs: int | None
@@ -214,7 +213,7 @@ class ShardedModule(nn.Module):
                  "train" if self.training else "eval", self._world.rank)
         graphs = dict(compiler.graphs)
         input_bytes = sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
-        return CompiledStep(fn, graphs, step.output_spec, order, step_collectives(graphs),
+        return CompiledStep(fn, graphs, step.output_spec, step_collectives(graphs),
                             input_bytes, compiler.num_user_outputs)
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -59,6 +59,17 @@ def buffer_bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def _computed_only_from(node: fx.Node, members: dict[fx.Node, None] | set[fx.Node]) -> bool:
+    """A deterministic, pure call whose tensor inputs are all in ``members``."""
+    return (
+        P.is_call(node)
+        and not P.is_random(node)
+        and not node.is_impure()
+        and bool(node.all_input_nodes)
+        and all(a in members for a in node.all_input_nodes)
+    )
+
+
 def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     """Nodes computed from gathered parameters alone (an ordered set).
 
@@ -71,13 +82,7 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     for node in graph.nodes:
         if P.is_unshard_marker(node) or is_gather_wait(node) or is_saved_buffer(node):
             result[node] = None
-        elif (
-            P.is_call(node)
-            and not P.is_random(node)
-            and not node.is_impure()
-            and node.all_input_nodes
-            and all(a in result for a in node.all_input_nodes)
-        ):
+        elif _computed_only_from(node, result):
             result[node] = None
     return result
 
@@ -110,12 +115,7 @@ def parameter_chain(buffer: fx.Node, order: dict[fx.Node, int] | None = None) ->
     seen = set(buffer.users)
     while frontier:
         _, cur = heapq.heappop(frontier)
-        if (
-            P.is_call(cur)
-            and not P.is_random(cur)
-            and not cur.is_impure()
-            and all(a in members for a in cur.all_input_nodes)
-        ):
+        if _computed_only_from(cur, members):
             chain.append(cur)
             members.add(cur)
             for u in cur.users:

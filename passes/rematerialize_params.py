@@ -58,7 +58,7 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     def copy_of(node: fx.Node, before: fx.Node) -> fx.Node:
         if node not in param_only or _is_backward(node):
             return node  # a graph input (the shard) or an existing backward value
-        if P.is_unshard_marker(node) and not ctx.reshards(_marker_group(node)):
+        if P.is_unshard_marker(node) and not ctx.reshards(_group_of(node)):
             return node  # not resharded: backward reads the forward buffer
         if node not in copies:
             inputs = {a: copy_of(a, before) for a in node.all_input_nodes}
@@ -79,7 +79,7 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     return gm
 
 
-def _marker_group(node: fx.Node) -> int:
-    group = node.args[1]
-    assert isinstance(group, int)
+def _group_of(node: fx.Node) -> int:
+    group = source_group(node)
+    assert group is not None, f"{node.name}: marker without a flat group"
     return group
