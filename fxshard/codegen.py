@@ -10,13 +10,14 @@ autograd.Function around the graphs, buffer mutation write-back) runs it.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition
+from torch.fx.graph import _BoxedCodeGen
 
 from fxshard import meta, ops
 from fxshard.errors import FxShardError
@@ -98,7 +99,7 @@ class GraphCompiler:
                     f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
                     "compute='eager' runs the same graph without Inductor."
                 ) from e
-        return make_boxed_func(gm.forward)
+        return _boxed(gm)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("forward", gm, example_inputs)
@@ -112,3 +113,23 @@ class GraphCompiler:
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("inference", gm, example_inputs)
+
+
+def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
+    """A copy of ``gm`` in torch's boxed calling convention, which AOTAutograd calls.
+
+    The generated code takes the argument list and clears it, so each input
+    (a saved activation, a tangent) dies after its last use in the graph
+    rather than when the graph returns. ``gm`` itself keeps the plain
+    signature, for reading and for calling by hand.
+    """
+    runnable = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    runnable.graph.set_codegen(_BoxedCodeGen())
+    runnable.recompile()
+    forward = runnable.forward
+
+    def run(args: list[Any]) -> Any:
+        return forward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

@@ -114,9 +114,12 @@ def build_report(
                     owners[owner] = n.name
                     inputs[n.name] = nbytes
         carried = {k for k in inputs if not k.startswith("tangents")}
-        # AOTAutograd holds the saved tensors until backward returns: only an
-        # explicit fxshard.free releases one earlier.
-        bw, _ = simulate(backward, inputs, carried, fw.end - sum(inputs[k] for k in carried), shared)
+        # The backward graph is called in the boxed convention (codegen._boxed):
+        # a saved tensor dies after its last use there, unless it is also a
+        # user output, which the caller still holds.
+        user_outputs = {a.name for a in fw_out[:num_user_outputs] if isinstance(a, fx.Node)}
+        held = {k for k in carried if as_forward.get(k) in user_outputs}
+        bw, _ = simulate(backward, inputs, held, fw.end - sum(inputs[k] for k in carried), shared)
         curves["backward"] = tuple(bw.curve)
         if bw.peak > peak:
             peak, phase = bw.peak, f"backward: {bw.peak_at}"

@@ -1,5 +1,6 @@
 """fxshard's rewriting passes. The order they run in is in ``pipeline.py``."""
 
+from .accumulate_in_place import accumulate_in_place_pass
 from .context import PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -16,6 +17,7 @@ __all__ = [
     "FORWARD_PASSES",
     "JOINT_PASSES",
     "PassContext",
+    "accumulate_in_place_pass",
     "eliminate_dead_code_pass",
     "insert_all_gather_pass",
     "insert_free_pass",

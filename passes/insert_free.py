@@ -7,8 +7,13 @@
 
 "Last use" counts every user of the buffer and of its views. ``free``
 releases the storage shared by all those views, so the gathered parameters
-occupy memory only inside their unit's window. In backward, a buffer kept
-from forward (a unit that is not resharded) is freed after its last use there.
+occupy memory only inside their unit's window.
+
+A buffer kept from forward (a unit that is not resharded) gets no ``free`` in
+backward: backward runs in the boxed calling convention (codegen._boxed), so
+it dies by reference counting after its last use there, and an explicit
+free would break ``backward(retain_graph=True)``, which runs backward again
+over the same saved buffer.
 A buffer that escapes through the graph's outputs is not freed: in forward
 that is a unit kept for backward (expected), or a model that returns a
 parameter (logged).
@@ -23,7 +28,7 @@ import torch.fx as fx
 from fxshard import meta, ops
 from fxshard import predicates as P
 
-from .analysis import aliases, buffer_group, gathered_buffers
+from .analysis import aliases, buffer_group, gathered_buffers, is_saved_buffer
 from .context import PassContext
 
 log = logging.getLogger("fxshard")
@@ -31,7 +36,7 @@ log = logging.getLogger("fxshard")
 
 def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    waits = gathered_buffers(graph)
+    waits = [n for n in gathered_buffers(graph) if not is_saved_buffer(n)]
     if not waits or not ctx.emit_free:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}

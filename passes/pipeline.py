@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
+from .accumulate_in_place import accumulate_in_place_pass
 from .context import PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -51,6 +52,9 @@ FORWARD_PASSES: tuple[Pass, ...] = (
 # Backward graph: the rematerialized gathers, then gradient reduction.
 BACKWARD_PASSES: tuple[Pass, ...] = (
     eliminate_dead_code_pass,
+    # Gradient sums only: touches no parameter buffer, so it can run anywhere;
+    # first, so later passes see the final readers of every tensor.
+    accumulate_in_place_pass,
     insert_all_gather_pass,
     insert_reduce_scatter_pass,
     schedule_pass,

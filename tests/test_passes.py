@@ -15,6 +15,7 @@ from fxshard.errors import GraphInvariantError
 from fxshard.options import ShardingOptions
 from fxshard.passes import (
     PassContext,
+    accumulate_in_place_pass,
     eliminate_dead_code_pass,
     insert_all_gather_pass,
     insert_free_pass,
@@ -294,3 +295,33 @@ def test_eliminate_dead_code_drops_dead_random_ops_but_keeps_collectives() -> No
     kept = insert_all_gather_pass(two_unit_forward(), ctx())
     n_before = len(kept.graph.nodes)
     assert len(eliminate_dead_code_pass(kept, ctx()).graph.nodes) == n_before
+
+
+def test_accumulate_in_place_adds_into_an_operand_that_dies_at_the_add() -> None:
+    b = Builder()
+    g, x, w = b.input("g", 3, 4, tag="is_backward"), b.input("x", 3, 4), b.input("w", 4, 4)
+    head = b.op(aten.mm.default, b.op(aten.t.default, g), x)  # (4, 4), read only by the sum
+    emb = b.op(aten.mm.default, b.op(aten.t.default, x), g)  # (4, 4), also returned
+    kept = b.op(aten.mm.default, w, w)
+    total = b.op(aten.add.Tensor, head, emb)
+    other = b.op(aten.add.Tensor, kept, w)  # kept is returned too: not overwritten
+    gm = b.done(total, emb, other, kept)
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 4)]
+    expected = gm(*inputs)
+    gm = accumulate_in_place_pass(gm, ctx("backward"))
+    ops_now = normalised_ops(gm)
+    assert ops_now.count("aten.add_") == 1 and ops_now.count("aten.add") == 1
+    acc = next(n for n in gm.graph.nodes if n.target is aten.add_.Tensor)
+    assert acc.args[0].name == head.name  # the operand nobody else reads
+    for got, want in zip(gm(*inputs), expected):
+        assert torch.equal(got, want)
+
+
+def test_accumulate_in_place_leaves_inputs_views_and_broadcasts_alone() -> None:
+    b = Builder()
+    x, y = b.input("x", 4, 4), b.input("y", 4)
+    view = b.op(aten.t.default, b.op(aten.mm.default, x, x))  # a view: its base may be read elsewhere
+    small = b.op(aten.relu.default, y)  # broadcast: the result is larger than this operand
+    gm = b.done(b.op(aten.add.Tensor, x, view), b.op(aten.add.Tensor, small, x))
+    gm = accumulate_in_place_pass(gm, ctx("backward"))
+    assert "aten.add_" not in normalised_ops(gm)

@@ -99,11 +99,11 @@ def test_communication_is_the_theoretical_volume_exactly(world_size: int, name: 
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_predicted_peak_within_ten_percent_of_measured(world_size: int, name: str, setup: str) -> None:
+def test_predicted_peak_within_three_percent_of_measured(world_size: int, name: str, setup: str) -> None:
     for r in results(world_size):
         res = r[(name, setup)]
         predicted, measured = res["report"].predicted_peak_bytes, res["measured_peak"]
-        assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, res["text"])
+        assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured, res["text"])
 
 
 def test_report_text_has_a_line_per_unit() -> None:

@@ -112,8 +112,10 @@ def test_zero2_keeps_parameters_and_never_gathers_in_backward() -> None:
     assert nodes(fw, P.is_free) == []  # every buffer crosses to backward
     saved = [n for n in bw.graph.nodes if n.op == "placeholder" and meta.get_info(n)]
     assert sorted(meta.get_info(n).unit for n in saved) == ["", "blocks.0", "blocks.1"]
-    # Backward frees each kept buffer after its last use there.
-    assert sorted(units_of(bw, P.is_free)) == ["", "blocks.0", "blocks.1"]
+    # No explicit free of a kept buffer in backward: it dies by reference count
+    # after its last use (boxed call), and a free would break retain_graph=True
+    # (tests/test_saved_tensors.py; tests/test_report.py measures the memory).
+    assert units_of(bw, P.is_free) == []
     assert len(nodes(bw, P.is_reduce_scatter)) == 3
 
 
@@ -122,7 +124,10 @@ def test_root_is_resident_by_default_like_fsdp2() -> None:
     fw, bw = sm.graphs["forward"], sm.graphs["backward"]
     assert "" not in units_of(fw, P.is_free) and "" not in units_of(bw, ag)
     assert units_of(bw, ag) == ["blocks.1", "blocks.0"]
-    assert "" in units_of(bw, P.is_free)
+    # The root's buffer crosses to backward and dies there by reference count.
+    assert "" not in units_of(bw, P.is_free)
+    assert any(n.op == "placeholder" and (i := meta.get_info(n)) is not None and i.unit == ""
+               for n in bw.graph.nodes)
 
 
 def test_reduce_scatter_issued_when_gradients_complete_and_waited_before_the_next() -> None:
