@@ -47,7 +47,7 @@ def _same_layout(a: object, b: object) -> bool:
             and a.device == b.device)
 
 
-def _target(add: fx.Node) -> tuple[fx.Node, object] | None:
+def _target(add: fx.Node) -> tuple[fx.Node, fx.node.Argument] | None:
     """The operand to add into and the other operand, or None."""
     if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
         return None
