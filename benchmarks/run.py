@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # full run: MNIST Net and a 12-layer GPT, 2 gloo ranks
     python benchmarks/run.py --quick         # small models, few steps (what CI runs)
     python benchmarks/run.py --scaling       # also: compile time vs depth, explain at scale
+    python benchmarks/run.py --models large  # the model near the memory limit alone
 
 Every system trains the same model from the same initial weights on the same
 per-rank data, in its own spawned process group (gloo, one intra-op thread
@@ -12,6 +13,13 @@ per rank), and is measured with the same tools:
 - peak live tensor bytes of one step: torch's MemTracker (fxshard.measure.peak_memory);
 - max RSS: the largest of the ranks' peak resident set sizes;
 - bytes communicated per step per rank: fxshard.measure.CommCounter (bus bytes).
+
+The "large" model (a 0.7B-parameter GPT) runs with each rank's data memory
+capped (RLIMIT_DATA) at its share of 80% of this machine's RAM: DDP needs
+16 bytes per parameter per rank (weights, gradients, two Adam states) and does
+not fit; the sharded systems need half that. Allocations of 1 MiB and more go
+straight to the OS (glibc's MALLOC_MMAP_THRESHOLD_) for every system, so the
+cap counts live memory rather than the allocator's leftovers.
 
 Results go to benchmarks/results/latest.{json,md,png}; ratios are against
 FSDP2 and DDP measured in the same run. Absolute times on a shared machine
@@ -45,6 +53,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_noprefetch", "fxshard_inductor")
+# The large model runs where it shows something: which systems fit at all.
+LARGE_SYSTEMS = ("ddp", "fsdp1", "fsdp2", "fxshard")
+# MemTracker and CommCounter watch the dispatcher; Inductor's generated code
+# allocates and calls collectives below it, so these columns would read low.
+NOT_VISIBLE = {"fxshard_inductor": ("peak_bytes", "comm_bytes")}
 
 
 def model_spec(name: str, quick: bool) -> dict[str, Any]:
@@ -57,10 +70,15 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
         return dict(make=Net, block=None, min_params=20000, loss=lambda o, y: F.nll_loss(o, y),
                     inputs=lambda g: (torch.randn(batch, 1, 28, 28, generator=g),
                                       torch.randint(0, 10, (batch,), generator=g)))
-    layers, dim, seq, vocab, batch = (2, 128, 32, 512, 2) if quick else (12, 512, 64, 8192, 2)
+    if name == "large":
+        layers, dim, seq, vocab, batch, heads = (2, 256, 32, 512, 1, 8) if quick else (14, 2048, 64, 8192, 1, 16)
+    elif name == "gpt":
+        layers, dim, seq, vocab, batch, heads = (2, 128, 32, 512, 2, 8) if quick else (12, 512, 64, 8192, 2, 8)
+    else:
+        raise SystemExit(f"unknown model {name!r}: choose from net, gpt, large")
 
     def make() -> nn.Module:
-        return TinyGPT(vocab=vocab, dim=dim, heads=8, layers=layers, seq=seq)
+        return TinyGPT(vocab=vocab, dim=dim, heads=heads, layers=layers, seq=seq)
 
     def inputs(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
@@ -114,9 +132,11 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
 
 
 def run_system(rank: int, world_size: int, port: int, system: str, model_name: str, args: Any,
-               out_dir: str) -> None:
+               out_dir: str, memory_limit: int | None) -> None:
     from fxshard.measure import CommCounter, peak_memory
 
+    if memory_limit is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
     torch.set_num_threads(1)
     distributed = system != "single"
     if distributed:
@@ -128,7 +148,9 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
     params = getattr(model, "shards", None) or model.parameters()
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(100 + rank)
-    batches = [spec["inputs"](gen) for _ in range(args.warmup + args.steps + 2)]
+    # The large model's steps take seconds each: fewer of them.
+    warmup, steps = (min(args.warmup, 1), min(args.steps, 3)) if model_name == "large" else (args.warmup, args.steps)
+    batches = [spec["inputs"](gen) for _ in range(warmup + steps + 2)]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = spec["loss"](model(x), y)
@@ -138,11 +160,11 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         return loss.item()
 
     t0 = time.perf_counter()
-    for x, y in batches[:args.warmup]:
+    for x, y in batches[:warmup]:
         step(x, y)
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
-    for x, y in batches[args.warmup:args.warmup + args.steps]:
+    for x, y in batches[warmup:warmup + steps]:
         if distributed:
             dist.barrier()
         start = time.perf_counter()
@@ -159,7 +181,10 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "comm_bytes": counter.total, "comm_uncounted": dict(counter.uncounted), "losses": losses,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "memory_limit_bytes": memory_limit,
     }
+    for key in NOT_VISIBLE.get(system, ()):
+        result[key] = None
     torch.save(result, os.path.join(out_dir, f"{system}-{model_name}-{rank}.pt"))
     if distributed:
         dist.destroy_process_group()
@@ -171,19 +196,44 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def memory_limit(args: Any, model_name: str) -> int | None:
+    """Each rank's data-memory cap in bytes: its share of 80% of RAM for the large model."""
+    if args.memory_limit_gib is not None:
+        return int(args.memory_limit_gib * (1 << 30))
+    if model_name != "large" or args.quick:
+        return None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.8 * ram / args.world_size)
+
+
+def _failure(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")
+    if "can't allocate memory" in reason:  # keep the size, drop the C++ location
+        reason = "out of memory: " + reason[reason.index("you tried"):].split(". Error code")[0]
+    return reason[:200]
+
+
 def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, Any]:
     n = 1 if system == "single" else args.world_size
+    limit = memory_limit(args, model_name)
+    env = dict(os.environ)
+    if limit is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by each rank's libc at start
     try:
-        mp.spawn(run_system, args=(n, free_port(), system, model_name, args, out_dir), nprocs=n)
+        mp.spawn(run_system, args=(n, free_port(), system, model_name, args, out_dir, limit), nprocs=n)
     except Exception as e:  # one system failing must not lose the others' numbers
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "")
+        reason = _failure(e)
         print(f"  {system} on {model_name} failed: {reason}", flush=True)
-        return {"system": system, "model": model_name, "failed": reason[:200]}
+        return {"system": system, "model": model_name, "failed": reason, "memory_limit_bytes": limit}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
     first = ranks[0]
+    peaks = [r["peak_bytes"] for r in ranks]
     return {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
-            "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+            "peak_bytes": None if None in peaks else max(peaks)}
 
 
 def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
@@ -240,7 +290,8 @@ def ratios(results: list[dict[str, Any]]) -> None:
         for base in ("fsdp2", "ddp"):
             ref = by.get((r["model"], base))
             for key in ("step_s", "peak_bytes", "rss_bytes"):
-                r[f"{key}_vs_{base}"] = r[key] / ref[key] if ref and ref[key] else None
+                ok = ref and ref[key] and r[key] is not None
+                r[f"{key}_vs_{base}"] = r[key] / ref[key] if ok else None
 
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -253,14 +304,27 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     def f(v: float | None) -> str:
         return "–" if v is None else f"{v:.2f}"
 
+    def m(v: int | None, digits: int) -> str:
+        return "n/v" if v is None else f"{v / mib:.{digits}f}"
+
     for r in results:
         if "failed" in r:
             lines.append(f"| {r['model']} | {r['system']} | failed: {r['failed']} |" + " |" * 7)
             continue
         lines.append(f"| {r['model']} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
-                     f"{f(r['step_s_vs_ddp'])} | {r['peak_bytes'] / mib:.1f} | {f(r['peak_bytes_vs_fsdp2'])} | "
-                     f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {r['comm_bytes'] / mib:.2f} |")
-    return "\n".join(lines) + "\n"
+                     f"{f(r['step_s_vs_ddp'])} | {m(r['peak_bytes'], 1)} | {f(r['peak_bytes_vs_fsdp2'])} | "
+                     f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {m(r['comm_bytes'], 2)} |")
+    notes = []
+    if any(r["system"] in NOT_VISIBLE for r in results):
+        notes.append("n/v: not visible to the tracker. Inductor's generated code allocates and calls "
+                     "collectives below the dispatcher that MemTracker and CommCounter watch.")
+    limits = {r["model"]: r.get("memory_limit_bytes") for r in results if r.get("memory_limit_bytes")}
+    for model, limit in limits.items():
+        params = meta.get("params", {}).get(model)
+        notes.append(f"{model}: {params / 1e9:.2f}B parameters; each rank's data memory capped at "
+                     f"{limit / (1 << 30):.1f} GiB (RLIMIT_DATA), 80% of RAM shared by {meta['world_size']} ranks."
+                     if params else f"{model}: each rank capped at {limit / (1 << 30):.1f} GiB.")
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
 def chart(results: list[dict[str, Any]], path: Path) -> None:
@@ -290,27 +354,42 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--models", default="net,gpt")
+    p.add_argument("--models", default="net,gpt,large")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows of models not run now from the existing latest.json")
+    p.add_argument("--memory-limit-gib", type=float, default=None,
+                   help="cap each rank's data memory (default: only for the large model)")
     p.add_argument("--scaling", action="store_true", help="compile-time scaling and planning at scale")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
-    args.steps = args.steps or (2 if args.quick else 5)
+    args.steps = args.steps or (2 if args.quick else 10)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = out / "ranks"
     scratch.mkdir(exist_ok=True)
     results = []
+    params = {}
     for model_name in args.models.split(","):
-        for system in args.systems.split(","):
+        with torch.device("meta"):
+            params[model_name] = sum(p.numel() for p in model_spec(model_name, args.quick)["make"]().parameters())
+        systems = args.systems.split(",")
+        if model_name == "large" and args.systems == ",".join(SYSTEMS):
+            systems = list(LARGE_SYSTEMS)
+        for system in systems:
             print(f"{model_name} / {system} ...", flush=True)
             results.append(measure(system, model_name, args, str(scratch)))
+    if args.append and (out / "latest.json").exists():  # keep the other models' rows
+        earlier = json.loads((out / "latest.json").read_text())
+        ran = set(args.models.split(","))
+        results = [r for r in earlier["results"] if r["model"] not in ran] + results
+        params = {**earlier["meta"].get("params", {}), **params}
     ratios(results)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "world_size": args.world_size, "quick": args.quick, "steps": args.steps}
+            "world_size": args.world_size, "quick": args.quick, "steps": args.steps, "params": params}
     report: dict[str, Any] = {"meta": meta, "results": results}
     if args.scaling:
         report["compile_scaling"] = compile_scaling([12, 24, 48])

@@ -218,7 +218,10 @@ class FxShardBackend:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        fn = trace_step(step, user_inputs, partition_fn=compiler.partition,
+        partition: Callable[..., Any] = compiler.partition
+        if self.compute == "inductor":
+            partition = _with_inductor_joint_passes(compiler.partition)
+        fn = trace_step(step, user_inputs, partition_fn=partition,
                         fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                         inference_compiler=compiler.compile_inference,
                         model_name=f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)",
@@ -238,6 +241,26 @@ class FxShardBackend:
         if not self._modules:
             raise FxShardError("nothing sharded yet: call fxshard.parameters(model) first")
         return self._modules[-1].plan
+
+
+def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's joint-graph passes, then fxshard's partitioning.
+
+    Inductor prepares the joint graph for its lowering (``replace_random``
+    turns ``native_dropout`` into the random ops it can compile); its
+    ``partition_fn`` runs them and hands the graph to the override.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
+
+    def run(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        vals = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
+        # The passes read the fake mode from Inductor's virtualized state.
+        with V.set_fake_mode(detect_fake_mode(vals)):
+            return partition_fn(joint, joint_inputs, partitioner_fn_override=partition, **kwargs)
+
+    return run
 
 
 def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
