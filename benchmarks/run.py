@@ -334,19 +334,27 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "step_s_vs_fsdp2", "step time ÷ FSDP2"),
                            (axes[1], "peak_bytes_vs_fsdp2", "peak tensor memory ÷ FSDP2")):
         width = 0.8 / len(SYSTEMS)
         for i, system in enumerate(SYSTEMS):
             values = [next((r.get(key) or 0 for r in results if r["model"] == m and r["system"] == system), 0)
                       for m in models]
-            ax.bar([j + i * width for j in range(len(models))], values, width, label=system)
+            xs = [j + i * width for j in range(len(models))]
+            ax.bar(xs, values, width, label=system)
+            for x, m in zip(xs, models):
+                failed = next((r["failed"] for r in results
+                               if r["model"] == m and r["system"] == system and "failed" in r), None)
+                if failed:
+                    ax.text(x, 0.05, "out of memory" if "memory" in failed else "failed",
+                            rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(SYSTEMS), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 

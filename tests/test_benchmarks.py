@@ -30,3 +30,24 @@ def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path
     table = (tmp_path / "latest.md").read_text()
     assert "| gpt | fxshard |" in table and "×FSDP2" in table
     assert (tmp_path / "latest.png").stat().st_size > 10_000
+
+
+def test_table_shows_out_of_memory_and_what_the_tracker_cannot_see() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run
+
+    error = RuntimeError("process 0 terminated\nRuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. "
+                         "DefaultCPUAllocator: can't allocate memory: you tried to allocate 50331648 bytes. "
+                         "Error code 12 (Cannot allocate memory)")
+    reason = run._failure(error)
+    assert reason == "out of memory: you tried to allocate 50331648 bytes"
+    gib = 1 << 30
+    row = dict(step_s=1.0, peak_bytes=None, rss_bytes=gib, comm_bytes=None, memory_limit_bytes=9 * gib)
+    results = [{"model": "large", "system": "ddp", "failed": reason, "memory_limit_bytes": 9 * gib},
+               {"model": "large", "system": "fxshard_inductor", **row}]
+    run.ratios(results)
+    table = run.markdown(results, {"machine": "m", "torch": "t", "world_size": 2,
+                                   "params": {"large": 720_000_000}})
+    assert "| large | ddp | failed: out of memory: you tried to allocate 50331648 bytes |" in table
+    assert "| n/v |" in table and "n/v: not visible to the tracker" in table
+    assert "large: 0.72B parameters; each rank's data memory capped at 9.0 GiB" in table
