@@ -18,7 +18,7 @@ import torch.fx as fx
 from fxshard import predicates as P
 
 
-def _nbytes(val: object) -> int:
+def storage_nbytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
         try:
             return int(val.untyped_storage().nbytes())
@@ -35,6 +35,37 @@ def _aliases_input(node: fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         return any(r.alias_info is not None for r in target._schema.returns)
     return False
+
+
+def storage_owners(
+    nodes: list[fx.Node], same_storage: dict[fx.Node, fx.Node] | None = None,
+) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """For each node, the node that owns the storage its result lives in (itself
+    unless it is a view or an aliasing op); and each owner's bytes.
+
+    Placeholders own their storage, except those ``same_storage`` maps to an
+    earlier placeholder; a multi-output node owns none (each of its ``getitem``
+    results owns its own, unless the op returns views).
+    """
+    same_storage = same_storage or {}
+    storage: dict[fx.Node, fx.Node] = {}
+    size: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op == "placeholder" and node in same_storage:
+            storage[node] = storage[same_storage[node]]
+        elif node.op == "placeholder":
+            storage[node] = node
+            size[node] = storage_nbytes(node.meta.get("val"))
+        elif node.op == "call_function":
+            first = node.args[0] if node.args else None
+            if isinstance(first, fx.Node) and first in storage and _aliases_input(node):
+                storage[node] = storage[first]
+            elif isinstance(node.meta.get("val"), (tuple, list)):
+                pass  # multi-output: each getitem owns its storage
+            else:
+                storage[node] = node
+                size[node] = storage_nbytes(node.meta.get("val"))
+    return storage, size
 
 
 @dataclass
@@ -66,24 +97,11 @@ def simulate(
     shared = shared or {}
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    storage: dict[fx.Node, fx.Node] = {}  # node -> node that owns its storage
-    size: dict[fx.Node, int] = {}
     by_name = {n.name: n for n in nodes}
-    for node in nodes:
-        if node.op == "placeholder" and node.name in shared:
-            storage[node] = storage[by_name[shared[node.name]]]
-        elif node.op == "placeholder":
-            storage[node] = node
-            size[node] = live_inputs.get(node.name, 0)
-        elif node.op == "call_function":
-            first = node.args[0] if node.args else None
-            if isinstance(first, fx.Node) and first in storage and _aliases_input(node):
-                storage[node] = storage[first]
-            elif isinstance(node.meta.get("val"), (tuple, list)):
-                pass  # multi-output: each getitem owns its storage
-            else:
-                storage[node] = node
-                size[node] = _nbytes(node.meta.get("val"))
+    storage, size = storage_owners(nodes, {by_name[a]: by_name[b] for a, b in shared.items()})
+    for placeholder in (n for n in nodes if n.op == "placeholder"):
+        if storage[placeholder] == placeholder:
+            size[placeholder] = live_inputs.get(placeholder.name, 0)
     output = next(n for n in nodes if n.op == "output")
     kept = {storage[a] for a in output.all_input_nodes if a in storage}
     last: dict[fx.Node, int] = {}

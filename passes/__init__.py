@@ -10,6 +10,7 @@ from .pipeline import BACKWARD_PASSES, FORWARD_PASSES, JOINT_PASSES, run_passes
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import schedule_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
+from .sink_allocations import sink_allocations_pass
 from .verify import verify
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "run_passes",
     "schedule_pass",
     "schedule_reduce_scatter_pass",
+    "sink_allocations_pass",
     "verify",
 ]

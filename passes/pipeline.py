@@ -22,6 +22,7 @@ from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import schedule_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
+from .sink_allocations import sink_allocations_pass
 from .verify import verify
 
 log = logging.getLogger("fxshard")
@@ -62,6 +63,9 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     # nodes and reductions, which no gather window depends on.
     schedule_reduce_scatter_pass,
     insert_free_pass,
+    # Last: moves only compute that reads no gathered buffer and no collective
+    # result, so no gather window, free or reduction changes.
+    sink_allocations_pass,
 )
 
 PIPELINES: dict[str, tuple[Pass, ...]] = {

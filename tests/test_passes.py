@@ -23,6 +23,7 @@ from fxshard.passes import (
     rematerialize_params_pass,
     run_passes,
     schedule_pass,
+    sink_allocations_pass,
     verify,
 )
 from fxshard.plan import make_plan
@@ -325,3 +326,68 @@ def test_accumulate_in_place_leaves_inputs_views_and_broadcasts_alone() -> None:
     gm = b.done(b.op(aten.add.Tensor, x, view), b.op(aten.add.Tensor, small, x))
     gm = accumulate_in_place_pass(gm, ctx("backward"))
     assert "aten.add_" not in normalised_ops(gm)
+
+
+def _names(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes]
+
+
+def test_sink_moves_a_large_result_of_small_inputs_to_its_first_reader() -> None:
+    b = Builder()
+    g, h = b.input("g", 64, 2, tag="is_backward"), b.input("h", 2, 64)
+    big = b.op(aten.mm.default, g, h)  # 64x64 from two 64x2 inputs
+    view = b.op(aten.t.default, big)
+    step = b.op(aten.relu.default, g)  # unrelated work in between
+    for _ in range(3):
+        step = b.op(aten.relu.default, step)
+    gm = b.done(b.op(aten.add.Tensor, view, b.op(aten.mm.default, step, h)))
+    inputs = [torch.randn(64, 2), torch.randn(2, 64)]
+    expected = gm(*inputs)
+    gm = sink_allocations_pass(gm, ctx("backward"))
+    names = _names(gm)
+    # The mm and its view now sit right before their reader's other operand is done.
+    assert names.index(big.name) > names.index(step.name)
+    assert names.index(view.name) == names.index(big.name) + 1
+    assert torch.equal(gm(*inputs)[0], expected[0])
+
+
+def test_sink_leaves_results_whose_inputs_are_larger_or_rewritten() -> None:
+    def build(rewrite: bool) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
+        b = Builder()
+        x, y = b.input("x", 64, 64, tag="is_backward"), b.input("y", 64, 64)
+        summed = b.op(aten.sum.dim_IntList, x, [0])  # small result of a large input
+        fresh = b.op(aten.mul.Tensor, y, 1.0)
+        big = b.op(aten.repeat.default, fresh, [2, 1])  # twice its input
+        if rewrite:
+            b.op(aten.div_.Tensor, fresh, 3.0)
+        later = b.op(aten.relu.default, y)
+        gm = b.done(b.op(aten.add.Tensor, later, summed), b.op(aten.add.Tensor, big, 1.0), fresh)
+        return gm, summed, big, later
+
+    gm, summed, big, later = build(rewrite=False)
+    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    assert names.index(summed.name) < names.index(later.name)  # would hold x longer: stays
+    assert names.index(big.name) > names.index(later.name)  # nothing rewrites its input: moves
+    gm, summed, big, later = build(rewrite=True)
+    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    assert names.index(big.name) < names.index(later.name)  # would read the divided values: stays
+
+
+def test_sink_never_moves_a_reader_of_a_gathered_buffer() -> None:
+    def build(gathered: bool) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
+        b = Builder()
+        s, g = b.input("shard0", 8), b.input("g", 32, 32, tag="is_backward")
+        small = b.op(ops.UNSHARD, s, 0, 2) if gathered else b.input("small", 16)
+        big = b.op(aten.repeat.default, b.op(aten.view.default, small, [4, 4]), [8, 8])  # 32x32
+        step = b.op(aten.relu.default, g)
+        for _ in range(3):
+            step = b.op(aten.relu.default, step)
+        gm = b.done(b.op(aten.add.Tensor, step, big))
+        return insert_all_gather_pass(gm, ctx("backward")), big, step
+
+    plain, big, step = build(gathered=False)
+    names = _names(sink_allocations_pass(plain, ctx("backward")))
+    assert names.index(big.name) > names.index(step.name)  # moves when free to
+    gm, big, step = build(gathered=True)
+    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    assert names.index(big.name) < names.index(step.name)  # its window is the schedule's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -177,3 +179,36 @@ def test_small_parameters_are_replicated_and_all_reduced() -> None:
     # Each rank holds a replicated group whole.
     assert all(g.shard_numel == g.numel for g in replicated)
     assert "(replicated)" in str(sm.plan)
+
+
+def test_tied_head_gradient_is_made_where_it_is_summed() -> None:
+    # Few tokens, wide vocabulary: the output projection's weight gradient
+    # (512x64) is 8x the logits' gradient it is computed from, so
+    # sink_allocations_pass makes it at the end of backward, where the
+    # embedding's gradient is added to it, instead of holding it throughout.
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=512, dim=64, layers=2, seq=8)
+    idx = torch.randint(0, 512, (1, 8))
+    with fake_world(2):
+        sm = fxshard.compile(copy.deepcopy(model), policy=fxshard.policies.by_class(Block), example_inputs=idx)
+    bw = sm.graphs["backward"]
+    order = order_of(bw.graph)
+    (acc,) = [n for n in bw.graph.nodes if n.target is torch.ops.aten.add_.Tensor
+              and tuple(n.meta["val"].shape) == (512, 64)]
+    chain = [acc]
+    while not P.is_call(chain[-1]) or chain[-1].target is not torch.ops.aten.mm.default:
+        chain.append(next(a for a in chain[-1].all_input_nodes if P.is_view(a) or a.target is torch.ops.aten.mm.default))
+    positions = [order[n] for n in reversed(chain)]
+    assert positions == list(range(positions[0], positions[0] + len(chain)))  # mm, views, add_
+    assert positions[0] > max(order[w] for w in nodes(bw, wait))  # after every gathered unit
+
+    # Same numbers as eager (world size 1: no collectives, the same passes):
+    # one SGD step at lr 1 moves each parameter by its gradient.
+    sharded = fxshard.compile(copy.deepcopy(model), policy=fxshard.policies.by_class(Block))
+    for m, params in ((model, model.parameters()), (sharded, sharded.parameters())):
+        opt = torch.optim.SGD(params, lr=1.0)
+        m(idx).square().mean().backward()
+        opt.step()
+    after = sharded.full_state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(after[name], p.detach(), rtol=1e-5, atol=1e-6)

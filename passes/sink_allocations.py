@@ -1,0 +1,130 @@
+"""sink_allocations_pass: compute a large result just before it is read, when its inputs are small.
+
+AOTAutograd emits backward in the order autograd would run it, so a result
+can be made long before anything reads it. The tied embedding of a GPT is the
+large case: the output projection's weight gradient (vocab x width) is made
+at the very start of backward and read at the very end, where the input
+embedding's gradient is added to it. Eager autograd holds it all that time
+too. Its inputs (the logits' gradient and the last hidden state) are a
+quarter of its size, so computing it at the end holds less::
+
+    before:  g = mm(t(dlogits), h); ...whole backward...; s = add_(emb_grad, t(g))
+    after:   ...whole backward...; g = mm(t(dlogits), h); s = add_(emb_grad, t(g))
+
+A node moves, with the chain of views that is its only reader, to just
+before its first other reader when the bytes it allocates exceed the bytes
+of the input storages it keeps alive longer. It must be a pure, non-random
+aten op that allocates; none of its inputs may alias a gathered buffer or a
+collective's result (their windows are the schedule's), and nothing between
+the two positions may write to an input it reads. Values are unchanged: the
+same op runs on the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard import predicates as P
+from fxshard.memory import storage_owners
+
+from .analysis import is_gather_wait, is_saved_buffer
+from .context import PassContext
+
+
+def _allocates(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        P.is_call(node)
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "aten"
+        and not P.is_view(node)
+        and not P.is_random(node)
+        and not target._schema.is_mutable
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
+def _view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the views that are, one after another, the only reader of the last."""
+    chain = [node]
+    while len(chain[-1].users) == 1:
+        (user,) = chain[-1].users
+        if not (P.is_view(user) and user.all_input_nodes == [chain[-1]]):
+            break
+        chain.append(user)
+    return chain
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """Nodes whose storage ``node`` writes (mutable schema arguments, ``fxshard.free``)."""
+    target = node.target
+    if P.is_free(node):
+        return [a for a in node.args if isinstance(a, fx.Node)]
+    if not (P.is_call(node) and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+        return []
+    written = []
+    for arg, value in zip(target._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+            written.append(value)
+    return written
+
+
+class _Liveness:
+    def __init__(self, graph: fx.Graph):
+        nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.owner, self.size = storage_owners(nodes)
+        self.last_use: dict[fx.Node, int] = {}
+        for node in nodes:
+            for a in node.all_input_nodes:
+                if a in self.owner:
+                    o = self.owner[a]
+                    self.last_use[o] = max(self.last_use.get(o, 0), self.order[node])
+        # (position, storages written) of every writing node, in order.
+        self.writes = [(self.order[n], {self.owner[w] for w in _written(n) if w in self.owner})
+                       for n in nodes if _written(n)]
+        protected = [n for n in nodes if is_gather_wait(n) or is_saved_buffer(n)
+                     or P.is_collective(n) or P.is_wait(n)]
+        self.protected = {self.owner[n] for n in protected if n in self.owner}
+
+
+def _gain(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> tuple[int, fx.Node] | None:
+    """Bytes saved per node of distance by sinking ``chain``, and where it goes; None if it must stay."""
+    readers = [u for u in chain[-1].users]
+    if not readers or any(u.op == "output" for u in readers):
+        return None
+    first = min(readers, key=live.order.__getitem__)
+    here, there = live.order[node], live.order[first]
+    if there - here <= len(chain):
+        return None
+    inputs = {live.owner[a] for a in node.all_input_nodes if a in live.owner}
+    if inputs & live.protected or live.owner.get(node) is not node:
+        return None
+    if any(here < pos < there and written & inputs for pos, written in live.writes):
+        return None
+    cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, 0) < there)
+    if live.size.get(node, 0) <= cost:
+        return None
+    return live.size[node] - cost, first
+
+
+def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    graph = gm.graph
+    live = _Liveness(graph)
+    moved = False
+    for node in reversed(list(graph.nodes)):
+        if not _allocates(node):
+            continue
+        chain = _view_chain(node)
+        found = _gain(node, chain, live)
+        if found is None:
+            continue
+        _, first = found
+        for member in chain:
+            first.prepend(member)
+        live = _Liveness(graph)
+        moved = True
+    if moved:
+        gm.recompile()
+    return gm
