@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # full run: MNIST Net and a 12-layer GPT, 2 gloo ranks
     python benchmarks/run.py --quick         # small models, few steps (what CI runs)
     python benchmarks/run.py --scaling       # also: compile time vs depth, explain at scale
+    python benchmarks/run.py --scaling --models ""   # only those (results/scaling.{json,md})
     python benchmarks/run.py --models large  # the model near the memory limit alone
 
 Every system trains the same model from the same initial weights on the same
@@ -327,6 +328,18 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
+def scaling_markdown(scaling: dict[str, Any]) -> str:
+    gib = 1 << 30
+    lines = ["| layers (GPT, width 512) | trace + plan + passes + recompile |", "|---:|---:|"]
+    lines += [f"| {r['layers']} | {r['seconds']:.1f} s |" for r in scaling["compile_scaling"]]
+    lines += ["", "| model | world size | explain wall time | predicted peak / rank | "
+              "shards+grads+Adam/N + 2 largest units |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['world_size']} | {r['seconds']:.1f} s | "
+              f"{r['predicted_peak_bytes'] / gib:.1f} GiB | "
+              f"{r['shards_grads_adam_over_n_plus_2_units'] / gib:.1f} GiB |" for r in scaling["planning"]]
+    return "\n".join(lines) + "\n"
+
+
 def chart(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -381,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch.mkdir(exist_ok=True)
     results = []
     params = {}
-    for model_name in args.models.split(","):
+    for model_name in filter(None, args.models.split(",")):
         with torch.device("meta"):
             params[model_name] = sum(p.numel() for p in model_spec(model_name, args.quick)["make"]().parameters())
         systems = args.systems.split(",")
@@ -400,8 +413,13 @@ def main(argv: list[str] | None = None) -> None:
             "world_size": args.world_size, "quick": args.quick, "steps": args.steps, "params": params}
     report: dict[str, Any] = {"meta": meta, "results": results}
     if args.scaling:
-        report["compile_scaling"] = compile_scaling([12, 24, 48])
-        report["planning"] = planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"])
+        scaling = {"compile_scaling": compile_scaling([12, 24, 48]),
+                   "planning": planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"])}
+        (out / "scaling.json").write_text(json.dumps(scaling, indent=1))
+        (out / "scaling.md").write_text(scaling_markdown(scaling))
+        print(scaling_markdown(scaling))
+    if not results:
+        return
     (out / "latest.json").write_text(json.dumps(report, indent=1, default=str))
     table = markdown(results, meta)
     (out / "latest.md").write_text(table)
