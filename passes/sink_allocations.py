@@ -71,11 +71,17 @@ def _written(node: fx.Node) -> list[fx.Node]:
 
 
 class _Liveness:
+    """Positions, storage owners, last uses and writes, kept current across moves.
+
+    Positions are floats so a move renumbers only the moved nodes: every
+    question the pass asks compares positions, never counts them.
+    """
+
     def __init__(self, graph: fx.Graph):
         nodes = list(graph.nodes)
-        self.order = {n: i for i, n in enumerate(nodes)}
+        self.order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
         self.owner, self.size = storage_owners(nodes)
-        self.last_use: dict[fx.Node, int] = {}
+        self.last_use: dict[fx.Node, float] = {}
         for node in nodes:
             for a in node.all_input_nodes:
                 if a in self.owner:
@@ -88,22 +94,33 @@ class _Liveness:
                      or P.is_collective(n) or P.is_wait(n)]
         self.protected = {self.owner[n] for n in protected if n in self.owner}
 
+    def moved(self, chain: list[fx.Node]) -> None:
+        """``chain`` now sits, in order, between two nodes whose positions are unchanged."""
+        low, high = self.order[chain[0].prev], self.order[chain[-1].next]
+        for i, member in enumerate(chain, start=1):
+            self.order[member] = low + (high - low) * i / (len(chain) + 1)
+        there = self.order[chain[0]]
+        for a in chain[0].all_input_nodes:
+            if a in self.owner:
+                o = self.owner[a]
+                self.last_use[o] = max(self.last_use.get(o, 0.0), there)
+
 
 def _gain(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> tuple[int, fx.Node] | None:
-    """Bytes saved per node of distance by sinking ``chain``, and where it goes; None if it must stay."""
+    """Bytes saved by sinking ``chain`` and the node it goes before; None if it must stay."""
     readers = [u for u in chain[-1].users]
     if not readers or any(u.op == "output" for u in readers):
         return None
     first = min(readers, key=live.order.__getitem__)
+    if first is chain[-1].next:
+        return None  # already there
     here, there = live.order[node], live.order[first]
-    if there - here <= len(chain):
-        return None
     inputs = {live.owner[a] for a in node.all_input_nodes if a in live.owner}
     if inputs & live.protected or live.owner.get(node) is not node:
         return None
     if any(here < pos < there and written & inputs for pos, written in live.writes):
         return None
-    cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, 0) < there)
+    cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, 0.0) < there)
     if live.size.get(node, 0) <= cost:
         return None
     return live.size[node] - cost, first
@@ -123,7 +140,7 @@ def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         _, first = found
         for member in chain:
             first.prepend(member)
-        live = _Liveness(graph)
+        live.moved(chain)
         moved = True
     if moved:
         gm.recompile()
