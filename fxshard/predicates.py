@@ -112,3 +112,20 @@ def is_view(node: fx.Node) -> bool:
     if schema.is_mutable:
         return False
     return any(r.alias_info is not None for r in schema.returns)
+
+
+def allocates(node: fx.Node) -> bool:
+    """A deterministic aten op whose one tensor result is a new storage: not a
+    view or alias of an input, not a mutation, not random."""
+    target = node.target
+    return (
+        is_call(node)
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "aten"
+        and not is_view(node)
+        and not is_random(node)
+        and not target._schema.is_mutable
+        and all(r.alias_info is None for r in target._schema.returns)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+

@@ -29,18 +29,6 @@ from .context import PassContext
 aten = torch.ops.aten
 
 
-def _owns_fresh_storage(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        P.is_call(node)
-        and isinstance(target, torch._ops.OpOverload)
-        and target.namespace == "aten"
-        and not P.is_view(node)
-        and not target._schema.is_mutable
-        and all(r.alias_info is None for r in target._schema.returns)
-    )
-
-
 def _same_layout(a: object, b: object) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
@@ -54,7 +42,7 @@ def _target(add: fx.Node) -> tuple[fx.Node, fx.node.Argument] | None:
     first, second = add.args
     for x, other in ((first, second), (second, first)):
         if (isinstance(x, fx.Node) and x is not other and len(x.users) == 1
-                and _owns_fresh_storage(x) and _same_layout(x.meta.get("val"), add.meta.get("val"))):
+                and P.allocates(x) and _same_layout(x.meta.get("val"), add.meta.get("val"))):
             return x, other
     return None
 

@@ -32,19 +32,6 @@ from .analysis import is_gather_wait, is_saved_buffer
 from .context import PassContext
 
 
-def _allocates(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        P.is_call(node)
-        and isinstance(target, torch._ops.OpOverload)
-        and target.namespace == "aten"
-        and not P.is_view(node)
-        and not P.is_random(node)
-        and not target._schema.is_mutable
-        and isinstance(node.meta.get("val"), torch.Tensor)
-    )
-
-
 def _view_chain(node: fx.Node) -> list[fx.Node]:
     """``node`` and the views that are, one after another, the only reader of the last."""
     chain = [node]
@@ -131,7 +118,7 @@ def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     live = _Liveness(graph)
     moved = False
     for node in reversed(list(graph.nodes)):
-        if not _allocates(node):
+        if not P.allocates(node):
             continue
         chain = _view_chain(node)
         found = _gain(node, chain, live)
