@@ -218,7 +218,7 @@ def _failure(e: BaseException) -> str:
 def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, Any]:
     n = 1 if system == "single" else args.world_size
     limit = memory_limit(args, model_name)
-    env = dict(os.environ)
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if limit is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by each rank's libc at start
     try:
@@ -228,8 +228,10 @@ def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, 
         print(f"  {system} on {model_name} failed: {reason}", flush=True)
         return {"system": system, "model": model_name, "failed": reason, "memory_limit_bytes": limit}
     finally:
-        os.environ.clear()
-        os.environ.update(env)
+        if previous is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
     ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
     first = ranks[0]
     peaks = [r["peak_bytes"] for r in ranks]

@@ -73,10 +73,11 @@ class _Liveness:
             for a in node.all_input_nodes:
                 if a in self.owner:
                     o = self.owner[a]
-                    self.last_use[o] = max(self.last_use.get(o, 0), self.order[node])
+                    self.last_use[o] = max(self.last_use.get(o, 0.0), self.order[node])
         # (position, storages written) of every writing node, in order.
-        self.writes = [(self.order[n], {self.owner[w] for w in _written(n) if w in self.owner})
-                       for n in nodes if _written(n)]
+        written = {n: _written(n) for n in nodes}
+        self.writes = [(self.order[n], {self.owner[w] for w in ws if w in self.owner})
+                       for n, ws in written.items() if ws]
         protected = [n for n in nodes if is_gather_wait(n) or is_saved_buffer(n)
                      or P.is_collective(n) or P.is_wait(n)]
         self.protected = {self.owner[n] for n in protected if n in self.owner}
@@ -93,9 +94,9 @@ class _Liveness:
                 self.last_use[o] = max(self.last_use.get(o, 0.0), there)
 
 
-def _gain(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> tuple[int, fx.Node] | None:
-    """Bytes saved by sinking ``chain`` and the node it goes before; None if it must stay."""
-    readers = [u for u in chain[-1].users]
+def _destination(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> fx.Node | None:
+    """The node ``chain`` should move before, or None if it stays."""
+    readers = list(chain[-1].users)
     if not readers or any(u.op == "output" for u in readers):
         return None
     first = min(readers, key=live.order.__getitem__)
@@ -108,9 +109,7 @@ def _gain(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> tuple[int, fx
     if any(here < pos < there and written & inputs for pos, written in live.writes):
         return None
     cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, 0.0) < there)
-    if live.size.get(node, 0) <= cost:
-        return None
-    return live.size[node] - cost, first
+    return first if live.size.get(node, 0) > cost else None
 
 
 def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -121,10 +120,9 @@ def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         if not P.allocates(node):
             continue
         chain = _view_chain(node)
-        found = _gain(node, chain, live)
-        if found is None:
+        first = _destination(node, chain, live)
+        if first is None:
             continue
-        _, first = found
         for member in chain:
             first.prepend(member)
         live.moved(chain)
