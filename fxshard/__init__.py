@@ -1,34 +1,42 @@
 """fxshard: Fully Sharded Data Parallel (ZeRO-3) as a graph-rewriting compiler pass.
 
-Pipeline (one module each): trace.py -> plan.py -> passes/ (rewrite, schedule)
--> codegen.py -> runtime.py; api.py ties them together.
+Layers, each importing only the ones before it (docs/architecture.md):
+    fxshard.ir       plan, policies, options, configuration, operators, node metadata,
+                     predicates, graph analysis, liveness
+    fxshard.passes   the rewriting passes and the pipeline built from a configuration
+    fxshard.driver   the one compiler every front end runs: trace, passes, codegen,
+                     shards, rank check, report, dumps
+    front ends       fxshard.compile (api.py), fxshard.backend (backend.py),
+                     fxshard.explain (explain.py); tools: cli.py, measure.py
 """
 
 import logging
 
-from fxshard import meta as meta
-from fxshard import ops as ops  # registers the fxshard:: operators
 from fxshard import policies
 from fxshard.api import ShardedModule, compile
 from fxshard.backend import FxShardBackend, backend, parameters
-from fxshard.errors import (
+from fxshard.driver.report import Report
+from fxshard.explain import Explanation, explain
+from fxshard.ir import meta as meta
+from fxshard.ir import ops as ops  # registers the fxshard:: operators
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import (
     CollectiveMismatchError,
     FxShardError,
     GraphInvariantError,
     PlanError,
     TraceError,
 )
-from fxshard.explain import Explanation, explain
-from fxshard.options import ShardingOptions
+from fxshard.ir.options import ShardingOptions
+from fxshard.ir.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
 from fxshard.passes import verify
-from fxshard.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
-from fxshard.report import Report
 
 # Silent unless the application configures logging (see README: Debugging).
 logging.getLogger("fxshard").addHandler(logging.NullHandler())
 
 __all__ = [
     "CollectiveMismatchError",
+    "CompileConfig",
     "Explanation",
     "FxShardBackend",
     "FSDPUnit",

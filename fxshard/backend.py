@@ -25,28 +25,22 @@ Misuse fails loudly:
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxshard.codegen import GraphCompiler
-from fxshard.collectives import Collective, step_collectives
-from fxshard.consistency import check_same_collectives
-from fxshard.errors import FxShardError
-from fxshard.options import ShardingOptions
-from fxshard.plan import ShardPlan, make_plan
-from fxshard.policies import Policy
-from fxshard.runtime import World, make_shards, resolve_world, strip_parameters
-from fxshard.trace import flatten_outputs, parameter_views, trace_step
+from fxshard.driver.compiler import CompiledStep, Driver
+from fxshard.driver.trace import TracedStep, flatten_outputs, parameter_views
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan
+from fxshard.ir.policies import Policy
 
 log = logging.getLogger("fxshard")
 
@@ -67,39 +61,29 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 )
 
 
-@dataclass
 class _Sharding:
-    """What ``fxshard.parameters`` did to one module."""
+    """What ``fxshard.parameters`` did to one module: its driver, and where each stand-in sits."""
 
-    plan: ShardPlan
-    world: World
-    shards: list[nn.Parameter]
-    # id(stand-in parameter) -> (flat group, parameter name)
-    slots: dict[int, tuple[int, str]]
-    graphs: list[dict[str, fx.GraphModule]] = field(default_factory=list)
+    def __init__(self, driver: Driver, slots: dict[int, tuple[int, str]]):
+        self.driver = driver
+        # id(stand-in parameter) -> (flat group, parameter name)
+        self.slots = slots
 
 
 class _CompiledGraph:
     """The callable handed back to Dynamo for one captured graph."""
 
-    def __init__(self, fn: Callable[..., Any], param_positions: set[int], output_spec: Any,
-                 collectives: list[Collective], world: World):
-        self.fn = fn
+    def __init__(self, driver: Driver, step: CompiledStep, param_positions: set[int]):
+        self.driver = driver
+        self.step = step
         self.param_positions = param_positions
-        self.output_spec = output_spec
-        self.collectives = collectives
-        self.world = world
-        self.checked = False
 
     def __call__(self, *args: Any) -> Any:
-        if not self.checked:
-            check_same_collectives(self.collectives, self.world, 300.0)
-            self.checked = True
         inputs = [a for i, a in enumerate(args) if i not in self.param_positions]
-        return self.output_spec.unflatten(self.fn(*inputs))
+        return self.driver.run(self.step, inputs)
 
 
-class _GraphStep(nn.Module):
+class _GraphStep(TracedStep):
     """One Dynamo graph with its parameter inputs replaced by views of unsharded shards."""
 
     gm: fx.GraphModule
@@ -114,8 +98,8 @@ class _GraphStep(nn.Module):
             self.register_parameter(f"shard{g}", shards[g])
         self.param_inputs = param_inputs
         self.n_inputs = n_inputs
-        self.output_spec: Any = None
-        self.failed_in: str | None = None  # read by trace_step's error report
+        self.output_spec = None
+        self.failed_in = None  # read by trace_step's error report
         object.__setattr__(self, "skeleton", gm)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -128,18 +112,22 @@ class _GraphStep(nn.Module):
 
 
 class FxShardBackend:
-    """A ``torch.compile`` backend that shards parameters, gradients and optimizer state."""
+    """A ``torch.compile`` backend that shards parameters, gradients and optimizer state.
 
-    def __init__(self, policy: Policy | None = None, *, process_group: dist.ProcessGroup | None = None,
-                 compute: str = "eager", verify_passes: bool = False, **options: Any):
-        if compute not in ("eager", "inductor"):
-            raise ValueError(f"compute must be 'eager' or 'inductor', got {compute!r}")
-        self.policy = policy
-        self.process_group = process_group
-        self.compute = compute
-        self.verify_passes = verify_passes
-        self.options = ShardingOptions.from_kwargs(**options)
+    Takes every option ``fxshard.compile`` takes (``fxshard.ir.config.CompileConfig``).
+    """
+
+    def __init__(self, policy: Policy | None = None, **options: Any):
+        self.config = CompileConfig.build("backend", policy=policy, **options)
         self._modules: list[_Sharding] = []
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.config.policy
+
+    @property
+    def compute(self) -> str:
+        return self.config.compute
 
     def __repr__(self) -> str:
         return f"fxshard.backend(policy={self.policy!r}, compute={self.compute!r})"
@@ -150,17 +138,14 @@ class FxShardBackend:
         global _HOOK
         for sharding in self._modules:
             if any(id(p) in sharding.slots for p in module.parameters()):
-                return sharding.shards  # already sharded: the same shards again
-        world = resolve_world(self.process_group)
-        devices = {p.device for p in module.parameters()}
-        if len(devices) != 1 or devices == {torch.device("meta")}:
-            raise FxShardError(f"fxshard.parameters: the model's parameters must be on one real "
-                               f"device before sharding, found {sorted(map(str, devices))}")
-        plan = make_plan(module, self.policy, world.size, bucket_bytes=self.options.bucket_bytes,
-                         replicate_below=self.options.replicate_below)
-        shards = make_shards(module, plan, world.rank, next(iter(devices)))
+                return sharding.driver.shards  # already sharded: the same shards again
+        driver = Driver(self.config)
+        shards = driver.shard(module)
+        plan = driver.plan
         originals = list(module.parameters())
-        strip_parameters(module, on_device=True)
+        # Stand-ins on the parameters' device: Dynamo bakes the device of
+        # tensors computed from parameters into its graphs.
+        driver.strip(module, on_device=True)
         for p in originals:
             _RETIRED[p] = True
         if _HOOK is None:
@@ -171,7 +156,7 @@ class FxShardBackend:
             for slot in group.params:
                 for name in slot.names:
                     slots[id(by_name[name])] = (group.index, slot.name)
-        self._modules.append(_Sharding(plan, world, shards, slots))
+        self._modules.append(_Sharding(driver, slots))
         return shards
 
     # -- the backend ----------------------------------------------------------------------
@@ -200,77 +185,37 @@ class FxShardBackend:
         if missing:
             raise FxShardError(f"fxshard backend: parameters {missing} are not part of the sharded "
                                "model (added after fxshard.parameters?)")
+        driver = sharding.driver
         param_inputs = {i: sharding.slots[id(x)][1] for i, x in params}
         groups = sorted({sharding.slots[id(x)][0] for _, x in params})
-        step = _GraphStep(gm, sharding.plan, {g: sharding.shards[g] for g in groups}, param_inputs,
+        step = _GraphStep(gm, driver.plan, {g: driver.shards[g] for g in groups}, param_inputs,
                           len(example_inputs))
-        compiler = GraphCompiler(sharding.plan, sharding.world.size, sharding.world.group_name,
-                                 self.verify_passes, self.options)
-        if self.compute == "inductor":
-            compiler.finish = _inductor_finish
-            compiler.emit_free = False  # Inductor frees buffers after their last use itself
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
-        decompositions = None
-        if self.compute == "inductor":
-            # Load the lowerings the decomposition table consults (a plain
-            # `import torch._inductor...` here would make `torch` a local name).
-            importlib.import_module("torch._inductor.compile_fx")
-            from torch._inductor.decomposition import select_decomp_table
-
-            decompositions = select_decomp_table()
-        partition: Callable[..., Any] = compiler.partition
-        if self.compute == "inductor":
-            partition = _with_inductor_joint_passes(compiler.partition)
-        fn = trace_step(step, user_inputs, partition_fn=partition,
-                        fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
-                        inference_compiler=compiler.compile_inference,
-                        model_name=f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)",
-                        decompositions=decompositions)
-        graphs = dict(compiler.graphs)
-        sharding.graphs.append(graphs)
+        compiled = driver.compile_step(
+            step, user_inputs, model_name=f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")
         log.info("fxshard backend: compiled a graph with %d parameter inputs over %d flat groups",
                  len(param_inputs), len(groups))
-        return _CompiledGraph(fn, set(param_inputs), step.output_spec, step_collectives(graphs),
-                              sharding.world)
+        return _CompiledGraph(driver, compiled, set(param_inputs))
+
+    def steps(self) -> list[CompiledStep]:
+        """The compiled step of every graph Dynamo captured, in compile order."""
+        return [s for m in self._modules for s in m.driver.steps]
 
     def graphs(self) -> list[dict[str, fx.GraphModule]]:
         """The emitted graphs of every graph Dynamo captured, in compile order."""
-        return [g for s in self._modules for g in s.graphs]
+        return [s.graphs for s in self.steps()]
 
     def plan(self) -> ShardPlan:
         if not self._modules:
             raise FxShardError("nothing sharded yet: call fxshard.parameters(model) first")
-        return self._modules[-1].plan
-
-
-def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., Any]:
-    """Inductor's joint-graph passes, then fxshard's partitioning.
-
-    Inductor prepares the joint graph for its lowering (``replace_random``
-    turns ``native_dropout`` into the random ops it can compile); its
-    ``partition_fn`` runs them and hands the graph to the override.
-    """
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import partition_fn
-    from torch._inductor.virtualized import V
-
-    def run(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        vals = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
-        # The passes read the fake mode from Inductor's virtualized state.
-        with V.set_fake_mode(detect_fake_mode(vals)):
-            return partition_fn(joint, joint_inputs, partitioner_fn_override=partition, **kwargs)
-
-    return run
-
-
-def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    return compile_fx_inner(gm, example_inputs)
+        return self._modules[-1].driver.plan
 
 
 def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:
-    """A ``torch.compile`` backend: ``torch.compile(model, backend=fxshard.backend(policy=...))``."""
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=fxshard.backend(policy=...))``.
+
+    Takes every option ``fxshard.compile`` takes.
+    """
     return FxShardBackend(policy, **options)
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxshard.errors import FxShardError
-from fxshard.policies import Policy, by_class, by_size
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.policies import Policy, by_class, by_size
 
 _TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
 

@@ -10,8 +10,6 @@ N-rank job would emit.
 from __future__ import annotations
 
 import copy
-import difflib
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,23 +21,14 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxshard.errors import FxShardError
-from fxshard.plan import ShardPlan
-from fxshard.policies import Policy
-from fxshard.report import Report
-
-log = logging.getLogger("fxshard")
-
-
-@dataclass
-class PassLog:
-    """The code of each graph as traced and after each pass, in order."""
-
-    steps: list[tuple[str, str, str]] = field(default_factory=list)  # (graph, pass, code)
-
-    def __call__(self, graph: str, pass_name: str, gm: fx.GraphModule) -> None:
-        gm.recompile()
-        self.steps.append((graph, pass_name, gm.code))
+from fxshard.api import shard_module
+from fxshard.driver.compiler import Driver
+from fxshard.driver.dump import PassLog
+from fxshard.driver.report import Report
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan
+from fxshard.ir.policies import Policy
 
 
 @dataclass
@@ -47,18 +36,19 @@ class Explanation:
     plan: ShardPlan
     graphs: dict[str, fx.GraphModule]  # "forward" and, when training, "backward"
     report: Report
-    passes: PassLog
+    passes: PassLog  # the code after each pass; filled only when dumping
     world_size: int
     rank: int
+    pass_names: tuple[tuple[str, str], ...] = ()  # (graph, pass) in the order they ran
+    _driver: Driver | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.plan}\n\n{self.report}"
 
     def dump(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Write everything to ``directory``; returns the files written."""
-        from fxshard.dump import write_dump
-
-        return write_dump(self, Path(directory))
+        assert self._driver is not None
+        return self._driver.dump(self._driver.steps[-1], Path(directory))
 
 
 def _to_meta(model: nn.Module) -> nn.Module:
@@ -80,7 +70,6 @@ def explain(
     *,
     rank: int = 0,
     train: bool = True,
-    dump_dir: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> Explanation:
     """Plan, emitted graphs and report of ``model`` sharded over ``world_size`` ranks.
@@ -88,12 +77,12 @@ def explain(
     ``example_inputs`` is a tensor or a tuple of positional arguments (only
     shapes and dtypes matter; any device). ``model`` is left untouched.
     ``train=False`` explains an inference step. Options are those of
-    ``fxshard.compile``. ``dump_dir`` (or the ``FXSHARD_DUMP`` environment
-    variable) writes the graphs after each pass, a timeline picture and the
-    unit graph there.
+    ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
+    variable, writes the graphs after each pass, a timeline picture and the
+    unit graph there), except ``process_group`` and ``check_timeout``: explain
+    runs nothing, on a fake process group of its own.
     """
-    from fxshard.api import compile as fxshard_compile
-
+    config = CompileConfig.build("explain", policy=policy, **options)
     if world_size < 1 or not 0 <= rank < world_size:
         raise FxShardError(f"explain: need 0 <= rank < world_size, got rank {rank} of {world_size}")
     if dist.is_initialized():
@@ -110,31 +99,13 @@ def explain(
     )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    target = dump_dir if dump_dir is not None else os.environ.get("FXSHARD_DUMP")
-    passes = PassLog()  # filled only when dumping: rendering code after every pass costs time
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
+        driver = Driver(config, runs=False)
         with torch.set_grad_enabled(train):
-            sharded = fxshard_compile(meta_model, policy=policy, example_inputs=meta_args,
-                                      on_pass=passes if target else None, _allow_meta=True,
-                                      **options)
-        result = Explanation(sharded.plan, sharded.graphs, sharded.report(), passes, world_size, rank)
+            sharded = shard_module(meta_model, driver, meta_args, allow_meta=True)
+        step = driver.steps[-1]
+        return Explanation(sharded.plan, sharded.graphs, driver.report(step),
+                           step.pass_log or PassLog(), world_size, rank, tuple(step.passes), driver)
     finally:
         dist.destroy_process_group()
-    if target:
-        written = result.dump(target)
-        log.info("fxshard: explain wrote %d files to %s", len(written), target)
-    return result
-
-
-def pass_diffs(passes: PassLog) -> list[tuple[str, str, str, str]]:
-    """(graph, pass, code, unified diff against the previous step of the same graph)."""
-    previous: dict[str, str] = {}
-    out = []
-    for graph, name, code in passes.steps:
-        before = previous.get(graph, "")
-        diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), code.splitlines(keepends=True),
-                                            fromfile=f"{graph} before {name}", tofile=f"{graph} after {name}"))
-        out.append((graph, name, code, diff))
-        previous[graph] = code
-    return out

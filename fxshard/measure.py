@@ -17,7 +17,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxshard.collectives import bus_bytes
+from fxshard.ir.collectives import bus_bytes
 
 _f = torch.ops._c10d_functional
 _c = torch.ops.c10d

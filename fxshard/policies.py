@@ -1,114 +1,19 @@
-"""Wrapping policies: which modules become FSDP units.
+"""Wrapping policies, under the name users import them by (``fxshard.policies``).
 
-Policies are immutable values that compose with ``|``::
-
-    policy = by_class(Block) | by_size(1_000_000)
-
-The planner walks the module tree bottom-up (post-order), as FSDP's auto-wrap
-does, and asks the policy about every module except the root. A module the
-policy accepts becomes a unit and claims the parameters under it that no unit
-below it has claimed. Whatever is left belongs to the root unit.
+The definitions live with the rest of the plan's data in ``fxshard.ir.policies``.
 """
 
-from __future__ import annotations
+from fxshard.ir.policies import (
+    AnyOf,
+    ByClass,
+    ByPredicate,
+    BySize,
+    Policy,
+    WrapQuery,
+    by_class,
+    by_predicate,
+    by_size,
+)
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch.nn as nn
-
-
-@dataclass(frozen=True)
-class WrapQuery:
-    """What a policy is told about one candidate module."""
-
-    name: str  # module path, e.g. "layers.3"
-    module: nn.Module
-    unwrapped_numel: int  # parameters under it that no unit below it claims
-
-
-class Policy:
-    """Base class. Subclasses are frozen dataclasses implementing ``wraps``."""
-
-    def wraps(self, query: WrapQuery) -> bool:
-        raise NotImplementedError
-
-    def __or__(self, other: Policy) -> Policy:
-        if not isinstance(other, Policy):
-            return NotImplemented
-        left = self.policies if isinstance(self, AnyOf) else (self,)
-        right = other.policies if isinstance(other, AnyOf) else (other,)
-        return AnyOf(left + right)
-
-
-@dataclass(frozen=True)
-class BySize(Policy):
-    """FSDP's size-based auto-wrap: wrap once ``min_params`` unclaimed parameters are reached."""
-
-    min_params: int
-
-    def __post_init__(self) -> None:
-        if self.min_params <= 0:
-            raise ValueError(f"by_size(min_params={self.min_params}): min_params must be positive")
-
-    def wraps(self, query: WrapQuery) -> bool:
-        return query.unwrapped_numel >= self.min_params
-
-    def __repr__(self) -> str:
-        return f"by_size({self.min_params:_})"
-
-
-@dataclass(frozen=True)
-class ByClass(Policy):
-    """Layer-class policy: every instance of one of ``classes`` is a unit."""
-
-    classes: tuple[type[nn.Module], ...]
-
-    def __post_init__(self) -> None:
-        bad = [c for c in self.classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
-        if bad or not self.classes:
-            raise TypeError(f"by_class takes nn.Module subclasses, got {bad or 'nothing'}")
-
-    def wraps(self, query: WrapQuery) -> bool:
-        return isinstance(query.module, self.classes)
-
-    def __repr__(self) -> str:
-        return "by_class(" + ", ".join(c.__name__ for c in self.classes) + ")"
-
-
-@dataclass(frozen=True)
-class ByPredicate(Policy):
-    """Wrap where ``fn(name, module)`` is true."""
-
-    fn: Callable[[str, nn.Module], bool]
-
-    def wraps(self, query: WrapQuery) -> bool:
-        return bool(self.fn(query.name, query.module))
-
-    def __repr__(self) -> str:
-        return f"by_predicate({getattr(self.fn, '__qualname__', repr(self.fn))})"
-
-
-@dataclass(frozen=True)
-class AnyOf(Policy):
-    """``a | b``: wrap where any member policy wraps."""
-
-    policies: tuple[Policy, ...]
-
-    def wraps(self, query: WrapQuery) -> bool:
-        return any(p.wraps(query) for p in self.policies)
-
-    def __repr__(self) -> str:
-        return " | ".join(repr(p) for p in self.policies)
-
-
-def by_size(min_params: int | float) -> Policy:
-    return BySize(int(min_params))
-
-
-def by_class(*module_classes: type[nn.Module]) -> Policy:
-    return ByClass(tuple(module_classes))
-
-
-def by_predicate(fn: Callable[[str, nn.Module], bool]) -> Policy:
-    return ByPredicate(fn)
+__all__ = ["AnyOf", "ByClass", "ByPredicate", "BySize", "Policy", "WrapQuery", "by_class",
+           "by_predicate", "by_size"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard import predicates as P
+from fxshard.ir import predicates as P
+from fxshard.ir.nodes import call
 
 from .context import PassContext
 
@@ -56,8 +57,8 @@ def accumulate_in_place_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
             continue
         x, other = found
         with graph.inserting_before(add):
-            acc = graph.call_function(aten.add_.Tensor, (x, other))
-        acc.meta.update(add.meta)
+            acc = call(graph, aten.add_.Tensor, (x, other))
+        acc.meta.update({k: v for k, v in add.meta.items() if k != "val"})
         add.replace_all_uses_with(acc)
         graph.erase_node(add)
         changed = True

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fxshard.errors import GraphInvariantError
-from fxshard.options import ShardingOptions
-from fxshard.plan import ShardPlan
+from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.options import ShardingOptions
+from fxshard.ir.plan import ShardPlan
 
 GraphKind = Literal["joint", "forward", "backward", "inference"]
 
@@ -25,10 +25,6 @@ class PassContext:
     num_user_outputs: int | None = None
     verify: bool = True
     options: ShardingOptions = ShardingOptions()
-    # False when Inductor compiles the emitted graphs: it frees every buffer
-    # after its last use itself, and may reorder reads of a buffer's views
-    # past an explicit free.
-    emit_free: bool = True
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard import meta
-from fxshard import predicates as P
-from fxshard.errors import GraphInvariantError
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.errors import GraphInvariantError
 
 from .context import PassContext
 from .lowering import replace_with_collective

@@ -17,6 +17,10 @@ over the same saved buffer.
 A buffer that escapes through the graph's outputs is not freed: in forward
 that is a unit kept for backward (expected), or a model that returns a
 parameter (logged).
+
+Not in the pipeline when Inductor compiles the emitted graphs: it frees every
+buffer after its last use itself, and may reorder a read of a buffer's views
+past an explicit free.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import logging
 
 import torch.fx as fx
 
-from fxshard import meta, ops
-from fxshard import predicates as P
+from fxshard.ir import meta, ops
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import aliases, buffer_group, gathered_buffers, is_saved_buffer
+from fxshard.ir.nodes import call
 
-from .analysis import aliases, buffer_group, gathered_buffers, is_saved_buffer
 from .context import PassContext
 
 log = logging.getLogger("fxshard")
@@ -37,7 +42,7 @@ log = logging.getLogger("fxshard")
 def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     waits = [n for n in gathered_buffers(graph) if not is_saved_buffer(n)]
-    if not waits or not ctx.emit_free:
+    if not waits:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
@@ -54,8 +59,7 @@ def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         plans.append((wait, last))
     for wait, last in plans:
         with graph.inserting_after(last):
-            node = graph.call_function(ops.FREE, (wait,))
-        node.meta["val"] = None
+            node = call(graph, ops.FREE, (wait,))
         info = meta.get_info(wait)
         if info is not None:
             meta.set_info(node, meta.NodeInfo(meta.FREE, info.group, info.unit))

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard import meta
-from fxshard import predicates as P
-from fxshard.errors import GraphInvariantError
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.nodes import call
 
 from .context import PassContext
 from .lowering import replace_with_collective
@@ -50,8 +51,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         fresh = grad.target is aten.cat.default and len(grad.users) == 1
         divide = aten.div_.Tensor if fresh else aten.div.Tensor
         with gm.graph.inserting_before(marker):
-            scaled = gm.graph.call_function(divide, (grad, ctx.world_size))
-        scaled.meta["val"] = grad.meta["val"]
+            scaled = call(gm.graph, divide, (grad, ctx.world_size))
         if P.is_allreduce_grad_marker(marker):
             replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
                                     meta.ALL_REDUCE, group, unit)

@@ -1,26 +1,36 @@
 """The pass pipeline: which passes run, on which graph, in which order, and why.
 
-A pass is ``def name_pass(gm, ctx) -> gm``. It returns ``gm`` unchanged when it
-has nothing to do and raises GraphInvariantError naming the node when it meets
-a graph shape it does not expect. ``verify`` runs after every pass when
-``ctx.verify`` is set, and always on the emitted graphs.
+``build_pipeline(graph, config)`` is the one place that decides. A pass never
+switches itself on or off: the configuration decides here whether it is in
+the list (prefetch only with a prefetch mode, explicit frees only when fxshard
+itself runs the graphs, anything the user disables by name).
+
+A pass is ``def name_pass(gm, ctx) -> gm``. Its name is its ID, in logs, in
+``on_pass`` hooks, in dumps and in ``disable_passes``. It returns ``gm``
+unchanged when it has nothing to do and raises GraphInvariantError naming the
+node when it meets a graph shape it does not expect. ``verify`` runs after
+every pass when ``ctx.verify`` is set, and always on the emitted graphs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.fx as fx
 
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import FxShardError
+
 from .accumulate_in_place import accumulate_in_place_pass
-from .context import PassContext
+from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
-from .schedule import schedule_pass
+from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
 from .verify import verify
@@ -28,68 +38,175 @@ from .verify import verify
 log = logging.getLogger("fxshard")
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+GRAPH_KINDS: tuple[GraphKind, ...] = ("joint", "forward", "backward", "inference")
 
-# Joint forward+backward graph, before AOTAutograd partitions it.
-JOINT_PASSES: tuple[Pass, ...] = (
-    # Must run before partitioning: afterwards the partitioner has already
-    # decided to save gathered parameters for backward.
-    rematerialize_params_pass,
-)
 
-# Forward graph of a training step, and the graph of an inference step.
-FORWARD_PASSES: tuple[Pass, ...] = (
-    # First: dead nodes the partitioner kept would otherwise be lowered,
-    # gathered and scheduled like live ones.
-    eliminate_dead_code_pass,
-    # Lower markers first: every later pass reasons about real collectives.
-    insert_all_gather_pass,
-    # Place gathers before freeing: a buffer's window runs from its gather to
-    # its last use, so free positions depend on the schedule.
-    schedule_pass,
-    # Last: frees follow the final position of every use.
-    insert_free_pass,
-)
+@dataclass(frozen=True)
+class PassSpec:
+    """One position in a pipeline."""
 
-# Backward graph: the rematerialized gathers, then gradient reduction.
-BACKWARD_PASSES: tuple[Pass, ...] = (
-    eliminate_dead_code_pass,
-    # Gradient sums only: touches no parameter buffer, so it can run anywhere;
-    # first, so later passes see the final readers of every tensor.
-    accumulate_in_place_pass,
-    insert_all_gather_pass,
-    insert_reduce_scatter_pass,
-    schedule_pass,
-    # After the gathers are placed, before frees: moves only gradient layout
-    # nodes and reductions, which no gather window depends on.
-    schedule_reduce_scatter_pass,
-    insert_free_pass,
-    # Last: moves only compute that reads no gathered buffer and no collective
-    # result, so no gather window, free or reduction changes.
-    sink_allocations_pass,
-)
+    fn: Pass
+    why: str  # why the pass is at this position
+    needs: tuple[str, ...] = ()  # passes it relies on having run before it
+    # Why the emitted graphs are wrong or cannot run without it; None: optional.
+    required: str | None = None
 
-PIPELINES: dict[str, tuple[Pass, ...]] = {
-    "joint": JOINT_PASSES,
-    "forward": FORWARD_PASSES,
-    "inference": FORWARD_PASSES,
-    "backward": BACKWARD_PASSES,
-}
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+_LOWERS_GATHERS = "the emitted graphs would keep fxshard.unshard markers, which raise when run"
+_LOWERS_GRADS = "the emitted graphs would keep fxshard.reduce_grad markers, which raise when run"
+_PLACES = ("every unit would be gathered at the start of the graph, where tracing puts the "
+           "markers (the in-flight limit, invariant 8, fails)")
+
+
+def _joint(config: CompileConfig) -> list[PassSpec]:
+    return [
+        PassSpec(rematerialize_params_pass,
+                 "before partitioning: afterwards the partitioner has already decided to save "
+                 "gathered parameters for backward",
+                 required="the partitioner would save gathered parameters for backward, "
+                          "silently turning ZeRO-3 into DDP (invariant 5)"),
+    ]
+
+
+def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
+    specs = [
+        PassSpec(eliminate_dead_code_pass,
+                 "first: dead nodes the partitioner kept would otherwise be lowered, gathered "
+                 "and scheduled like live ones"),
+        PassSpec(insert_all_gather_pass,
+                 "lower markers early: every later pass reasons about real collectives",
+                 required=_LOWERS_GATHERS),
+        PassSpec(place_gathers_pass,
+                 "place gathers before freeing: a buffer's window runs from its gather to its "
+                 "last use, so free positions depend on the schedule",
+                 needs=("insert_all_gather_pass",), required=_PLACES),
+    ]
+    if config.options.prefetch_mode(graph) is not None:
+        specs.append(PassSpec(prefetch_gathers_pass,
+                              "after just-in-time placement: a prefetch moves a placed gather "
+                              "earlier, as far as the in-flight limit allows",
+                              needs=("place_gathers_pass",)))
+    if config.compute == "eager":
+        specs.append(PassSpec(insert_free_pass,
+                              "last: frees follow the final position of every use",
+                              needs=("insert_all_gather_pass",)))
+    return specs
+
+
+def _backward(config: CompileConfig) -> list[PassSpec]:
+    specs = [
+        PassSpec(eliminate_dead_code_pass,
+                 "first: the partitioner copies dead forward nodes (dropout, and the gathers "
+                 "feeding them) into backward"),
+        PassSpec(accumulate_in_place_pass,
+                 "gradient sums only: touches no parameter buffer, so it can run anywhere; "
+                 "early, so later passes see the final readers of every tensor"),
+        PassSpec(insert_all_gather_pass,
+                 "lower markers early: every later pass reasons about real collectives",
+                 required=_LOWERS_GATHERS),
+        PassSpec(insert_reduce_scatter_pass,
+                 "lower gradient markers before scheduling, which moves the reductions",
+                 required=_LOWERS_GRADS),
+        PassSpec(place_gathers_pass,
+                 "gathers just in time, before any prefetch or free is decided",
+                 needs=("insert_all_gather_pass",), required=_PLACES),
+    ]
+    if config.options.prefetch_mode("backward") is not None:
+        specs.append(PassSpec(prefetch_gathers_pass,
+                              "after just-in-time placement: a prefetch moves a placed gather "
+                              "earlier, as far as the in-flight limit allows",
+                              needs=("place_gathers_pass",)))
+    specs.append(PassSpec(schedule_reduce_scatter_pass,
+                          "after the gathers are placed, before frees: moves only gradient "
+                          "layout nodes and reductions, which no gather window depends on",
+                          needs=("insert_reduce_scatter_pass",)))
+    if config.compute == "eager":
+        specs.append(PassSpec(insert_free_pass,
+                              "after every move of a reader: frees follow the final position "
+                              "of every use",
+                              needs=("insert_all_gather_pass",)))
+    specs.append(PassSpec(sink_allocations_pass,
+                          "last: moves only compute that reads no gathered buffer and no "
+                          "collective result, so no gather window, free or reduction changes"))
+    return specs
+
+
+def all_pass_names() -> list[str]:
+    """Every pass any pipeline can hold, in first-appearance order."""
+    everything = CompileConfig()
+    names: dict[str, None] = {}
+    for graph in GRAPH_KINDS:
+        for spec in _candidates(graph, everything):
+            names[spec.name] = None
+    return list(names)
+
+
+def _candidates(graph: GraphKind, config: CompileConfig) -> list[PassSpec]:
+    if graph == "joint":
+        return _joint(config)
+    if graph == "backward":
+        return _backward(config)
+    return _forward(config, graph)
+
+
+def build_pipeline(graph: GraphKind, config: CompileConfig) -> tuple[PassSpec, ...]:
+    """The ordered passes for ``graph`` under ``config``, less ``config.disable_passes``.
+
+    Raises FxShardError for an unknown pass name, and for disabling a pass that
+    is required or that another pass in the list needs, naming what breaks.
+    """
+    known = all_pass_names()
+    unknown = [n for n in config.disable_passes if n not in known]
+    if unknown:
+        raise FxShardError(f"disable_passes: no pass named {unknown}; the passes are {known}")
+    specs = _candidates(graph, config)
+    disabled = set(config.disable_passes)
+    for spec in specs:
+        if spec.name not in disabled:
+            continue
+        dependents = [s.name for s in specs if spec.name in s.needs and s.name not in disabled]
+        problems = []
+        if dependents:
+            problems.append(f"{', '.join(dependents)} {'needs' if len(dependents) == 1 else 'need'} it")
+        if spec.required:
+            problems.append(spec.required)
+        if problems:
+            raise FxShardError(
+                f"disable_passes: {spec.name} cannot be disabled on the {graph} graph: "
+                + "; and ".join(problems) + "."
+            )
+    return tuple(s for s in specs if s.name not in disabled)
 
 
 def run_passes(
     gm: fx.GraphModule,
     ctx: PassContext,
-    passes: Sequence[Pass] | None = None,
+    passes: Sequence[PassSpec | Pass],
     on_pass: Callable[[str, fx.GraphModule], None] | None = None,
 ) -> fx.GraphModule:
-    """Run ``passes`` (by default the pipeline for ``ctx.graph``) over ``gm``."""
-    for p in PIPELINES[ctx.graph] if passes is None else passes:
-        gm = p(gm, ctx)
-        log.debug("fxshard: %s on %s graph:\n%s", p.__name__, ctx.graph, gm.code)
+    """Run ``passes`` over ``gm`` in order, verifying after each when ``ctx.verify``."""
+    for p in passes:
+        fn = p.fn if isinstance(p, PassSpec) else p
+        gm = fn(gm, ctx)
+        log.debug("fxshard: %s on %s graph:\n%s", fn.__name__, ctx.graph, gm.code)
         if ctx.verify:
             verify(gm, ctx)
         if on_pass is not None:
-            on_pass(p.__name__, gm)
+            on_pass(fn.__name__, gm)
     if ctx.graph != "joint":
         verify(gm, ctx, final=True)
     return gm
+
+
+def describe(config: CompileConfig) -> str:
+    """Every graph's pipeline under ``config``, one pass a line with its reason."""
+    lines = []
+    for graph in GRAPH_KINDS:
+        lines.append(f"{graph}:")
+        for i, spec in enumerate(build_pipeline(graph, config), start=1):
+            lines.append(f"  {i}. {spec.name}: {spec.why}")
+    return "\n".join(lines)

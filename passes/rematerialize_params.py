@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard import meta
-from fxshard import predicates as P
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import parameter_only, source_group
+from fxshard.ir.nodes import refresh_value
 
-from .analysis import parameter_only, source_group
 from .context import PassContext
-
-_TAG = "partitioner_tag"
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.meta.get(_TAG) == "is_backward" or P.is_tangent(node)
 
 
 def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -45,9 +40,9 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     param_only = parameter_only(graph)
     # Collect first: (backward user, forward parameter-only inputs it reads).
     todo = [
-        (node, [a for a in node.all_input_nodes if a in param_only and not _is_backward(a)])
+        (node, [a for a in node.all_input_nodes if a in param_only and not meta.is_backward(a)])
         for node in graph.nodes
-        if _is_backward(node) and not P.is_output(node)
+        if meta.is_backward(node) and not P.is_output(node)
     ]
     todo = [(node, inputs) for node, inputs in todo if inputs]
     if not todo:
@@ -56,7 +51,7 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     copies: dict[fx.Node, fx.Node] = {}
 
     def copy_of(node: fx.Node, before: fx.Node) -> fx.Node:
-        if node not in param_only or _is_backward(node):
+        if node not in param_only or meta.is_backward(node):
             return node  # a graph input (the shard) or an existing backward value
         if P.is_unshard_marker(node) and not ctx.reshards(_group_of(node)):
             return node  # not resharded: backward reads the forward buffer
@@ -64,7 +59,9 @@ def rematerialize_params_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
             inputs = {a: copy_of(a, before) for a in node.all_input_nodes}
             with graph.inserting_before(before):
                 new = graph.node_copy(node, lambda a: inputs[a])
-            new.meta = {**node.meta, _TAG: "is_backward"}
+            new.meta = {k: v for k, v in node.meta.items() if k != meta.KEY}
+            refresh_value(new)
+            meta.tag_backward(new)
             unit_group = source_group(node)
             if unit_group is not None:
                 meta.set_info(new, meta.NodeInfo(meta.REMAT, unit_group, ctx.unit_of(unit_group)))

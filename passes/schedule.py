@@ -1,20 +1,22 @@
-"""schedule_pass: place every gather: just in time, then prefetched within the in-flight limit.
+"""Placing gathers: just in time (place_gathers_pass), then prefetched within the
+in-flight limit (prefetch_gathers_pass).
 
 A gathered buffer feeds a chain of parameter-only nodes (split, getitem,
 view, and transposes or casts of a weight) before any real compute reads it.
-First, each gather, its wait and that chain move to just before the first
-node outside the chain that reads them (just in time)::
+``place_gathers_pass`` moves each gather, its wait and that chain to just
+before the first node outside the chain that reads them (just in time)::
 
     ag0; w0; split0; view0; ag1; w1; split1; view1; mm(x, view0); mm(y, view1)
       -> ag0; w0; split0; view0; mm(x, view0); ag1; w1; split1; view1; mm(y, view1)
 
-Then, with prefetch, unit k+1's all_gather moves earlier (its wait stays)::
+Then ``prefetch_gathers_pass`` moves unit k+1's all_gather earlier (its wait stays)::
 
     "pre":   ag0; w0; view0; ag1; mm(x, view0); ... ; w1; view1; mm(y, view1)
     "post":  ag0; w0; view0; mm(x, view0); [free0]; ag1; ... ; w1; view1; mm(y, view1)
 
-Forward uses "pre" when ``forward_prefetch`` is on; backward uses
-``backward_prefetch``. Backward needs no reordering of units: AOTAutograd
+The mode is ``ShardingOptions.prefetch_mode(graph)``: forward uses "pre" when
+``forward_prefetch`` is on; backward uses ``backward_prefetch``. Without a
+mode the pipeline leaves the pass out. Backward needs no reordering of units: AOTAutograd
 emits backward in reverse order of forward, so "next" is the previous unit.
 
 In-flight limit: a prefetch may not make more than ``max_inflight_gathers``
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .analysis import (
+from fxshard.ir.analysis import (
     Window,
     buffer_uses,
     is_gather_wait,
@@ -41,10 +43,12 @@ from .analysis import (
     parameter_chain,
     windows,
 )
+from fxshard.ir.errors import GraphInvariantError
+
 from .context import PassContext
 
 
-def _just_in_time(gm: fx.GraphModule) -> None:
+def place_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     moves = []
     order = order_of(gm.graph)
     for wait in [n for n in gm.graph.nodes if is_gather_wait(n)]:
@@ -59,6 +63,9 @@ def _just_in_time(gm: fx.GraphModule) -> None:
         for node in (wait.args[0], wait, *chain):
             assert isinstance(node, fx.Node)
             first.prepend(node)
+    if moves:
+        gm.recompile()
+    return gm
 
 
 def _fits(live: list[Window], new: Window, ctx: PassContext) -> bool:
@@ -69,10 +76,17 @@ def _fits(live: list[Window], new: Window, ctx: PassContext) -> bool:
     return cap is None or sum(w.bytes for w in counted) <= cap
 
 
-def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
+def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    mode = ctx.options.prefetch_mode(ctx.graph)
+    if mode is None:
+        raise GraphInvariantError(
+            f"prefetch_gathers_pass on the {ctx.graph} graph, whose options ask for no prefetch "
+            "(build_pipeline leaves it out then)"
+        )
     reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
     uses = buffer_uses(gm.graph)  # moving gathers changes positions, not readers
     sequence = windows(gm.graph, reshards, uses)
+    moved = False
     for j in range(1, len(sequence)):
         current = windows(gm.graph, reshards, uses)  # positions after earlier moves
         by_buffer = {w.buffer: w for w in current}
@@ -94,17 +108,7 @@ def _prefetch(gm: fx.GraphModule, ctx: PassContext, mode: str) -> None:
             continue  # stays just in time
         anchor = list(gm.graph.nodes)[point]
         anchor.prepend(target.buffer.args[0])
-
-
-def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not any(is_gather_wait(n) for n in gm.graph.nodes):
-        return gm
-    _just_in_time(gm)
-    if ctx.graph == "backward":
-        mode = ctx.options.backward_prefetch
-    else:
-        mode = "pre" if ctx.options.forward_prefetch else None
-    if mode is not None:
-        _prefetch(gm, ctx, mode)
-    gm.recompile()
+        moved = True
+    if moved:
+        gm.recompile()
     return gm

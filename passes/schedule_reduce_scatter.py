@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard import predicates as P
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 
-from .analysis import order_of
 from .context import PassContext
 
 aten = torch.ops.aten

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard import predicates as P
-from fxshard.memory import storage_owners
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import is_gather_wait, is_saved_buffer
+from fxshard.ir.memory import storage_owners
 
-from .analysis import is_gather_wait, is_saved_buffer
 from .context import PassContext
 
 

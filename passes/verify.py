@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard import predicates as P
-from fxshard.errors import GraphInvariantError
-
-from .analysis import (
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import (
     aliases,
     gathered_buffers,
     is_gather_wait,
@@ -20,6 +19,8 @@ from .analysis import (
     source_group,
     windows,
 )
+from fxshard.ir.errors import GraphInvariantError
+
 from .context import PassContext
 
 
@@ -113,10 +114,10 @@ def _check_nothing_gathered_is_saved(graph: fx.Graph, ctx: PassContext) -> None:
 def _check_joint_saves_no_parameter(graph: fx.Graph, ctx: PassContext) -> None:
     param_only = parameter_only(graph)
     for node in graph.nodes:
-        if node.meta.get("partitioner_tag") != "is_backward":
+        if not meta.is_backward(node):
             continue
         for a in node.all_input_nodes:
-            if (a in param_only and a.meta.get("partitioner_tag") != "is_backward"
+            if (a in param_only and not meta.is_backward(a)
                     and not _kept(a, ctx)):
                 raise GraphInvariantError(
                     f"backward node {node.name} reads forward value {a.name}, computed from "

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fxshard import meta
-from fxshard import predicates as P
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
 
 
 @contextmanager

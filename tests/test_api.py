@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard import predicates as P
+from fxshard.ir import predicates as P
 from fxshard.policies import by_class, by_size
 
 from graph_utils import fake_world

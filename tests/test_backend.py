@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
-from fxshard import predicates as P
-from fxshard.errors import FxShardError
+from fxshard.driver.runtime import full_parameters
+from fxshard.ir import predicates as P
+from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class
-from fxshard.runtime import full_parameters
 
 from dist_utils import run_ranks
 from models import CASES, MLP, Net, TinyGPT
@@ -64,8 +64,8 @@ def _train(name: str, rank: int, compute: str = "eager") -> dict[str, Any]:
             o.step()
             o.zero_grad()
             out.append(loss.item())
-    sharding = be._modules[0]
-    full = full_parameters(sharding.shards, sharding.plan, sharding.world, 60)
+    driver = be._modules[0].driver
+    full = full_parameters(driver.shards, driver.plan, driver.world, 60)
     ref = dict(ddp.module.named_parameters())
     graphs = be.graphs()
     return {
@@ -134,8 +134,8 @@ def _inductor_dropout_worker(rank: int, world_size: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    sharding = be._modules[0]
-    full = full_parameters(sharding.shards, sharding.plan, sharding.world, 60)
+    driver = be._modules[0].driver
+    full = full_parameters(driver.shards, driver.plan, driver.world, 60)
     compiled.eval()
     reference = Net().eval()
     reference.load_state_dict(full)

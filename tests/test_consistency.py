@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard.errors import CollectiveMismatchError
+from fxshard.ir.errors import CollectiveMismatchError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard.errors import FxShardError, TraceError
+from fxshard.ir.errors import FxShardError, TraceError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks

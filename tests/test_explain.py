@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxshard
-from fxshard import predicates as P
-from fxshard.errors import FxShardError
+from fxshard.ir import predicates as P
+from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class
 
 from graph_utils import fake_world

@@ -12,10 +12,10 @@ import torch.nn as nn
 from torch.testing import FileCheck
 
 import fxshard
-from fxshard import meta
-from fxshard import predicates as P
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import aliases, parameter_only
 from fxshard.passes import verify
-from fxshard.passes.analysis import aliases, parameter_only
 from fxshard.policies import by_class, by_size
 
 from graph_utils import fake_world, is_gather_wait, nodes, normalised_ops, units_of

@@ -9,24 +9,27 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxshard import ops
-from fxshard import predicates as P
-from fxshard.errors import GraphInvariantError
-from fxshard.options import ShardingOptions
+from fxshard.ir import ops
+from fxshard.ir import predicates as P
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.options import ShardingOptions
+from fxshard.ir.plan import make_plan
 from fxshard.passes import (
     PassContext,
+    PassSpec,
     accumulate_in_place_pass,
     eliminate_dead_code_pass,
     insert_all_gather_pass,
     insert_free_pass,
     insert_reduce_scatter_pass,
+    place_gathers_pass,
     rematerialize_params_pass,
+    build_pipeline,
     run_passes,
-    schedule_pass,
     sink_allocations_pass,
     verify,
 )
-from fxshard.plan import make_plan
 from fxshard.policies import by_class
 
 from graph_utils import normalised_ops
@@ -62,6 +65,11 @@ class Builder:
 
 
 JIT = ShardingOptions(forward_prefetch=False, backward_prefetch=None)
+
+
+def pipeline(c: PassContext, **config: Any) -> tuple[PassSpec, ...]:
+    """The pipeline the driver would build for this context's graph and options."""
+    return build_pipeline(c.graph, CompileConfig(options=c.options, **config))
 
 
 def ctx(graph: str = "forward", world_size: int = 2, group: str | None = "pg", **kw: Any) -> PassContext:
@@ -112,15 +120,17 @@ def test_insert_all_gather_rejects_a_graph_traced_for_another_world_size() -> No
 
 def test_schedule_moves_each_gather_to_its_units_first_compute() -> None:
     gm = insert_all_gather_pass(two_unit_forward(), ctx())
-    gm = schedule_pass(gm, ctx())
+    gm = place_gathers_pass(gm, ctx())
     gm.graph.lint()
+    placed = gm.code
     assert normalised_ops(gm) == [
         "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
         "aten.mm", "aten.relu",
         "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "aten.view",
         "aten.mm",
     ]
-    assert schedule_pass(gm, ctx()).code == gm.code  # idempotent
+    # Idempotent: the pass mutates gm in place, so compare with the text from before.
+    assert place_gathers_pass(gm, ctx()).code == placed
 
 
 def three_unit_forward() -> fx.GraphModule:
@@ -139,7 +149,7 @@ def three_unit_forward() -> fx.GraphModule:
 def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) -> None:
     options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit)
     c = ctx(options=options)
-    gm = run_passes(three_unit_forward(), c)
+    gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
     ag, w, free = "all_gather_into_tensor", "wait_tensor", "free"
     if limit == 1:  # no room before unit k's mm: the gather waits for unit k's free
@@ -156,7 +166,7 @@ def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) 
 def test_post_prefetch_issues_next_gather_after_current_unit() -> None:
     options = ShardingOptions(forward_prefetch=False, backward_prefetch="post")
     c = ctx("backward", options=options)
-    gm = run_passes(three_unit_forward(), c)
+    gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
     ag, w, free = "all_gather_into_tensor", "wait_tensor", "free"
     assert ops_ == [ag, w, "view", "mm", free, ag, "relu",
@@ -166,7 +176,7 @@ def test_post_prefetch_issues_next_gather_after_current_unit() -> None:
 
 def test_verify_catches_a_schedule_over_the_in_flight_limit() -> None:
     c = ctx(options=ShardingOptions(max_inflight_gathers=2))
-    gm = run_passes(three_unit_forward(), c)
+    gm = run_passes(three_unit_forward(), c, pipeline(c))
     gathers = [n for n in gm.graph.nodes if P.is_all_gather(n)]
     gm.graph.find_nodes(op="placeholder")[-1].append(gathers[2])  # hoist the third gather to the top
     gm.graph.find_nodes(op="placeholder")[-1].append(gathers[1])
@@ -175,7 +185,7 @@ def test_verify_catches_a_schedule_over_the_in_flight_limit() -> None:
 
 
 def test_insert_free_after_last_use_of_any_view() -> None:
-    gm = schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx())
+    gm = place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx())
     gm = insert_free_pass(gm, ctx())
     ops_ = normalised_ops(gm)
     assert ops_ == [
@@ -240,7 +250,7 @@ def test_rematerialize_gives_backward_its_own_gather() -> None:
 
 
 def test_verify_rejects_broken_graphs() -> None:
-    good = insert_free_pass(schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    good = insert_free_pass(place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
     verify(good)
 
     # A collective whose result is used without a wait.
@@ -251,7 +261,7 @@ def test_verify_rejects_broken_graphs() -> None:
         verify(gm)
 
     # A use after free.
-    gm = insert_free_pass(schedule_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    gm = insert_free_pass(place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
     free = next(n for n in gm.graph.nodes if P.is_free(n))
     free.prev.prepend(free)  # move the free before the mm that reads the buffer
     with pytest.raises(GraphInvariantError, match="used after"):
@@ -278,8 +288,9 @@ def test_verify_rejects_broken_graphs() -> None:
 
 def test_pipeline_runs_every_pass_in_order_and_verifies_each() -> None:
     seen: list[str] = []
-    gm = run_passes(two_unit_forward(), ctx(), on_pass=lambda name, g: seen.append(name))
-    assert seen == ["eliminate_dead_code_pass", "insert_all_gather_pass", "schedule_pass",
+    c = ctx()
+    gm = run_passes(two_unit_forward(), c, pipeline(c), on_pass=lambda name, g: seen.append(name))
+    assert seen == ["eliminate_dead_code_pass", "insert_all_gather_pass", "place_gathers_pass",
                     "insert_free_pass"]
     assert normalised_ops(gm).count("fxshard.free") == 2
 
@@ -291,7 +302,7 @@ def test_eliminate_dead_code_drops_dead_random_ops_but_keeps_collectives() -> No
     y = b.op(aten.mm.default, x, w)
     b.op(aten.native_dropout.default, y, 0.5, True)  # dead, as the partitioner leaves it
     gm = b.done(b.op(aten.relu.default, x))
-    gm = run_passes(gm, ctx("backward"))
+    gm = run_passes(gm, ctx("backward"), pipeline(ctx("backward")))
     assert normalised_ops(gm) == ["aten.relu"]  # the dropout, the mm and the gather are gone
     kept = insert_all_gather_pass(two_unit_forward(), ctx())
     n_before = len(kept.graph.nodes)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxshard.errors import PlanError
-from fxshard.plan import make_plan
+from fxshard.ir.errors import PlanError
+from fxshard.ir.plan import make_plan
 from fxshard.policies import by_class, by_predicate, by_size
 
 from models import MLP, Block, FrozenNet, SharedUse, TinyGPT

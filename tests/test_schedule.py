@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard import meta
-from fxshard import predicates as P
-from fxshard.passes.analysis import order_of, windows
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of, windows
 
 from graph_utils import fake_world, is_gather_wait, nodes, units_of
 from models import MLP, Block, TinyGPT

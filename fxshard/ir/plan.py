@@ -23,8 +23,8 @@ import networkx as nx
 import torch
 import torch.nn as nn
 
-from fxshard.errors import PlanError
-from fxshard.policies import Policy, WrapQuery
+from fxshard.ir.errors import PlanError
+from fxshard.ir.policies import Policy, WrapQuery
 
 log = logging.getLogger("fxshard")
 

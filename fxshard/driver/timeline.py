@@ -8,7 +8,6 @@ on a real machine depends on it; order does not. Needs matplotlib (the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -16,12 +15,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
-from fxshard import meta  # noqa: E402
-from fxshard import predicates as P  # noqa: E402
-from fxshard.passes.analysis import aliases  # noqa: E402
-
-if TYPE_CHECKING:
-    from fxshard.explain import Explanation
+from fxshard.driver.report import Report  # noqa: E402
+from fxshard.ir import meta  # noqa: E402
+from fxshard.ir import predicates as P  # noqa: E402
+from fxshard.ir.analysis import aliases  # noqa: E402
+from fxshard.ir.plan import ShardPlan  # noqa: E402
 
 
 def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, int, int]], list[int]]:
@@ -42,9 +40,10 @@ def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, i
     return comms, windows, compute
 
 
-def draw_timeline(explanation: Explanation, path: Path) -> None:
-    graphs = [(name, explanation.graphs[name]) for name in ("forward", "backward") if name in explanation.graphs]
-    units = [u.name for u in explanation.plan.units]
+def draw_timeline(path: Path, plan: ShardPlan, emitted: dict[str, fx.GraphModule], report: Report,
+                  world_size: int, rank: int) -> None:
+    graphs = [(name, emitted[name]) for name in ("forward", "backward") if name in emitted]
+    units = [u.name for u in plan.units]
     colors = {u: plt.cm.tab20(i % 20) for i, u in enumerate(units)}
     fig, (lanes, mem) = plt.subplots(2, 1, figsize=(14, 6), sharex=True,
                                      gridspec_kw={"height_ratios": [1, 1.4]})
@@ -60,7 +59,7 @@ def draw_timeline(explanation: Explanation, path: Path) -> None:
             mem.axvspan(start, end, color=colors.get(unit, "0.5"), alpha=0.18, linewidth=0)
             mem.text((start + end) / 2, 0.98, unit or "<root>", rotation=90, va="top", ha="center",
                      fontsize=7, transform=mem.get_xaxis_transform())
-        curve = explanation.report.memory_curve.get(name, ())
+        curve = report.memory_curve.get(name, ())
         mem.plot(range(offset, offset + len(curve)), [b / (1 << 20) for b in curve], color="C3")
         offset += len(gm.graph.nodes)
         boundaries.append((name, offset))
@@ -69,13 +68,13 @@ def draw_timeline(explanation: Explanation, path: Path) -> None:
             ax.axvline(end, color="black", linestyle="--", linewidth=1)
     lanes.set_yticks([0.25, 0.75, 2.0], ["reduce", "gather", "compute"])
     lanes.set_ylim(0, 2.6)
-    lanes.set_title(f"fxshard step, rank {explanation.rank} of {explanation.world_size}: "
+    lanes.set_title(f"fxshard step, rank {rank} of {world_size}: "
                     f"{' | '.join(n for n, _ in graphs)} (x: node order)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[u]) for u in units]
     lanes.legend(handles, [u or "<root>" for u in units], loc="upper right", fontsize=7, ncol=4)
     mem.set_ylabel("predicted live MiB")
     mem.set_xlabel("node (forward, then backward)")
-    mem.axhline(explanation.report.predicted_peak_bytes / (1 << 20), color="C3", linestyle=":",
+    mem.axhline(report.predicted_peak_bytes / (1 << 20), color="C3", linestyle=":",
                 linewidth=1)
     fig.tight_layout()
     fig.savefig(path)

@@ -12,16 +12,42 @@ Files written to the dump directory:
 
 from __future__ import annotations
 
+import difflib
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import networkx as nx
+import torch.fx as fx
 
-if TYPE_CHECKING:
-    from fxshard.explain import Explanation
+from fxshard.driver.report import Report
+from fxshard.ir.plan import ShardPlan
 
 log = logging.getLogger("fxshard")
+
+
+@dataclass
+class PassLog:
+    """The code of each graph as traced and after each pass, in order: an ``on_pass`` hook."""
+
+    steps: list[tuple[str, str, str]] = field(default_factory=list)  # (graph, pass, code)
+
+    def __call__(self, graph: str, pass_name: str, gm: fx.GraphModule) -> None:
+        gm.recompile()
+        self.steps.append((graph, pass_name, gm.code))
+
+
+def pass_diffs(passes: PassLog) -> list[tuple[str, str, str, str]]:
+    """(graph, pass, code, unified diff against the previous step of the same graph)."""
+    previous: dict[str, str] = {}
+    out = []
+    for graph, name, code in passes.steps:
+        before = previous.get(graph, "")
+        diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), code.splitlines(keepends=True),
+                                            fromfile=f"{graph} before {name}", tofile=f"{graph} after {name}"))
+        out.append((graph, name, code, diff))
+        previous[graph] = code
+    return out
 
 
 def _dot(graph: nx.DiGraph) -> str:
@@ -35,9 +61,9 @@ def _dot(graph: nx.DiGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_dump(explanation: Explanation, directory: Path) -> list[Path]:
-    from fxshard.explain import pass_diffs
-
+def write_dump(directory: Path, *, plan: ShardPlan, graphs: dict[str, fx.GraphModule],
+               report: Report, passes: PassLog, world_size: int, rank: int) -> list[Path]:
+    """Write one compiled step's dump into ``directory``; returns the files written."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "passes").mkdir(exist_ok=True)
     written: list[Path] = []
@@ -46,13 +72,13 @@ def write_dump(explanation: Explanation, directory: Path) -> list[Path]:
         path.write_text(text)
         written.append(path)
 
-    write(directory / "plan.txt", str(explanation.plan) + "\n")
-    write(directory / "report.txt", str(explanation.report) + "\n")
-    for i, (graph, name, code, diff) in enumerate(pass_diffs(explanation.passes)):
+    write(directory / "plan.txt", str(plan) + "\n")
+    write(directory / "report.txt", str(report) + "\n")
+    for i, (graph, name, code, diff) in enumerate(pass_diffs(passes)):
         stem = f"{i:02d}-{graph}-{name}"
         write(directory / "passes" / f"{stem}.py", code)
         write(directory / "passes" / f"{stem}.diff", diff)
-    units = explanation.plan.unit_graph()
+    units = plan.unit_graph()
     # GraphML wants scalar attributes.
     for _, data in units.nodes(data=True):
         data["groups"] = ",".join(map(str, data.get("groups", [])))
@@ -60,12 +86,12 @@ def write_dump(explanation: Explanation, directory: Path) -> list[Path]:
     written.append(directory / "units.graphml")
     write(directory / "units.dot", _dot(units))
     try:
-        from fxshard.timeline import draw_timeline
+        from fxshard.driver.timeline import draw_timeline
     except ImportError as e:  # matplotlib is an optional extra
         log.warning("fxshard: no timeline picture (%s); pip install 'fxshard[viz]'", e)
         return written
     for suffix in ("png", "svg"):
         path = directory / f"timeline.{suffix}"
-        draw_timeline(explanation, path)
+        draw_timeline(path, plan, graphs, report, world_size, rank)
         written.append(path)
     return written

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.collectives import Collective, bytes_per_kind
-from fxshard.memory import simulate
-from fxshard.plan import ShardPlan
+from fxshard.ir import meta
+from fxshard.ir.collectives import Collective, bytes_per_kind
+from fxshard.ir.memory import simulate
+from fxshard.ir.plan import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,12 @@ def build_report(
     graphs: dict[str, fx.GraphModule],
     sequence: list[Collective],
     shards: list[torch.Tensor],
-    buffers: list[torch.Tensor],
+    buffer_bytes: int,
     input_bytes: int,
     num_user_outputs: int | None = None,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
-    buffer_bytes = _tensor_bytes(buffers)
     base = shard_bytes + buffer_bytes + input_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
@@ -94,17 +94,18 @@ def build_report(
         saved_names = [a.name if isinstance(a, fx.Node) else None
                        for a in fw_out[num_user_outputs:]]
         bw_inputs = [n for n in backward.graph.nodes
-                     if n.op == "placeholder" and not n.name.startswith("tangents")]
+                     if n.op == "placeholder" and not meta.is_tangent(n)]
         as_forward = dict(zip([n.name for n in bw_inputs], saved_names))
         # Saved tensors carry their forward storage into backward (views of
         # one storage share it); tangents (gradients of the outputs) arrive fresh.
+        tangents = {n.name for n in backward.graph.nodes if meta.is_tangent(n)}
         inputs: dict[str, int] = {}
         shared: dict[str, str] = {}
         owners: dict[str, str] = {}
         for n in backward.graph.nodes:
             if n.op != "placeholder":
                 continue
-            if n.name.startswith("tangents"):
+            if meta.is_tangent(n):
                 inputs[n.name] = _tensor_bytes([n.meta["val"]])
             elif as_forward.get(n.name) in outs:
                 owner, nbytes = outs[as_forward[n.name]]
@@ -113,7 +114,7 @@ def build_report(
                 else:
                     owners[owner] = n.name
                     inputs[n.name] = nbytes
-        carried = {k for k in inputs if not k.startswith("tangents")}
+        carried = {k for k in inputs if k not in tangents}
         # The backward graph is called in the boxed convention (codegen._boxed):
         # a saved tensor dies after its last use there, unless it is also a
         # user output, which the caller still holds.

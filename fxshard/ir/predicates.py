@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxshard import ops
+from fxshard.ir import meta, ops
 
 _c10d = torch.ops._c10d_functional
 
@@ -85,7 +85,7 @@ def is_getitem(node: fx.Node) -> bool:
 
 
 def is_tangent(node: fx.Node) -> bool:
-    return is_placeholder(node) and "tangents" in str(node.target)
+    return meta.is_tangent(node)
 
 
 def is_random(node: fx.Node) -> bool:

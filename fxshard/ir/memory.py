@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard import predicates as P
+from fxshard.ir import predicates as P
 
 
 def storage_nbytes(val: object) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxshard.collectives import Collective, fingerprint
-from fxshard.errors import CollectiveMismatchError
-from fxshard.runtime import World, wait_within
+from fxshard.driver.runtime import World, wait_within
+from fxshard.ir.collectives import Collective, fingerprint
+from fxshard.ir.errors import CollectiveMismatchError
 
 
 def check_same_collectives(sequence: list[Collective], world: World, timeout: float) -> None:

@@ -27,9 +27,9 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.func import functional_call
 
-from fxshard import meta
-from fxshard.errors import FxShardError, TraceError
-from fxshard.plan import ShardPlan
+from fxshard.ir import meta
+from fxshard.ir.errors import FxShardError, TraceError
+from fxshard.ir.plan import ShardPlan
 
 _DATA_DEPENDENT_HINT = (
     "fxshard captures one static graph per input signature, so Python control flow may not "
@@ -146,14 +146,26 @@ def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor]) -> dict[st
     return views
 
 
-class StepFunction(nn.Module):
+class TracedStep(nn.Module):
+    """What ``trace_step`` traces: a module whose parameters are flat shards.
+
+    ``forward`` returns the user outputs as a flat tuple of tensors and sets
+    ``output_spec`` to rebuild them; ``skeleton`` (the model, or Dynamo's
+    graph) and ``failed_in`` (the module path being traced when it failed)
+    locate a failure.
+    """
+
+    skeleton: nn.Module
+    output_spec: OutputSpec | None
+    failed_in: str | None
+
+
+class StepFunction(TracedStep):
     """The function AOTAutograd traces: shards and buffers in, module outputs out.
 
     Its parameters are exactly the flat shards and its buffers the module's
     buffers, which AOTAutograd lifts to graph inputs in that order.
     """
-
-    skeleton: nn.Module
 
     def __init__(
         self,
@@ -196,7 +208,7 @@ class StepFunction(nn.Module):
 
 
 def trace_step(
-    step: nn.Module,
+    step: TracedStep,
     example_inputs: Sequence[torch.Tensor],
     *,
     partition_fn: Callable[..., Any],

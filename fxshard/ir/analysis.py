@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard import meta
-from fxshard import predicates as P
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
 
 
 def order_of(graph: fx.Graph) -> dict[fx.Node, int]:

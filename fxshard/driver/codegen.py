@@ -3,7 +3,7 @@
 AOTAutograd calls ``partition`` with the joint graph of a training step, then
 ``compile_forward`` and ``compile_backward`` with the two halves; an inference
 step (no gradient needed) goes straight to ``compile_inference``. Each hook
-runs its pipeline from passes/pipeline.py, recompiles the GraphModule and
+runs the pipeline the driver built for its graph, recompiles the GraphModule and
 returns it as a boxed callable, so AOTAutograd's own runtime (the
 autograd.Function around the graphs, buffer mutation write-back) runs it.
 """
@@ -12,44 +12,50 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.fx as fx
 from torch._functorch.partitioners import default_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from fxshard import meta, ops
-from fxshard.errors import FxShardError
-from fxshard.options import ShardingOptions
-from fxshard.passes import PassContext, run_passes
-from fxshard.plan import ShardPlan
+from fxshard.ir import meta, ops
+from fxshard.ir.config import CompileConfig, PassHook
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan
+from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
 
 log = logging.getLogger("fxshard")
 
 
 class GraphCompiler:
-    """One per traced signature; records the emitted graphs in ``graphs``."""
+    """One per traced signature; records the emitted graphs in ``graphs``.
 
-    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None, verify: bool,
-                 options: ShardingOptions):
+    ``pipelines`` maps each graph kind to its passes (``build_pipeline``);
+    ``on_pass(graph, pass_name, gm)`` sees each graph as traced and after every
+    pass; ``finish`` turns an emitted graph into what runs it (default: the
+    GraphModule itself, in the boxed calling convention).
+    """
+
+    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None,
+                 config: CompileConfig, pipelines: Mapping[str, Sequence[PassSpec]],
+                 on_pass: PassHook | None = None,
+                 finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None):
         self.plan = plan
         self.world_size = world_size
         self.group_name = group_name
-        self.verify = verify
-        self.options = options
+        self.config = config
+        self.pipelines = pipelines
+        self.on_pass = on_pass
+        self.finish = finish
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
-        self.on_pass: Callable[[str, str, fx.GraphModule], None] | None = None
-        # Turns an emitted graph into what runs it: by default the GraphModule itself.
-        self.finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None
-        self.emit_free = True
 
-    def context(self, graph: Any, num_user_outputs: int | None = None) -> PassContext:
+    def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
-                           num_user_outputs=num_user_outputs, verify=self.verify,
-                           options=self.options, emit_free=self.emit_free)
+                           num_user_outputs=num_user_outputs, verify=self.config.verify,
+                           options=self.config.options)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass
@@ -57,7 +63,7 @@ class GraphCompiler:
         if on_pass is not None:
             on_pass("traced", gm)
         try:
-            return run_passes(gm, ctx, on_pass=on_pass)
+            return run_passes(gm, ctx, self.pipelines[ctx.graph], on_pass=on_pass)
         except FxShardError:
             raise
         except Exception as e:
@@ -85,7 +91,7 @@ class GraphCompiler:
                 self.saved_buffers[node.name] = group
         return fw, bw
 
-    def _compile(self, kind: str, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    def _compile(self, kind: GraphKind, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         num_user_outputs = self.num_user_outputs if kind == "forward" else None
         gm = self._run(gm, self.context(kind, num_user_outputs))
         gm.recompile()

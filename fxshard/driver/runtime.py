@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxshard.errors import FxShardError
-from fxshard.plan import FlatGroup, ShardPlan
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import FlatGroup, ShardPlan
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,13 @@ class ShardingOptions:
             raise TypeError(f"unknown fxshard option(s) {unknown}; options are {sorted(known)}")
         return cls(**kwargs)
 
+    def prefetch_mode(self, graph: str) -> BackwardPrefetch:
+        """How gathers of ``graph`` ("forward", "inference", "backward") are prefetched;
+        None: just in time."""
+        if graph == "backward":
+            return self.backward_prefetch
+        return "pre" if self.forward_prefetch else None
+
     def reshards(self, unit: str) -> bool:
         """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
         return self.reshard_root if unit == "" else self.reshard_after_forward

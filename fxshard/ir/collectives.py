@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard import meta
-from fxshard import predicates as P
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
 
 KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce"}
 

@@ -1,0 +1,242 @@
+"""The driver: one compiler behind ``fxshard.compile``, ``fxshard.backend`` and ``fxshard.explain``.
+
+A front end turns its arguments into a ``CompileConfig`` and hands it to a
+``Driver``, which owns the sequence every front end runs::
+
+    Driver(config)                    world (process group), pipelines (built and checked now)
+      .shard(module)                  device check, plan, this rank's flat shards
+      .strip(module)                  the module keeps stand-ins; the shards hold the parameters
+      .compile_step(step, inputs)     per input signature: trace (AOTAutograd), the passes of
+                                      each graph, collectives, first-use order of the plan, dump
+      .run(step, inputs)              the rank check before a step's first run, then the step
+      .report(step)                   predicted memory and communication
+
+The front ends differ only in what they trace: ``fxshard.compile`` the
+module's forward (``trace.StepFunction``), the backend each graph Dynamo
+captured, ``explain`` a meta copy of the module on a fake process group (with
+``runs=False``: nothing will run, so nothing is compiled for running).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fxshard.driver.codegen import GraphCompiler
+from fxshard.driver.consistency import check_same_collectives
+from fxshard.driver.dump import PassLog, write_dump
+from fxshard.driver.report import Report, build_report
+from fxshard.driver.runtime import World, make_shards, resolve_world, strip_parameters
+from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
+from fxshard.ir.analysis import first_use_order
+from fxshard.ir.collectives import Collective, step_collectives
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan, make_plan
+from fxshard.passes import GRAPH_KINDS, PassSpec, build_pipeline
+
+log = logging.getLogger("fxshard")
+
+
+@dataclass
+class CompiledStep:
+    """One traced input signature: AOTAutograd's callable and what it was made from."""
+
+    fn: Callable[..., Any]  # over the user's tensor inputs; returns the flat outputs
+    graphs: dict[str, fx.GraphModule]  # "joint" (training), "forward", "backward" / "inference"
+    output_spec: OutputSpec
+    collectives: list[Collective]
+    num_user_outputs: int | None
+    passes: list[tuple[str, str]]  # (graph, pass name), in the order they ran
+    input_bytes: int
+    buffer_bytes: int
+    pass_log: PassLog | None = None  # the code after every pass, when dumping
+    checked: bool = False  # ranks have compared their collective sequences
+
+    @property
+    def trains(self) -> bool:
+        return "backward" in self.graphs
+
+
+class _Recorder:
+    """The on_pass hook the driver installs: pass names, the user's hook, the dump's code."""
+
+    def __init__(self, user: Callable[[str, str, fx.GraphModule], None] | None, dump: bool):
+        self.names: list[tuple[str, str]] = []
+        self.user = user
+        self.log = PassLog() if dump else None
+
+    def __call__(self, graph: str, pass_name: str, gm: fx.GraphModule) -> None:
+        if pass_name != "traced":
+            self.names.append((graph, pass_name))
+        if self.log is not None:
+            self.log(graph, pass_name, gm)
+        if self.user is not None:
+            self.user(graph, pass_name, gm)
+
+
+class Driver:
+    """One sharded module's compile: its configuration, world, plan, shards and steps."""
+
+    def __init__(self, config: CompileConfig, *, runs: bool = True):
+        self.config = config
+        # Built now, so a bad disable_passes fails before anything is sharded.
+        self.pipelines: dict[str, tuple[PassSpec, ...]] = {
+            g: build_pipeline(g, config) for g in GRAPH_KINDS
+        }
+        self.world: World = resolve_world(config.process_group)
+        self.runs = runs
+        self._plan: ShardPlan | None = None
+        self.device = torch.device("cpu")
+        self.shards: list[nn.Parameter] = []
+        self.steps: list[CompiledStep] = []
+
+    @property
+    def plan(self) -> ShardPlan:
+        if self._plan is None:
+            raise FxShardError("nothing sharded yet")
+        return self._plan
+
+    # -- plan and shards ----------------------------------------------------------------------
+
+    def shard(self, module: nn.Module, *, allow_meta: bool = False) -> list[nn.Parameter]:
+        """Plan ``module`` and copy this rank's flat shards out of it (the module is unchanged)."""
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise FxShardError(
+                f"the model's parameters are on several devices {sorted(map(str, devices))}: "
+                "move the whole model to this rank's device before sharding it"
+            )
+        if devices == {torch.device("meta")} and not allow_meta:
+            raise FxShardError(
+                "the model's parameters are on the meta device: materialise them (to_empty + init) "
+                "to train, or use fxshard.explain to inspect the plan, graphs and report"
+            )
+        options = self.config.options
+        self._plan = make_plan(module, self.config.policy, self.world.size,
+                               bucket_bytes=options.bucket_bytes,
+                               replicate_below=options.replicate_below)
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.shards = make_shards(module, self._plan, self.world.rank, self.device)
+        return self.shards
+
+    def strip(self, module: nn.Module, *, on_device: bool = False) -> None:
+        """From here the shards hold the only copy of ``module``'s parameters."""
+        strip_parameters(module, on_device=on_device)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
+                     buffer_bytes: int = 0) -> CompiledStep:
+        """Trace ``step`` on ``inputs`` and run every graph's passes; nothing runs yet."""
+        recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
+        inductor = self.config.compute == "inductor"
+        compiler = GraphCompiler(self.plan, self.world.size, self.world.group_name, self.config,
+                                 self.pipelines, on_pass=recorder,
+                                 finish=_inductor_finish if inductor and self.runs else None)
+        partition: Callable[..., Any] = compiler.partition
+        if inductor:
+            partition = _with_inductor_joint_passes(compiler.partition)
+        fn = trace_step(step, inputs, partition_fn=partition,
+                        fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
+                        inference_compiler=compiler.compile_inference, model_name=model_name,
+                        decompositions=_inductor_decompositions() if inductor else None)
+        assert step.output_spec is not None
+        graphs = dict(compiler.graphs)
+        if not self.steps:
+            first = graphs.get("joint", graphs.get("inference"))
+            if first is not None:
+                self._plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
+        compiled = CompiledStep(
+            fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
+            recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
+            recorder.log,
+        )
+        self.steps.append(compiled)
+        log.info("fxshard: traced %s (%s) on rank %d", model_name,
+                 "train" if compiled.trains else "inference", self.world.rank)
+        if self.config.dump_dir is not None:
+            self.dump(compiled, self.dump_directory(len(self.steps) - 1))
+        return compiled
+
+    def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
+        """Run a compiled step; before its first run, every rank checks the others agree."""
+        if not step.checked:
+            check_same_collectives(step.collectives, self.world, self.config.check_timeout)
+            step.checked = True
+        return step.output_spec.unflatten(step.fn(*inputs))
+
+    # -- what a step will do --------------------------------------------------------------------
+
+    def report(self, step: CompiledStep) -> Report:
+        return build_report(self.plan, self.world.rank, step.graphs, step.collectives,
+                            list(self.shards), step.buffer_bytes, step.input_bytes,
+                            step.num_user_outputs)
+
+    def dump_directory(self, index: int) -> Path:
+        """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""
+        assert self.config.dump_dir is not None
+        root = Path(self.config.dump_dir)
+        return root if index == 0 else root / f"step-{index}"
+
+    def dump(self, step: CompiledStep, directory: Path) -> list[Path]:
+        written = write_dump(directory, plan=self.plan, graphs=emitted_graphs(step.graphs),
+                             report=self.report(step), passes=step.pass_log or PassLog(),
+                             world_size=self.world.size, rank=self.world.rank)
+        log.info("fxshard: wrote %d files to %s", len(written), directory)
+        return written
+
+
+def emitted_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:
+    """"forward" (the inference graph for an inference step) and, when training, "backward"."""
+    forward = graphs.get("forward", graphs.get("inference"))
+    assert forward is not None
+    result = {"forward": forward}
+    if "backward" in graphs:
+        result["backward"] = graphs["backward"]
+    return result
+
+
+# -- compute="inductor" -------------------------------------------------------------------------
+
+
+def _inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    # Load the lowerings the decomposition table consults.
+    importlib.import_module("torch._inductor.compile_fx")
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's joint-graph passes, then fxshard's partitioning.
+
+    Inductor prepares the joint graph for its lowering (``replace_random``
+    turns ``native_dropout`` into the random ops it can compile); its
+    ``partition_fn`` runs them and hands the graph to the override.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
+
+    def run(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        vals = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
+        # The passes read the fake mode from Inductor's virtualized state.
+        with V.set_fake_mode(detect_fake_mode(vals)):
+            return partition_fn(joint, joint_inputs, partitioner_fn_override=partition, **kwargs)
+
+    return run
+
+
+def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs)

@@ -1,0 +1,112 @@
+"""One frozen configuration value per compile: everything a front end was told.
+
+``fxshard.compile``, ``fxshard.backend`` and ``fxshard.explain`` each turn
+their arguments into a ``CompileConfig`` with :func:`CompileConfig.build`, so
+every option is named, defaulted, validated and read from the environment in
+this one place. The driver (``fxshard.driver.compiler``) takes nothing else;
+the pass list is built from it (``fxshard.passes.pipeline.build_pipeline``).
+
+An option a front end cannot honour is refused here, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from fxshard.ir.options import ShardingOptions
+from fxshard.ir.policies import Policy
+
+FrontEnd = Literal["compile", "backend", "explain"]
+Compute = Literal["eager", "inductor"]
+# on_pass(graph, pass_name, gm): graph is "joint", "forward", "backward" or
+# "inference"; pass_name is "traced" for the graph as traced.
+PassHook = Callable[[str, str, fx.GraphModule], None]
+
+DEFAULT_CHECK_TIMEOUT = 300.0
+
+# Options a front end cannot honour, and why.
+_NOT_FOR: dict[str, dict[str, str]] = {
+    "explain": {
+        "process_group": "explain runs on a fake process group of its own, of world_size ranks",
+        "check_timeout": "explain runs nothing, so no ranks meet for the collective check",
+    },
+}
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    policy: Policy | None = None
+    # None: the default (WORLD) group if one is initialised, else world size 1.
+    process_group: dist.ProcessGroup | None = None
+    options: ShardingOptions = ShardingOptions()
+    # "inductor": Inductor compiles the emitted graphs (its decompositions and
+    # joint-graph passes run first; fxshard emits no explicit frees).
+    compute: Compute = "eager"
+    # Check the invariants of passes/README.md after every pass (always on the
+    # emitted graphs). Default: the FXSHARD_VERIFY environment variable.
+    verify: bool = False
+    on_pass: PassHook | None = field(default=None, compare=False)
+    # Seconds a rank waits for the others at a step's first run before raising.
+    check_timeout: float = DEFAULT_CHECK_TIMEOUT
+    # Write plan, report, per-pass graphs, timeline and unit graph of every
+    # compiled step here. Default: the FXSHARD_DUMP environment variable.
+    dump_dir: str | None = None
+    # Pass names (e.g. "sink_allocations_pass") left out of every pipeline, for debugging.
+    disable_passes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and not isinstance(self.policy, Policy):
+            raise TypeError(
+                f"policy must be built with fxshard.policies (by_size, by_class, by_predicate), "
+                f"got {self.policy!r}"
+            )
+        if self.compute not in ("eager", "inductor"):
+            raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
+        if not self.check_timeout > 0:
+            raise ValueError(f"check_timeout must be a positive number of seconds, got {self.check_timeout!r}")
+        if self.on_pass is not None and not callable(self.on_pass):
+            raise TypeError(f"on_pass must be callable as on_pass(graph, pass_name, gm), got {self.on_pass!r}")
+
+    @classmethod
+    def build(cls, front_end: FrontEnd, **kwargs: Any) -> CompileConfig:
+        """The configuration for ``front_end`` from its keyword arguments.
+
+        Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
+        ``on_pass``, ``check_timeout``, ``dump_dir``, ``disable_passes``, and
+        every field of :class:`ShardingOptions` by name.
+        """
+        refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}
+        if refused:
+            reasons = "; ".join(f"{k}: {why}" for k, why in refused.items())
+            raise TypeError(f"fxshard.{front_end} does not take {sorted(refused)}: {reasons}")
+        own = {f.name for f in fields(cls)} - {"options", "verify"}
+        mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+        verify = kwargs.pop("verify_passes", None)
+        mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else bool(verify)
+        if mine.get("dump_dir") is None:
+            mine["dump_dir"] = os.environ.get("FXSHARD_DUMP") or None
+        else:
+            mine["dump_dir"] = os.fspath(mine["dump_dir"])
+        disabled = mine.get("disable_passes", ())
+        mine["disable_passes"] = (disabled,) if isinstance(disabled, str) else tuple(disabled)
+        if mine.get("check_timeout") is None:
+            mine["check_timeout"] = DEFAULT_CHECK_TIMEOUT
+        try:
+            options = ShardingOptions.from_kwargs(**kwargs)
+        except TypeError as e:
+            known = sorted(own | {"verify_passes"})
+            raise TypeError(f"{e}; fxshard.{front_end} also takes {known}") from None
+        return cls(options=options, **mine)
+
+    def with_options(self, **changes: Any) -> CompileConfig:
+        return replace(self, **changes)

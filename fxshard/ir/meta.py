@@ -1,0 +1,72 @@
+"""Node metadata: fxshard's own under one key, and the only readers of torch's.
+
+fxshard's metadata lives under ``node.meta["fxshard"]`` as a ``NodeInfo``.
+
+Torch's conventions are read and written here alone, so a change in a torch
+release is mended in one place:
+- AOTAutograd tags each node of a joint graph with ``meta["partitioner_tag"]``
+  ("is_forward" / "is_backward") and names the gradients of the outputs
+  ``tangents_*`` (``is_backward``, ``tag_backward``, ``is_tangent``);
+- the module path of a traced node, recorded while tracing with
+  ``torch.fx.traceback.annotate``, lands in ``meta["custom"]`` (``module_path``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+KEY = "fxshard"
+MODULE_ANNOTATION = "fxshard.module"
+
+# Roles a pass gives the nodes it creates.
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+WAIT = "wait"
+FREE = "free"
+REMAT = "remat"  # backward copy of a parameter-only computation
+SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    role: str
+    group: int  # index of the flat group (ShardPlan.groups) the node works on
+    unit: str  # name of the FSDP unit that owns that group
+
+
+def set_info(node: fx.Node, info: NodeInfo) -> None:
+    node.meta[KEY] = info
+
+
+def get_info(node: fx.Node) -> NodeInfo | None:
+    info = node.meta.get(KEY)
+    return info if isinstance(info, NodeInfo) else None
+
+
+_PARTITIONER_TAG = "partitioner_tag"
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """A backward input that is the gradient of a forward output."""
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def is_backward(node: fx.Node) -> bool:
+    """In a joint graph: computed in backward (tagged so, or a tangent)."""
+    return node.meta.get(_PARTITIONER_TAG) == "is_backward" or is_tangent(node)
+
+
+def tag_backward(node: fx.Node) -> None:
+    """Have the partitioner put ``node`` in the backward graph."""
+    node.meta[_PARTITIONER_TAG] = "is_backward"
+
+
+def module_path(node: fx.Node) -> str | None:
+    custom = node.meta.get("custom")
+    if isinstance(custom, dict):
+        path = custom.get(MODULE_ANNOTATION)
+        return path if isinstance(path, str) else None
+    return None

@@ -1,0 +1,50 @@
+"""Making nodes: every node a pass creates gets its ``meta["val"]`` by running its
+operator under the graph's fake mode, as Inductor's fx passes do when they splice
+code in, never by copying a neighbour's value (a cast's dtype differs from its input's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+
+from fxshard.ir.errors import GraphInvariantError
+
+
+def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """What ``target(*args, **kwargs)`` returns, computed on the inputs' fake values."""
+    kwargs = kwargs or {}
+
+    def val(node: fx.Node) -> Any:
+        if "val" not in node.meta:
+            raise GraphInvariantError(f"{node.name} has no meta['val'] to compute a new node's from")
+        return node.meta["val"]
+
+    fake_args, fake_kwargs = pytree.tree_map_only(fx.Node, val, (args, kwargs))
+    tensors = [x for x in pytree.tree_leaves((fake_args, fake_kwargs)) if isinstance(x, torch.Tensor)]
+    mode = detect_fake_mode(tensors)
+    if mode is None:
+        raise GraphInvariantError(
+            f"cannot compute meta['val'] of a new {target} node: none of its inputs holds a fake "
+            "tensor (was the graph traced under fake tensors?)"
+        )
+    with mode:
+        return target(*fake_args, **fake_kwargs)
+
+
+def call(graph: fx.Graph, target: Any, args: tuple[Any, ...],
+         kwargs: dict[str, Any] | None = None) -> fx.Node:
+    """A new ``call_function`` node at the graph's insertion point, with its ``meta["val"]``."""
+    value = fake_value(target, args, kwargs)
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = value
+    return node
+
+
+def refresh_value(node: fx.Node) -> None:
+    """Recompute ``node.meta["val"]`` from its inputs (after its inputs were replaced)."""
+    node.meta["val"] = fake_value(node.target, node.args, node.kwargs)
