@@ -41,6 +41,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
+from fxshard.passes import build_pipelines
 
 log = logging.getLogger("fxshard")
 
@@ -119,6 +120,7 @@ class FxShardBackend:
 
     def __init__(self, policy: Policy | None = None, **options: Any):
         self.config = CompileConfig.build("backend", policy=policy, **options)
+        build_pipelines(self.config)  # a bad disable_passes fails here, not at the first call
         self._modules: list[_Sharding] = []
 
     @property

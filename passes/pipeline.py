@@ -182,6 +182,11 @@ def build_pipeline(graph: GraphKind, config: CompileConfig) -> tuple[PassSpec, .
     return tuple(s for s in specs if s.name not in disabled)
 
 
+def build_pipelines(config: CompileConfig) -> dict[str, tuple[PassSpec, ...]]:
+    """The pipeline of every graph kind: what a driver runs, checked all at once."""
+    return {graph: build_pipeline(graph, config) for graph in GRAPH_KINDS}
+
+
 def run_passes(
     gm: fx.GraphModule,
     ctx: PassContext,

@@ -41,7 +41,7 @@ from fxshard.ir.collectives import Collective, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.passes import GRAPH_KINDS, PassSpec, build_pipeline
+from fxshard.passes import PassSpec, build_pipelines
 
 log = logging.getLogger("fxshard")
 
@@ -89,9 +89,7 @@ class Driver:
     def __init__(self, config: CompileConfig, *, runs: bool = True):
         self.config = config
         # Built now, so a bad disable_passes fails before anything is sharded.
-        self.pipelines: dict[str, tuple[PassSpec, ...]] = {
-            g: build_pipeline(g, config) for g in GRAPH_KINDS
-        }
+        self.pipelines: dict[str, tuple[PassSpec, ...]] = build_pipelines(config)
         self.world: World = resolve_world(config.process_group)
         self.runs = runs
         self._plan: ShardPlan | None = None

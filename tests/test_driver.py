@@ -1,0 +1,282 @@
+"""One driver behind three front ends: the same passes, options, hooks and collectives everywhere."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxshard
+from fxshard.driver import compiler as driver_compiler
+from fxshard.ir import predicates as P
+from fxshard.ir.collectives import step_collectives
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.errors import FxShardError, GraphInvariantError
+from fxshard.ir.nodes import call
+from fxshard.passes import all_pass_names, build_pipeline, describe
+from fxshard.passes import pipeline as pipeline_module
+from fxshard.policies import by_class
+
+from graph_utils import fake_world
+from models import MLP, Block, TinyGPT
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, graph: str, pass_name: str, gm: fx.GraphModule) -> None:
+        self.seen.append((graph, pass_name))
+
+
+def _backend_step(policy: Any, **options: Any) -> fxshard.FxShardBackend:
+    """TinyGPT through the torch.compile backend, one training step (on the current world)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    be = fxshard.backend(policy=policy, **options)
+    compiled = torch.compile(TinyGPT(), backend=be, dynamic=False)
+    fxshard.parameters(compiled)
+    compiled(TOKENS).sum().backward()
+    return be
+
+
+def test_front_ends_run_the_same_passes_and_emit_the_same_collectives() -> None:
+    policy = by_class(Block)
+    with fake_world(2):
+        compiled_hook, backend_hook = Recorder(), Recorder()
+        torch.manual_seed(0)
+        sm = fxshard.compile(TinyGPT(), policy=policy, example_inputs=TOKENS, on_pass=compiled_hook)
+        be = _backend_step(policy, on_pass=backend_hook)
+    explain_hook = Recorder()
+    e = fxshard.explain(TinyGPT(), TOKENS, policy=policy, world_size=2, on_pass=explain_hook)
+
+    passes = [p for p in compiled_hook.seen if p[1] != "traced"]
+    assert ("backward", "sink_allocations_pass") in passes and ("joint", "rematerialize_params_pass") in passes
+    assert backend_hook.seen == compiled_hook.seen == explain_hook.seen
+    assert list(e.pass_names) == passes == be.steps()[0].passes
+    expected = step_collectives(sm.graphs)
+    assert len(expected) == 8  # 3 units: 3 gathers forward, 2 backward, 3 reduce-scatters
+    assert be.steps()[0].collectives == expected
+    assert step_collectives(e.graphs) == expected
+
+
+def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    seen: list[float] = []
+    real = driver_compiler.check_same_collectives
+
+    def spy(sequence: Any, world: Any, timeout: float) -> None:
+        seen.append(timeout)
+        real(sequence, world, timeout)
+
+    monkeypatch.setattr(driver_compiler, "check_same_collectives", spy)
+    return seen
+
+
+def _verify_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per verify call the pass runner makes: False after a pass, True on an emitted graph."""
+    calls: list[bool] = []
+    real = pipeline_module.verify
+
+    def spy(gm: fx.GraphModule, ctx: Any = None, *, final: bool = False) -> None:
+        calls.append(final)
+        real(gm, ctx, final=final)
+
+    monkeypatch.setattr(pipeline_module, "verify", spy)
+    return calls
+
+
+@pytest.mark.parametrize("front_end", ["compile", "backend"])
+def test_every_front_end_honours_fxshard_verify(monkeypatch: pytest.MonkeyPatch, front_end: str) -> None:
+    counts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FXSHARD_VERIFY", flag)
+        calls = _verify_calls(monkeypatch)
+        if front_end == "compile":
+            sm = fxshard.compile(TinyGPT(), policy=by_class(Block))
+            sm(TOKENS).sum().backward()
+        else:
+            _backend_step(by_class(Block))
+        counts[flag] = (calls.count(False), calls.count(True))
+    n_graphs = 2  # forward and backward are verified as emitted; the joint graph is not emitted
+    assert counts["0"] == (0, n_graphs)
+    assert counts["1"][1] == n_graphs and counts["1"][0] >= 12  # after every pass of all three graphs
+
+
+@pytest.mark.parametrize("front_end", ["compile", "backend"])
+def test_every_front_end_takes_the_same_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                front_end: str) -> None:
+    timeouts = _timeouts(monkeypatch)
+    hook = Recorder()
+    options: dict[str, Any] = dict(on_pass=hook, check_timeout=7.5, dump_dir=tmp_path,
+                                   disable_passes=("sink_allocations_pass",), verify_passes=True,
+                                   max_inflight_gathers=1)
+    if front_end == "compile":
+        sm = fxshard.compile(TinyGPT(), policy=by_class(Block), **options)
+        assert sm.config.check_timeout == 7.5
+        sm(TOKENS).sum().backward()
+        sm(TOKENS[:1]).sum().backward()  # a second signature dumps into step-1
+    else:
+        be = _backend_step(by_class(Block), **options)
+        assert be.config == sm_config(options)
+    assert timeouts and set(timeouts) == {7.5}
+    names = [p for _, p in hook.seen]
+    assert "sink_allocations_pass" not in names and "insert_free_pass" in names
+    for name in ("plan.txt", "report.txt", "units.dot", "timeline.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert any(p.name.endswith("-backward-insert_free_pass.py") for p in (tmp_path / "passes").iterdir())
+    if front_end == "compile":
+        assert (tmp_path / "step-1" / "report.txt").exists()
+
+
+def sm_config(options: dict[str, Any]) -> CompileConfig:
+    return CompileConfig.build("compile", policy=by_class(Block), **options)
+
+
+def test_dump_setting_comes_from_the_environment_for_every_front_end(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FXSHARD_DUMP", str(tmp_path / "env"))
+    for front_end in ("compile", "backend", "explain"):
+        assert CompileConfig.build(front_end).dump_dir == str(tmp_path / "env")  # type: ignore[arg-type]
+    assert CompileConfig.build("compile", dump_dir=tmp_path / "arg").dump_dir == str(tmp_path / "arg")
+
+
+def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None:
+    with pytest.raises(TypeError, match="explain does not take \\['process_group'\\].*fake process group"):
+        fxshard.explain(MLP(), torch.randn(2, 12), process_group=None)
+    with pytest.raises(TypeError, match="explain does not take \\['check_timeout'\\].*runs nothing"):
+        fxshard.explain(MLP(), torch.randn(2, 12), check_timeout=5)
+    for make in (lambda **kw: fxshard.compile(MLP(), **kw), lambda **kw: fxshard.backend(**kw),
+                 lambda **kw: fxshard.explain(MLP(), torch.randn(2, 12), **kw)):
+        with pytest.raises(TypeError, match="unknown fxshard option.*on_pass"):
+            make(on_pas=print)
+
+
+def test_compile_runs_inductor_compute_like_the_backend() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = TinyGPT()
+    ref.load_state_dict(model.state_dict())
+    sm = fxshard.compile(model, policy=by_class(Block), compute="inductor")
+    out = sm(TOKENS)
+    torch.testing.assert_close(out, ref(TOKENS), rtol=1e-5, atol=1e-5)
+    # Inductor frees buffers itself: the pipeline has no explicit frees.
+    assert not [n for gm in sm.graphs.values() for n in gm.graph.nodes if P.is_free(n)]
+
+
+def test_pipeline_is_built_from_the_configuration() -> None:
+    def names(graph: str, **kw: Any) -> list[str]:
+        return [s.name for s in build_pipeline(graph, CompileConfig.build("compile", **kw))]  # type: ignore[arg-type]
+
+    assert names("forward") == ["eliminate_dead_code_pass", "insert_all_gather_pass", "place_gathers_pass",
+                                "prefetch_gathers_pass", "insert_free_pass"]
+    assert "prefetch_gathers_pass" not in names("forward", forward_prefetch=False)
+    assert "prefetch_gathers_pass" in names("backward", forward_prefetch=False)
+    assert "prefetch_gathers_pass" not in names("backward", backward_prefetch=None)
+    assert "insert_free_pass" not in names("backward", compute="inductor")
+    assert names("joint") == ["rematerialize_params_pass"]
+    assert names("inference") == names("forward")
+    # Every position has its reason, printable.
+    text = describe(CompileConfig())
+    assert "7. schedule_reduce_scatter_pass: after the gathers are placed" in text
+    assert all(s.why for g in ("joint", "forward", "backward") for s in build_pipeline(g, CompileConfig()))
+
+
+def test_disabling_passes_by_name() -> None:
+    config = CompileConfig.build("compile", disable_passes="sink_allocations_pass")
+    assert "sink_allocations_pass" not in [s.name for s in build_pipeline("backward", config)]
+    with pytest.raises(FxShardError, match="no pass named \\['sink_pass'\\].*sink_allocations_pass"):
+        fxshard.compile(MLP(), disable_passes=["sink_pass"])
+    with pytest.raises(FxShardError, match="insert_all_gather_pass cannot be disabled.*place_gathers_pass, "
+                                           "insert_free_pass need it.*fxshard.unshard markers"):
+        fxshard.compile(MLP(), disable_passes=["insert_all_gather_pass"])
+    with pytest.raises(FxShardError, match="place_gathers_pass cannot be disabled.*prefetch_gathers_pass needs it"):
+        fxshard.backend(disable_passes=["place_gathers_pass"])
+    # Without its dependent (no prefetch) the reason it is required remains.
+    with pytest.raises(FxShardError, match="place_gathers_pass cannot be disabled.*in-flight limit"):
+        fxshard.compile(MLP(), disable_passes=["place_gathers_pass"], forward_prefetch=False,
+                        backward_prefetch=None)
+    assert set(all_pass_names()) >= {"accumulate_in_place_pass", "prefetch_gathers_pass", "insert_free_pass"}
+
+
+def test_new_nodes_get_their_value_from_the_fake_mode() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(4, 3)
+    cast = call(graph, torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    gathered = call(graph, P.ALL_GATHER, (cast, 4, "pg"))
+    assert cast.meta["val"].dtype == torch.bfloat16 and cast.meta["val"].shape == (4, 3)
+    assert gathered.meta["val"].dtype == torch.bfloat16 and gathered.meta["val"].shape == (16, 3)
+    bare = graph.placeholder("bare")
+    with pytest.raises(GraphInvariantError, match="bare has no meta\\['val'\\]"):
+        call(graph, torch.ops.aten.relu.default, (bare,))
+
+
+# -- layers ------------------------------------------------------------------------------------
+
+LAYERS = {"fxshard.ir": 0, "fxshard.passes": 1, "fxshard.driver": 2}  # everything else: 3
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = list(rel.with_suffix("").parts)
+    if parts[0] == "passes":
+        parts[0:1] = ["fxshard", "passes"]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _import_graph() -> nx.DiGraph:
+    files = [*sorted((ROOT / "fxshard").rglob("*.py")), *sorted((ROOT / "passes").rglob("*.py"))]
+    modules = {_module_name(f): f for f in files}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph.add_edge(name, target)
+    return graph
+
+
+def _layer(module: str) -> int:
+    return next((v for k, v in LAYERS.items() if module == k or module.startswith(k + ".")), 3)
+
+
+def test_layers_import_one_way_and_no_module_imports_in_a_circle() -> None:
+    graph = _import_graph()
+    assert "fxshard.ir.plan" in graph and "fxshard.passes.schedule" in graph
+    # Nothing inside imports the facade: it imports everything.
+    assert not list(graph.predecessors("fxshard")), list(graph.predecessors("fxshard"))
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, cycles
+    upward = [(a, b) for a, b in graph.edges if _layer(b) > _layer(a)]
+    assert not upward, f"imports from a lower layer into a higher one: {upward}"
+    # Package level: ir, passes, driver and the front ends form no circle either.
+    packages = nx.DiGraph()
+    for a, b in graph.edges:
+        pa, pb = _layer(a), _layer(b)
+        if pa != pb:
+            packages.add_edge(pa, pb)
+    assert nx.is_directed_acyclic_graph(packages)
