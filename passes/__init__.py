@@ -6,7 +6,15 @@ from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
-from .pipeline import GRAPH_KINDS, PassSpec, all_pass_names, build_pipeline, build_pipelines, describe, run_passes
+from .pipeline import (
+    GRAPH_KINDS,
+    PassSpec,
+    all_pass_names,
+    build_pipeline,
+    build_pipelines,
+    describe,
+    run_passes,
+)
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass

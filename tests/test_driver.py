@@ -10,7 +10,6 @@ import networkx as nx
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxshard
