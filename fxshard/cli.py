@@ -2,6 +2,7 @@
 
     fxshard explain MODULE:FACTORY --world-size N --policy "by_class(Block) | by_size(1e6)" \\
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR]
+    fxshard passes [--option compute=inductor]      # every graph's pass list, and why
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
 it that returns the model. The model is built on the meta device (no memory),
@@ -103,6 +104,29 @@ def _inputs(shapes: list[str], dtypes: list[str]) -> tuple[torch.Tensor, ...]:
     return tuple(result)
 
 
+def _options(items: list[str]) -> dict[str, Any]:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise FxShardError(f"--option takes key=value, got {item!r}")
+        options[key.strip()] = _value(value.strip())
+    return options
+
+
+def _passes(items: list[str]) -> int:
+    from fxshard.ir.config import CompileConfig
+    from fxshard.passes import describe
+
+    try:
+        text = describe(CompileConfig.build("explain", **_options(items)))
+    except (FxShardError, TypeError, ValueError) as e:
+        print(f"fxshard passes: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from fxshard.explain import explain
 
@@ -120,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
+    ps = sub.add_parser("passes", help="the pass list of every graph, and why each pass is where it is")
+    ps.add_argument("--option", action="append", default=[], help="option key=value, as for explain")
     args = parser.parse_args(argv)
+    if args.command == "passes":
+        return _passes(args.option)
     try:
         module, factory = load_factory(args.factory)
         if args.no_meta:
@@ -128,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with torch.device("meta"):
                 model = factory()
-        options = {}
-        for item in args.option:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise FxShardError(f"--option takes key=value, got {item!r}")
-            options[key.strip()] = _value(value.strip())
+        options = _options(args.option)
         result = explain(model, _inputs(args.input_shape, args.input_dtype),
                          parse_policy(args.policy, module), args.world_size, rank=args.rank,
                          train=not args.eval, dump_dir=args.dump, **options)

@@ -279,3 +279,13 @@ def test_layers_import_one_way_and_no_module_imports_in_a_circle() -> None:
         if pa != pb:
             packages.add_edge(pa, pb)
     assert nx.is_directed_acyclic_graph(packages)
+
+
+def test_cli_prints_the_pass_list_for_the_options_given(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    assert cli.main(["passes", "--option", "compute=inductor"]) == 0
+    out = capsys.readouterr().out
+    assert "place_gathers_pass: place gathers before freeing" in out and "insert_free_pass" not in out
+    assert cli.main(["passes", "--option", "disable_passes=insert_all_gather_pass"]) == 2
+    assert "insert_all_gather_pass cannot be disabled" in capsys.readouterr().err

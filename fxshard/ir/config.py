@@ -61,7 +61,8 @@ class CompileConfig:
     # Write plan, report, per-pass graphs, timeline and unit graph of every
     # compiled step here. Default: the FXSHARD_DUMP environment variable.
     dump_dir: str | None = None
-    # Pass names (e.g. "sink_allocations_pass") left out of every pipeline, for debugging.
+    # Pass names (e.g. "sink_allocations_pass") left out of every pipeline, for
+    # debugging; a string is split at commas.
     disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -98,7 +99,9 @@ class CompileConfig:
         else:
             mine["dump_dir"] = os.fspath(mine["dump_dir"])
         disabled = mine.get("disable_passes", ())
-        mine["disable_passes"] = (disabled,) if isinstance(disabled, str) else tuple(disabled)
+        if isinstance(disabled, str):  # "a,b" from a command line
+            disabled = [n.strip() for n in disabled.split(",") if n.strip()]
+        mine["disable_passes"] = tuple(disabled)
         if mine.get("check_timeout") is None:
             mine["check_timeout"] = DEFAULT_CHECK_TIMEOUT
         try:
