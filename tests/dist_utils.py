@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -14,18 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],
+def _worker(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any],
             args: tuple[Any, ...]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file store, not a TCP port: test processes running side by side (pytest -n)
+    # never race for a port.
+    store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -47,6 +41,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     rank is raised here.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, out_dir, fn, args), nprocs=world_size)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]

@@ -78,8 +78,15 @@ def _train(name: str, rank: int, compute: str = "eager") -> dict[str, Any]:
 
 
 def worker(rank: int, world_size: int) -> dict[str, Any]:
-    torch._dynamo.reset()
-    return {name: _train(name, rank) for name in ("gpt", "mlp", "broken")}
+    out: dict[str, Any] = {}
+    for name in ("gpt", "mlp", "broken"):
+        torch._dynamo.reset()
+        out[name] = _train(name, rank)
+    if world_size == 2:  # Inductor compute, in the same spawn
+        torch._dynamo.reset()
+        out["inductor"] = _train("gpt", rank, compute="inductor")
+        out["inductor_dropout"] = _inductor_dropout(rank)
+    return out
 
 
 @cache
@@ -104,21 +111,16 @@ def test_graph_break_gives_two_sharded_graphs() -> None:
     assert all(g >= 1 for g in r["gathers"])  # each graph gathers the units it reads
 
 
-def _inductor_worker(rank: int, world_size: int) -> dict[str, Any]:
-    torch._dynamo.reset()
-    return _train("gpt", rank, compute="inductor")
-
-
 def test_inductor_compute_matches_ddp() -> None:
     # The GPT segfaulted while fxshard still emitted explicit frees under Inductor,
     # which may move a read of a buffer's view past the free; Inductor frees buffers itself.
-    for r in run_ranks(_inductor_worker, 2):
+    for r in (res["inductor"] for res in results(2)):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
                                    rtol=1e-4, atol=1e-5)
         assert r["frees"] == 0
 
 
-def _inductor_dropout_worker(rank: int, world_size: int) -> dict[str, Any]:
+def _inductor_dropout(rank: int) -> dict[str, Any]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Net()  # the tutorial Net, dropout on
@@ -147,7 +149,7 @@ def test_inductor_compute_trains_with_dropout() -> None:
     # run before fxshard partitions): the masks are not eager's, so there is no
     # DDP parity to check; training must still run, agree across ranks, and
     # the sharded eval forward must be the gathered model's.
-    r0, r1 = run_ranks(_inductor_dropout_worker, 2)
+    r0, r1 = (res["inductor_dropout"] for res in results(2))
     assert all(math.isfinite(v) for v in r0["losses"] + r1["losses"])
     assert r0["losses"][-1] < r0["losses"][0]  # the same batch each step: it is learning
     for k, v in r0["full"].items():

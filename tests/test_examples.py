@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,10 +22,17 @@ def run(*args: str, timeout: int = 300) -> str:
     return proc.stdout
 
 
-def test_mnist_demo_trains_prints_graphs_and_saves(tmp_path: Path) -> None:
-    path = tmp_path / "m.pt"
+@pytest.fixture(scope="module")
+def mnist_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One short run of the demo with every flag the tests look at: train, compare with DDP, save."""
+    path = tmp_path_factory.mktemp("mnist") / "m.pt"
     out = run("examples/mnist.py", "--nproc", "2", "--epochs", "1", "--max-steps", "3",
-              "--save-model", "--save-path", str(path))
+              "--compare-ddp", "--save-model", "--save-path", str(path))
+    return out, path
+
+
+def test_mnist_demo_trains_prints_graphs_and_saves(mnist_run: tuple[str, Path]) -> None:
+    out, path = mnist_run
     assert "ShardPlan(world_size=2, policy=by_size(20_000)" in out
     # The graph summary: ops, all_gather_into_tensor, wait_tensor, free, reduce_scatter_tensor.
     counts = {graph: [int(n) for n in numbers.split()] for graph, numbers in
@@ -46,9 +54,8 @@ def test_mnist_demo_trains_prints_graphs_and_saves(tmp_path: Path) -> None:
     assert all(saved[k].shape == v.shape for k, v in expected.items())
 
 
-def test_mnist_compare_ddp_prints_both_systems_with_equal_losses() -> None:
-    out = run("examples/mnist.py", "--nproc", "2", "--epochs", "1", "--max-steps", "2",
-              "--compare-ddp")
+def test_mnist_compare_ddp_prints_both_systems_with_equal_losses(mnist_run: tuple[str, Path]) -> None:
+    out, _ = mnist_run
     ours = re.search(r"\[fxshard by_size\(20_000\)\] epoch 1: train loss ([\d.]+)", out)
     ddp = re.search(r"\[DDP\] epoch 1: train loss ([\d.]+)", out)
     assert ours and ddp, out

@@ -82,13 +82,13 @@ def test_cli_explain_writes_every_dump_file(tmp_path: Path) -> None:
     assert "blocks.0" in (out / "units.dot").read_text()
 
 
-def test_cli_reports_bad_input_clearly() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fxshard.cli", "explain", "tests/models.py:TinyGPT", "--world-size", "4",
-         "--policy", "by_class(Blok)", "--input-shape", "2,16", "--input-dtype", "int64"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "no nn.Module class 'Blok'" in proc.stderr
+def test_cli_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    code = cli.main(["explain", str(ROOT / "tests" / "models.py") + ":TinyGPT", "--world-size", "4",
+                     "--policy", "by_class(Blok)", "--input-shape", "2,16", "--input-dtype", "int64"])
+    assert code == 2
+    assert "no nn.Module class 'Blok'" in capsys.readouterr().err
 
 
 def test_logging_is_silent_by_default_and_goes_through_one_logger(
