@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -227,7 +227,7 @@ def trace_step(
     try:
         with torch.fx.traceback.preserve_node_meta(), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True
-        ):
+        ), _compiling():
             # Typed for GraphModules, but lifts the parameters and buffers of any module.
             module: Any = step
             return aot_module_simplified(
@@ -255,6 +255,28 @@ def trace_step(
             module=where,
             op=op_name,
         ) from e
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """Trace as ``torch.compile`` traces: ``torch.compiler.is_compiling()`` is true throughout.
+
+    Libraries take their compile-time paths then: Hugging Face transformers
+    skips data-dependent checks of attention masks and picks a traceable
+    experts implementation. ``torch.compile`` holds this same context around
+    its whole compile, AOTAutograd included; AOTAutograd alone does not.
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    previous = torch.compiler._is_compiling_flag  # releases without the context manager
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
 
 
 def _module_type(root: nn.Module, path: str | None) -> str:
