@@ -83,14 +83,6 @@ class ShardedModule(nn.Module):
     def options(self) -> ShardingOptions:
         return self._driver.config.options
 
-    @property
-    def check_timeout(self) -> float:
-        """Seconds a rank waits for the others at a step's first run before raising."""
-        return self._driver.config.check_timeout
-
-    @check_timeout.setter
-    def check_timeout(self, seconds: float) -> None:
-        self._driver.config = self._driver.config.with_options(check_timeout=seconds)
 
     @property
     def world_size(self) -> int:
@@ -236,7 +228,8 @@ def compile(
     ``FXSHARD_VERIFY`` environment variable), ``on_pass(graph, pass_name,
     gm)`` (called with each graph as traced, pass name ``"traced"``, and after
     every pass; ``graph`` is "joint", "forward", "backward" or "inference"),
-    ``check_timeout`` (seconds), ``dump_dir`` (default: ``FXSHARD_DUMP``),
+    ``timeout`` (seconds any collective of a step waits for the other ranks;
+    default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
     ``disable_passes`` (pass names), and the scheduling options of
     ``fxshard.ShardingOptions``: ``reshard_after_forward``, ``reshard_root``,
     ``forward_prefetch``, ``backward_prefetch``, ``max_inflight_gathers``,

@@ -79,7 +79,7 @@ def explain(
     ``train=False`` explains an inference step. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
-    unit graph there), except ``process_group`` and ``check_timeout``: explain
+    unit graph there), except ``process_group`` and ``timeout``: explain
     runs nothing, on a fake process group of its own.
     """
     config = CompileConfig.build("explain", policy=policy, **options)

@@ -1,6 +1,7 @@
 """fxshard's rewriting passes. Which run, in which order and why: ``pipeline.build_pipeline``."""
 
 from .accumulate_in_place import accumulate_in_place_pass
+from .assign_groups import assign_groups_pass
 from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -27,6 +28,7 @@ __all__ = [
     "PassContext",
     "PassSpec",
     "accumulate_in_place_pass",
+    "assign_groups_pass",
     "all_pass_names",
     "build_pipeline",
     "build_pipelines",

@@ -25,6 +25,9 @@ class PassContext:
     num_user_outputs: int | None = None
     verify: bool = True
     options: ShardingOptions = ShardingOptions()
+    # Names of the process groups of the in-flight slots, when collectives in
+    # flight together must go on different groups (assign_groups_pass).
+    inflight_groups: tuple[str, ...] = ()
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):

@@ -24,6 +24,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 
 from .accumulate_in_place import accumulate_in_place_pass
+from .assign_groups import assign_groups_pass
 from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -92,9 +93,19 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                               needs=("place_gathers_pass",)))
     if config.compute == "eager":
         specs.append(PassSpec(insert_free_pass,
-                              "last: frees follow the final position of every use",
+                              "after the gathers are placed: frees follow the final position of "
+                              "every use",
                               needs=("insert_all_gather_pass",)))
+    specs += _separate(config)
     return specs
+
+
+def _separate(config: CompileConfig) -> list[PassSpec]:
+    if not config.inflight_groups:
+        return []
+    return [PassSpec(assign_groups_pass,
+                     "last: reads the final position of every collective and its wait",
+                     required="two collectives in flight on one gloo group corrupt its heap")]
 
 
 def _backward(config: CompileConfig) -> list[PassSpec]:
@@ -130,14 +141,16 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                               "of every use",
                               needs=("insert_all_gather_pass",)))
     specs.append(PassSpec(sink_allocations_pass,
-                          "last: moves only compute that reads no gathered buffer and no "
-                          "collective result, so no gather window, free or reduction changes"))
+                          "after every collective is placed: moves only compute that reads no "
+                          "gathered buffer and no collective result, so no gather window, free "
+                          "or reduction changes"))
+    specs += _separate(config)
     return specs
 
 
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
-    everything = CompileConfig()
+    everything = CompileConfig(inflight_groups=True)
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):

@@ -89,6 +89,25 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         _check_joint_saves_no_parameter(graph, ctx)
     if final and ctx.graph != "joint":
         _check_windows(graph, ctx)
+    if final and ctx.inflight_groups:
+        _check_groups_in_flight(graph)
+
+
+def _check_groups_in_flight(graph: fx.Graph) -> None:
+    """Invariant 9: no two collectives in flight at once share a process group."""
+    in_flight: dict[str, fx.Node] = {}  # group name -> collective not yet waited
+    for node in graph.nodes:
+        if P.is_wait(node):
+            issued = node.args[0]
+            in_flight = {g: c for g, c in in_flight.items() if c is not issued}
+        elif P.is_collective(node):
+            group = P.group_name(node)
+            if group in in_flight:
+                raise GraphInvariantError(
+                    f"{node.name} is issued on group {group!r} while {in_flight[group].name} is "
+                    "still in flight there (invariant 9)"
+                )
+            in_flight[group] = node
 
 
 def _kept(node: fx.Node, ctx: PassContext) -> bool:

@@ -20,8 +20,9 @@ def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path
     rows = {r["system"]: r for r in report["results"]}
     assert set(rows) == {"ddp", "fsdp2", "fxshard"}
     # Same units (one per block, resident root) -> the same bytes on the wire as FSDP2,
-    # counted by the same counter; DDP all-reduces 2x the parameters instead.
-    assert rows["fxshard"]["comm_bytes"] == rows["fsdp2"]["comm_bytes"] > 0
+    # counted by the same counter, plus the ranks' agreement before forward and
+    # backward (8 bytes from each of the 2 ranks, twice); DDP all-reduces 2x the parameters.
+    assert rows["fxshard"]["comm_bytes"] == rows["fsdp2"]["comm_bytes"] + 2 * 8 > 16
     assert not any(r["comm_uncounted"] for r in rows.values())
     # Same model, same data: the same losses as DDP.
     for a, b in zip(rows["fxshard"]["losses"], rows["ddp"]["losses"]):

@@ -1,23 +1,32 @@
-"""Rank consistency: a divergent program fails fast, naming the collective that differs."""
+"""Ranks agree before every forward and backward: divergence raises on every rank, never a hang,
+a native abort or a wrong number; a smaller last batch trains exactly like DDP."""
 
 from __future__ import annotations
 
+import copy
+import time
+from functools import cache
+from typing import Any
+
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
-from fxshard.ir.errors import CollectiveMismatchError
+from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 from models import MLP
 
 
-def _divergent(rank: int, world_size: int) -> str:
+def _divergent(rank: int) -> str:
     torch.manual_seed(0)
     # Rank 1 builds its hidden layer one unit wider: different shard shapes.
-    model = MLP(hidden=24 + rank)
-    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    sharded = fxshard.compile(MLP(hidden=24 + rank), policy=by_class(nn.Linear))
     try:
         sharded(torch.randn(4, 12)).sum().backward()
     except CollectiveMismatchError as e:
@@ -25,23 +34,168 @@ def _divergent(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def _partial_last_batch(rank: int) -> dict[str, Any]:
+    """A DataLoader without drop_last: the last batch is 4 samples on rank 0 and 3 on rank 1."""
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    losses, ref_losses = [], []
+    for batch in (4, 4, 4 - rank, 4):
+        x, y = torch.randn(batch, 12, generator=gen), torch.randn(batch, 5, generator=gen)
+        for m, o, out in ((sharded, opt, losses), (ddp, ref_opt, ref_losses)):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    state = sharded.full_state_dict()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "errors": [(state[k] - v).abs().max().item() for k, v in ddp.module.state_dict().items()]}
+
+
+def _one_rank_evaluates(rank: int) -> str:
+    """Rank 1 validates (eval, no grad) while rank 0 trains: the same gathers, another step."""
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    x = torch.randn(4, 12)
+    try:
+        if rank == 1:
+            sharded.eval()
+            with torch.no_grad():
+                sharded(x)
+        else:
+            sharded(x).sum().backward()
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def _one_rank_skips_backward(rank: int) -> str:
+    """Rank 1 skips a backward (say its loss was not finite); rank 0 does not."""
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    x = torch.randn(4, 12)
+    try:
+        loss = sharded(x).sum()
+        if rank == 0:
+            loss.backward()
+        sharded(x).sum().backward()
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def worker(rank: int, world_size: int) -> dict[str, Any]:
+    # Each case leaves the process group usable: a mismatch is found by
+    # collectives every rank takes part in.
+    return {"divergent": _divergent(rank), "partial": _partial_last_batch(rank),
+            "eval": _one_rank_evaluates(rank), "skip": _one_rank_skips_backward(rank)}
+
+
+@cache
+def results() -> list[dict[str, Any]]:
+    return run_ranks(worker, 2)
+
+
 def test_divergent_ranks_raise_instead_of_hanging() -> None:
-    messages = run_ranks(_divergent, 2)
-    for msg in messages:
+    for msg in (r["divergent"] for r in results()):
         assert "collective #0 of the step differs" in msg, msg
         assert "rank 0: forward: all_gather(float32[156]" in msg
         assert "rank 1: forward: all_gather(float32[163]" in msg
         assert "unit 'layers.0'" in msg
 
 
-def _consistent(rank: int, world_size: int) -> tuple[int, int]:
-    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
-    for _ in range(2):
-        sharded(torch.randn(4, 12)).sum().backward()
-    step = sharded._last
-    assert step is not None and step.checked
-    return len(step.collectives), len({c.kind for c in step.collectives})
+def test_partial_last_batch_trains_exactly_like_ddp() -> None:
+    for r in (res["partial"] for res in results()):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        assert max(r["errors"]) < 1e-5
 
 
-def test_consistent_ranks_pass_the_check_once() -> None:
-    assert run_ranks(_consistent, 2) == [(8, 2), (8, 2)]
+def test_one_rank_in_eval_mode_raises_on_every_rank_naming_each_step() -> None:
+    for msg in (r["eval"] for r in results()):
+        assert "rank 0: forward of a train step, grad on, inputs float32[4, 12]" in msg, msg
+        assert "rank 1: forward of a eval/inference step, grad off" in msg, msg
+        assert "rank 0: forward: all_gather" in msg and "rank 1: inference: all_gather" in msg
+
+
+def test_a_skipped_backward_raises_on_every_rank() -> None:
+    for msg in (r["skip"] for r in results()):
+        assert "rank 0: backward of a train step" in msg, msg
+        assert "rank 1: forward of a train step" in msg, msg
+
+
+# -- timeouts: each case breaks its process group, so it gets its own ranks ----------------------
+
+TIMEOUT = 4.0
+
+
+def _validation_on_rank0_only(rank: int, world_size: int) -> dict[str, Any]:
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), timeout=TIMEOUT)
+    sharded(torch.randn(4, 12)).sum().backward()  # one good step
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            sharded.eval()
+            with torch.no_grad():
+                sharded(torch.randn(4, 12))
+        else:
+            dist.barrier()  # waits for rank 0, which never arrives
+    except (FxShardError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+def test_validation_on_one_rank_ends_every_rank_within_the_timeout() -> None:
+    start = time.monotonic()
+    r0, r1 = run_ranks(_validation_on_rank0_only, 2)
+    assert r0["error"].startswith("FxShardError: rank 0: the other ranks did not reach the forward"), r0
+    assert TIMEOUT <= r0["seconds"] < TIMEOUT + 10
+    # Rank 0's process then exits, which ends rank 1's barrier (gloo: connection closed).
+    assert r1["error"].startswith("RuntimeError") and r1["seconds"] < TIMEOUT + 20, r1
+    assert time.monotonic() - start < 90  # both processes ended: nothing hangs at exit
+
+
+@torch.library.custom_op("fxshard_test::stall", mutates_args=())
+def stall(x: torch.Tensor, rank: int) -> torch.Tensor:
+    if dist.get_rank() == rank:
+        time.sleep(3 * TIMEOUT)
+    return x.clone()
+
+
+@stall.register_fake
+def _(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+stall.register_autograd(lambda ctx, grad: (grad, None))
+
+
+class Stalls(nn.Module):
+    """Rank 1 stalls between two units, inside the compiled forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.ops.fxshard_test.stall(self.a(x), 1))
+
+
+def _peer_stalls_inside_a_step(rank: int, world_size: int) -> dict[str, Any]:
+    sharded = fxshard.compile(Stalls(), policy=by_class(nn.Linear), timeout=TIMEOUT,
+                              forward_prefetch=False)
+    start = time.monotonic()
+    try:
+        sharded(torch.randn(2, 4)).sum().backward()
+    except (FxShardError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+def test_a_peer_stalled_inside_a_step_gives_a_clear_error_within_the_timeout() -> None:
+    r0, _ = run_ranks(_peer_stalls_inside_a_step, 2)
+    assert r0["error"].startswith("FxShardError: rank 0: a collective of the forward"), r0
+    assert "peer is gone or stalled" in r0["error"]
+    assert r0["seconds"] < 3 * TIMEOUT

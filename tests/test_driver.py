@@ -69,15 +69,16 @@ def test_front_ends_run_the_same_passes_and_emit_the_same_collectives() -> None:
     assert step_collectives(e.graphs) == expected
 
 
-def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    seen: list[float] = []
-    real = driver_compiler.check_same_collectives
+def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """The timeout each driver creates its communication groups with."""
+    seen: list[float | None] = []
+    real = driver_compiler.with_comm_groups
 
-    def spy(sequence: Any, world: Any, timeout: float) -> None:
+    def spy(world: Any, slots: int, timeout: float | None) -> Any:
         seen.append(timeout)
-        real(sequence, world, timeout)
+        return real(world, slots, timeout)
 
-    monkeypatch.setattr(driver_compiler, "check_same_collectives", spy)
+    monkeypatch.setattr(driver_compiler, "with_comm_groups", spy)
     return seen
 
 
@@ -116,12 +117,12 @@ def test_every_front_end_takes_the_same_options(monkeypatch: pytest.MonkeyPatch,
                                                 front_end: str) -> None:
     timeouts = _timeouts(monkeypatch)
     hook = Recorder()
-    options: dict[str, Any] = dict(on_pass=hook, check_timeout=7.5, dump_dir=tmp_path,
+    options: dict[str, Any] = dict(on_pass=hook, timeout=7.5, dump_dir=tmp_path,
                                    disable_passes=("sink_allocations_pass",), verify_passes=True,
                                    max_inflight_gathers=1)
     if front_end == "compile":
         sm = fxshard.compile(TinyGPT(), policy=by_class(Block), **options)
-        assert sm.config.check_timeout == 7.5
+        assert sm.config.timeout == 7.5
         sm(TOKENS).sum().backward()
         sm(TOKENS[:1]).sum().backward()  # a second signature dumps into step-1
     else:
@@ -152,8 +153,8 @@ def test_dump_setting_comes_from_the_environment_for_every_front_end(
 def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None:
     with pytest.raises(TypeError, match="explain does not take \\['process_group'\\].*fake process group"):
         fxshard.explain(MLP(), torch.randn(2, 12), process_group=None)
-    with pytest.raises(TypeError, match="explain does not take \\['check_timeout'\\].*runs nothing"):
-        fxshard.explain(MLP(), torch.randn(2, 12), check_timeout=5)
+    with pytest.raises(TypeError, match="explain does not take \\['timeout'\\].*runs nothing"):
+        fxshard.explain(MLP(), torch.randn(2, 12), timeout=5)
     for make in (lambda **kw: fxshard.compile(MLP(), **kw), lambda **kw: fxshard.backend(**kw),
                  lambda **kw: fxshard.explain(MLP(), torch.randn(2, 12), **kw)):
         with pytest.raises(TypeError, match="unknown fxshard option.*on_pass"):

@@ -32,7 +32,9 @@ def test_explain_meta_model_at_world_size_64_follows_zero3() -> None:
     assert not dist.is_initialized()  # the fake process group is gone again
     psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
     assert e.report.shard_bytes * n == psi  # each rank holds exactly 1/N
-    assert e.report.comm_bytes_per_step["total"] == 3 * psi * (n - 1) // n
+    agreement = e.report.comm_bytes_per_step["agreement"]
+    assert agreement == 2 * 8 * (n - 1)  # the ranks' 8-byte agreement before forward and backward
+    assert e.report.comm_bytes_per_step["total"] == 3 * psi * (n - 1) // n + agreement
     for gm in e.graphs.values():
         assert all(c.args[-2] == n for c in gm.graph.nodes if P.is_collective(c))
     assert e.report.predicted_peak_bytes > e.report.shard_bytes

@@ -23,8 +23,6 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 
-transformers = pytest.importorskip("transformers")
-
 STEPS = 3
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=100, max_position_embeddings=64)

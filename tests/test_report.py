@@ -85,13 +85,18 @@ def test_communication_is_the_theoretical_volume_exactly(world_size: int, name: 
         res = r[(name, setup)]
         report = res["report"]
         expected = theory(res["padded"], world_size, setup)
-        assert report.comm_bytes_per_step["total"] == expected
+        agreement = report.comm_bytes_per_step["agreement"]
+        assert agreement == 2 * 8 * (world_size - 1)  # 8 bytes from each rank, before forward and backward
+        assert report.comm_bytes_per_step["total"] == expected + agreement
         if setup == "zero3":
             psi = sum(res["padded"].values())
             assert expected == 3 * psi * (world_size - 1) // world_size
-        # Measured on the wire, per kind, equals the static count.
-        assert res["measured_comm"] == {k: v for k, v in report.comm_bytes_per_step.items()
-                                        if k != "total" and v}
+        # Measured on the wire, per kind, equals the static count (the counter sees
+        # the agreement as the all_gather it is).
+        predicted = {k: v for k, v in report.comm_bytes_per_step.items()
+                     if k not in ("total", "agreement") and v}
+        predicted["all_gather"] += agreement
+        assert res["measured_comm"] == predicted
         # Nothing gathered twice within a window: one gather per unit per pass at most.
         assert all(u.gathers <= 2 for u in report.units)
 

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import default_partition
 from torch.fx.graph import _BoxedCodeGen
 
+from fxshard.driver.runtime import World, collective_failure
 from fxshard.ir import meta, ops
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
@@ -37,13 +38,14 @@ class GraphCompiler:
     GraphModule itself, in the boxed calling convention).
     """
 
-    def __init__(self, plan: ShardPlan, world_size: int, group_name: str | None,
+    def __init__(self, plan: ShardPlan, world: World,
                  config: CompileConfig, pipelines: Mapping[str, Sequence[PassSpec]],
                  on_pass: PassHook | None = None,
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None):
         self.plan = plan
-        self.world_size = world_size
-        self.group_name = group_name
+        self.world = world
+        self.world_size = world.size
+        self.group_name = world.group_name
         self.config = config
         self.pipelines = pipelines
         self.on_pass = on_pass
@@ -55,7 +57,8 @@ class GraphCompiler:
     def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
-                           options=self.config.options)
+                           options=self.config.options,
+                           inflight_groups=self.world.slot_names if self.config.inflight_groups else ())
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass
@@ -105,7 +108,7 @@ class GraphCompiler:
                     f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
                     "compute='eager' runs the same graph without Inductor."
                 ) from e
-        return _boxed(gm)
+        return _boxed(gm, self.world.rank, kind)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("forward", gm, example_inputs)
@@ -121,13 +124,14 @@ class GraphCompiler:
         return self._compile("inference", gm, example_inputs)
 
 
-def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
+def _boxed(gm: fx.GraphModule, rank: int, kind: str) -> Callable[..., Any]:
     """A copy of ``gm`` in torch's boxed calling convention, which AOTAutograd calls.
 
     The generated code takes the argument list and clears it, so each input
     (a saved activation, a tangent) dies after its last use in the graph
     rather than when the graph returns. ``gm`` itself keeps the plain
-    signature, for reading and for calling by hand.
+    signature, for reading and for calling by hand. A collective that fails
+    inside (a peer gone or stalled) raises a clear FxShardError.
     """
     runnable = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     runnable.graph.set_codegen(_BoxedCodeGen())
@@ -135,7 +139,13 @@ def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
     forward = runnable.forward
 
     def run(args: list[Any]) -> Any:
-        return forward(args)
+        try:
+            return forward(args)
+        except RuntimeError as e:
+            failure = collective_failure(e, rank, f"{kind} graph")
+            if failure is None:
+                raise
+            raise failure from e
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

@@ -27,17 +27,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.codegen import GraphCompiler
-from fxshard.driver.consistency import check_same_collectives
+from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, phase_fingerprint
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.report import Report, build_report
-from fxshard.driver.runtime import World, make_shards, resolve_world, strip_parameters
+from fxshard.driver.runtime import (
+    World,
+    collective_failure,
+    make_shards,
+    resolve_world,
+    strip_parameters,
+    with_comm_groups,
+)
 from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
 from fxshard.ir.analysis import first_use_order
-from fxshard.ir.collectives import Collective, step_collectives
+from fxshard.ir.collectives import Collective, bus_bytes, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
@@ -59,11 +67,15 @@ class CompiledStep:
     input_bytes: int
     buffer_bytes: int
     pass_log: PassLog | None = None  # the code after every pass, when dumping
-    checked: bool = False  # ranks have compared their collective sequences
 
     @property
     def trains(self) -> bool:
         return "backward" in self.graphs
+
+    def phase(self, name: str) -> tuple[str, list[Collective]]:
+        """("forward" | "backward", the collectives that phase issues)."""
+        graph = "backward" if name == "backward" else ("forward" if self.trains else "inference")
+        return graph, [c for c in self.collectives if c.graph == graph]
 
 
 class _Recorder:
@@ -87,10 +99,19 @@ class Driver:
     """One sharded module's compile: its configuration, world, plan, shards and steps."""
 
     def __init__(self, config: CompileConfig, *, runs: bool = True):
-        self.config = config
+        world = resolve_world(config.process_group)
+        backend = dist.get_backend(world.group) if world.group is not None else None
+        # Slots only where collectives really run concurrently: more than one
+        # rank, and no fake group. By default on gloo only (its heap
+        # corruption: docs/devices.md).
+        separate = config.inflight_groups if config.inflight_groups is not None else backend == "gloo"
+        config = config.with_options(
+            inflight_groups=bool(separate) and world.size > 1 and backend not in (None, "fake"))
         # Built now, so a bad disable_passes fails before anything is sharded.
         self.pipelines: dict[str, tuple[PassSpec, ...]] = build_pipelines(config)
-        self.world: World = resolve_world(config.process_group)
+        self.config = config
+        slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
+        self.world: World = with_comm_groups(world, slots, config.timeout)
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.device = torch.device("cpu")
@@ -137,8 +158,8 @@ class Driver:
         """Trace ``step`` on ``inputs`` and run every graph's passes; nothing runs yet."""
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
-        compiler = GraphCompiler(self.plan, self.world.size, self.world.group_name, self.config,
-                                 self.pipelines, on_pass=recorder,
+        compiler = GraphCompiler(self.plan, self.world, self.config, self.pipelines,
+                                 on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
@@ -166,18 +187,37 @@ class Driver:
         return compiled
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
-        """Run a compiled step; before its first run, every rank checks the others agree."""
-        if not step.checked:
-            check_same_collectives(step.collectives, self.world, self.config.check_timeout)
-            step.checked = True
-        return step.output_spec.unflatten(step.fn(*inputs))
+        """Run a compiled step. Before its forward, and before its backward, every rank
+        checks that all ranks are about to issue the same collectives."""
+        self._agree(step, "forward", inputs)
+        try:
+            flat = step.fn(*inputs)
+        except RuntimeError as e:
+            failure = collective_failure(e, self.world.rank, "forward")
+            if failure is None:
+                raise
+            raise failure from e
+        if step.trains:
+            outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads: self._agree(step, "backward", inputs), mode="any")
+        return step.output_spec.unflatten(flat)
+
+    def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor]) -> None:
+        graph, collectives = step.phase(phase)
+        agree(phase, phase_fingerprint(phase, collectives),
+              lambda: describe_step(phase, graph, torch.is_grad_enabled(), list(inputs), collectives),
+              self.world)
 
     # -- what a step will do --------------------------------------------------------------------
 
     def report(self, step: CompiledStep) -> Report:
+        phases = 2 if step.trains else 1  # an agreement before forward and before backward
+        agreement = phases * bus_bytes("all_gather", AGREEMENT_BYTES, self.world.size)
         return build_report(self.plan, self.world.rank, step.graphs, step.collectives,
                             list(self.shards), step.buffer_bytes, step.input_bytes,
-                            step.num_user_outputs)
+                            step.num_user_outputs, agreement)
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""

@@ -1,56 +1,96 @@
-"""Rank consistency: before a step's first run, every rank proves it will issue the same collectives.
+"""Rank agreement: before every forward and every backward, the ranks prove they run the same step.
 
-A rank whose graphs differ (another model shape, another policy, another
-input signature that changes a collective) would otherwise hang in the first
-mismatched collective, or silently exchange garbage. The check costs one
-8-byte all_gather per traced signature; on a mismatch all ranks learn the
-first collective that differs and raise.
+Each phase of a compiled step starts with one tiny all_gather: every rank
+sends 8 bytes, the fingerprint of the collectives it is about to issue in
+this phase (kind, shape, dtype, group and unit of each, and the phase). Ranks
+whose fingerprints agree proceed, whatever their input shapes: a smaller last
+batch issues the same collectives. Ranks that would issue different
+collectives (one in eval mode or without grad, another model, a rank that
+skipped a backward) learn it before any of them issues one, exchange their
+descriptions, and every rank raises ``CollectiveMismatchError`` naming each
+rank's step and the first collective that differs. Without this, gloo aborts
+the process on mismatched sizes, or mismatched collectives of equal size
+exchange the wrong bytes silently.
+
+A rank whose peers never arrive (gone, stalled, in another collective such as
+a barrier) raises after the driver's timeout; see ``runtime.with_comm_groups``.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxshard.driver.runtime import World, wait_within
-from fxshard.ir.collectives import Collective, fingerprint
-from fxshard.ir.errors import CollectiveMismatchError
+from fxshard.ir.collectives import Collective
+from fxshard.ir.errors import CollectiveMismatchError, FxShardError
+
+Description = dict[str, Any]
+AGREEMENT_BYTES = 8  # each rank's contribution to the agreement all_gather
 
 
-def check_same_collectives(sequence: list[Collective], world: World, timeout: float) -> None:
+def phase_fingerprint(phase: str, sequence: list[Collective]) -> bytes:
+    text = phase + "\n" + "\n".join(str(c) for c in sequence)
+    return hashlib.sha256(text.encode()).digest()[:8]
+
+
+def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], world: World) -> None:
+    """Every rank about to run ``phase`` with ``fingerprint`` meets here; raise unless all agree."""
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
         return  # nobody to agree with (torch's fake process group communicates nothing)
-    digest = torch.frombuffer(bytearray(fingerprint(sequence)), dtype=torch.int64).clone()
-    device = _comm_device(world.group)
-    mine = digest.to(device)
+    group = world.comm[0] if world.comm else world.group
+    device = _comm_device(group)
+    mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)
-    work = dist.all_gather_single(everyone, mine, group=world.group, async_op=True)
-    wait_within(work, timeout, lambda: CollectiveMismatchError(
-        f"rank {world.rank}: not every rank reached the collective check of a newly traced "
-        f"step within {timeout:g}s. Ranks must call the model with the same input shapes, "
-        "mode (train/eval) and grad mode, so that they trace the same steps."
+    work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+    seconds = world.timeout.total_seconds() if world.timeout is not None else None
+    wait_within(work, seconds, lambda: FxShardError(
+        f"rank {world.rank}: the other ranks did not reach the {phase} of this step within "
+        f"{seconds:g}s: a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
+        "some ranks only). Every rank must call the model the same number of times, in the "
+        "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
+        "process group's timeout)."
     ))
     if bool((everyone == mine).all()):
         return
-    sequences: list[list[str] | None] = [None] * world.size
-    dist.all_gather_object(sequences, [str(c) for c in sequence], group=world.group)
-    raise CollectiveMismatchError(_describe(sequences, world.rank))
+    descriptions: list[Description | None] = [None] * world.size
+    dist.all_gather_object(descriptions, describe(), group=group)
+    raise CollectiveMismatchError(_mismatch(descriptions, world.rank))
 
 
-def _describe(sequences: list[list[str] | None], rank: int) -> str:
-    seqs = [s or [] for s in sequences]
-    length = max(len(s) for s in seqs)
-    for i in range(length):
-        issued = [s[i] if i < len(s) else "(nothing: its step ends here)" for s in seqs]
+def describe_step(phase: str, graph: str, grad: bool, inputs: list[torch.Tensor],
+                  collectives: list[Collective]) -> Description:
+    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+    return {"phase": phase, "mode": "train" if graph != "inference" else "eval/inference",
+            "grad": grad, "inputs": shapes or "none", "collectives": [str(c) for c in collectives]}
+
+
+def _mismatch(descriptions: list[Description | None], rank: int) -> str:
+    steps = [d or {} for d in descriptions]
+    lines = [f"ranks would issue different collectives (seen from rank {rank}):"]
+    for r, d in enumerate(steps):
+        lines.append(f"  rank {r}: {d.get('phase')} of a {d.get('mode')} step, grad "
+                     f"{'on' if d.get('grad') else 'off'}, inputs {d.get('inputs')}, "
+                     f"{len(d.get('collectives', []))} collectives")
+    seqs = [list(d.get("collectives", [])) for d in steps]
+    for i in range(max(len(s) for s in seqs)):
+        issued = [s[i] if i < len(s) else "(nothing: its phase ends here)" for s in seqs]
         if len(set(issued)) > 1:
-            lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(issued))
-            return (
-                f"ranks would issue different collectives (seen from rank {rank}); "
-                f"collective #{i} of the step differs:\n{lines}\n"
-                "Every rank must build the same model with the same policy and options, and "
-                "call it with the same input shapes."
-            )
-    return "ranks' collective fingerprints differ but their sequences print alike"
+            lines.append(f"collective #{i} of the step differs:")
+            lines += [f"  rank {r}: {c}" for r, c in enumerate(issued)]
+            break
+    else:
+        lines.append("their collectives print alike but the phases differ")
+    lines.append(
+        "Every rank must run the same steps in the same order: the same model, policy and "
+        "options, the same mode (train/eval) and grad mode, forward then backward. Input "
+        "shapes may differ where they change no collective (a smaller last batch)."
+    )
+    return "\n".join(lines)
 
 
 def _comm_device(group: dist.ProcessGroup) -> torch.device:

@@ -37,7 +37,9 @@ class Report:
     grad_shard_bytes: int
     buffer_bytes: int  # module buffers (BatchNorm statistics)
     input_bytes: int
-    comm_bytes_per_step: dict[str, int]  # bus bytes per rank, per kind and "total"
+    # Bus bytes per rank, per kind and "total". "agreement" is the ranks' 8-byte
+    # all_gather before each phase (driver/consistency.py).
+    comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
     # Predicted live bytes after each node of the forward, then the backward graph.
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -77,6 +79,7 @@ def build_report(
     buffer_bytes: int,
     input_bytes: int,
     num_user_outputs: int | None = None,
+    agreement_bytes: int = 0,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
@@ -136,4 +139,4 @@ def build_report(
             sum(c.bus_bytes for c in mine),
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
-                  input_bytes, bytes_per_kind(sequence), tuple(units), curves)
+                  input_bytes, bytes_per_kind(sequence, agreement_bytes), tuple(units), curves)

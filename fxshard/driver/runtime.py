@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -21,15 +21,29 @@ from fxshard.ir.plan import FlatGroup, ShardPlan
 
 @dataclass(frozen=True)
 class World:
-    """Where this rank sits. ``group`` is None when no process group is initialised."""
+    """Where this rank sits. ``group`` is None when no process group is initialised.
+
+    ``comm`` are the process groups the compiled steps' collectives run on, in
+    slot order (``with_comm_groups``): fxshard's own groups over the same
+    ranks, or ``group`` itself. ``timeout`` is how long any of them waits.
+    """
 
     rank: int
     size: int
     group: dist.ProcessGroup | None
+    comm: tuple[dist.ProcessGroup, ...] = ()
+    timeout: datetime.timedelta | None = None
 
     @property
     def group_name(self) -> str | None:
+        """The group the compiled steps communicate on (the first slot)."""
+        if self.comm:
+            return self.comm[0].group_name
         return None if self.group is None else self.group.group_name
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return tuple(g.group_name for g in self.comm)
 
 
 def resolve_world(process_group: dist.ProcessGroup | None) -> World:
@@ -47,6 +61,40 @@ def resolve_world(process_group: dist.ProcessGroup | None) -> World:
             "XPU) before fxshard.compile, or pass process_group=. Refusing to train unsharded."
         )
     return World(0, 1, None)
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The timeout ``group`` was created with (torch's default for its backend if unknown)."""
+    backend = dist.get_backend(group)
+    try:
+        options = group._get_backend(torch.device("cpu")).options
+        return options._timeout
+    except (RuntimeError, AttributeError):
+        return dist.distributed_c10d._get_default_timeout(backend)
+
+
+def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
+    """``world`` with ``slots`` process groups of fxshard's own over the same ranks.
+
+    A collective: every rank creates them, in the same order, when it builds
+    a driver (``fxshard.compile``, ``fxshard.parameters``). Each waits
+    ``timeout`` seconds (default: ``world.group``'s timeout) at the transport
+    level too, so a rank whose peer is gone or stalled gets an error and its
+    process can exit. With one slot and no timeout of its own, the steps use
+    ``world.group`` itself.
+    """
+    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+        return world
+    limit = datetime.timedelta(seconds=timeout) if timeout is not None else group_timeout(world.group)
+    if slots == 1 and timeout is None:
+        return replace(world, comm=(world.group,), timeout=limit)
+    ranks = dist.get_process_group_ranks(world.group)
+    groups = []
+    for _ in range(slots):
+        group = dist.new_group(ranks, timeout=limit, use_local_synchronization=False)
+        assert group is not None
+        groups.append(group)
+    return replace(world, comm=tuple(groups), timeout=limit)
 
 
 def _slot_overlap(group: FlatGroup, offset: int, numel: int, rank: int) -> tuple[int, int] | None:
@@ -99,13 +147,35 @@ def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
             mod._parameters[name] = stand_ins[id(p)]
 
 
-def wait_within(work: dist.Work | None, timeout: float, error: Callable[[], Exception]) -> None:
-    """Wait for an async collective; past ``timeout`` seconds raise ``error()`` instead of hanging."""
+def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[], Exception]) -> None:
+    """Wait for an async collective; past ``timeout`` seconds (None: the group's own) raise
+    ``error()`` instead of hanging."""
     assert work is not None
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         raise error() from e
+
+
+_COMM_FAILURE = ("timed out", "connection closed", "connection reset", "watchdog", "nccl error",
+                 "gloo", "broken pipe")
+
+
+def collective_failure(e: BaseException, rank: int, where: str) -> FxShardError | None:
+    """A clear error for a collective of a compiled step that failed (a peer gone or stalled),
+    or None if ``e`` is something else."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(k in text.lower() for k in _COMM_FAILURE):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return FxShardError(
+        f"rank {rank}: a collective of the {where} failed: {first}. A peer is gone or stalled, "
+        "or the ranks stopped running the same steps. The process group is unusable now: let "
+        "the process exit (torchrun restarts the job; resume from the last checkpoint)."
+    )
 
 
 def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: float) -> torch.Tensor:

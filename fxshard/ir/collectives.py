@@ -92,8 +92,8 @@ def fingerprint(sequence: list[Collective]) -> bytes:
     return hashlib.sha256(text.encode()).digest()[:8]
 
 
-def bytes_per_kind(sequence: list[Collective]) -> dict[str, int]:
-    totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+def bytes_per_kind(sequence: list[Collective], agreement_bytes: int = 0) -> dict[str, int]:
+    totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "agreement": agreement_bytes}
     for c in sequence:
         totals[c.kind] += c.bus_bytes
     totals["total"] = sum(totals.values())

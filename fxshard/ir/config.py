@@ -28,13 +28,11 @@ Compute = Literal["eager", "inductor"]
 # "inference"; pass_name is "traced" for the graph as traced.
 PassHook = Callable[[str, str, fx.GraphModule], None]
 
-DEFAULT_CHECK_TIMEOUT = 300.0
-
 # Options a front end cannot honour, and why.
 _NOT_FOR: dict[str, dict[str, str]] = {
     "explain": {
         "process_group": "explain runs on a fake process group of its own, of world_size ranks",
-        "check_timeout": "explain runs nothing, so no ranks meet for the collective check",
+        "timeout": "explain runs nothing, so no collective can time out",
     },
 }
 
@@ -56,8 +54,15 @@ class CompileConfig:
     # emitted graphs). Default: the FXSHARD_VERIFY environment variable.
     verify: bool = False
     on_pass: PassHook | None = field(default=None, compare=False)
-    # Seconds a rank waits for the others at a step's first run before raising.
-    check_timeout: float = DEFAULT_CHECK_TIMEOUT
+    # Seconds any collective of a compiled step (and the ranks' agreement
+    # before each step) may wait for the other ranks before every rank raises.
+    # None: the process group's own timeout (torch's default: 30 min on gloo,
+    # 10 min on nccl). Also bounds how long one rank may trace alone.
+    timeout: float | None = None
+    # Collectives that are in flight together go on different process groups
+    # (one per in-flight slot): two in flight on one gloo group corrupt its
+    # heap (torch 2.13). None: on gloo only.
+    inflight_groups: bool | None = None
     # Write plan, report, per-pass graphs, timeline and unit graph of every
     # compiled step here. Default: the FXSHARD_DUMP environment variable.
     dump_dir: str | None = None
@@ -73,8 +78,8 @@ class CompileConfig:
             )
         if self.compute not in ("eager", "inductor"):
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
-        if not self.check_timeout > 0:
-            raise ValueError(f"check_timeout must be a positive number of seconds, got {self.check_timeout!r}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.on_pass is not None and not callable(self.on_pass):
             raise TypeError(f"on_pass must be callable as on_pass(graph, pass_name, gm), got {self.on_pass!r}")
 
@@ -83,7 +88,7 @@ class CompileConfig:
         """The configuration for ``front_end`` from its keyword arguments.
 
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
-        ``on_pass``, ``check_timeout``, ``dump_dir``, ``disable_passes``, and
+        ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}
@@ -102,8 +107,6 @@ class CompileConfig:
         if isinstance(disabled, str):  # "a,b" from a command line
             disabled = [n.strip() for n in disabled.split(",") if n.strip()]
         mine["disable_passes"] = tuple(disabled)
-        if mine.get("check_timeout") is None:
-            mine["check_timeout"] = DEFAULT_CHECK_TIMEOUT
         try:
             options = ShardingOptions.from_kwargs(**kwargs)
         except TypeError as e:

@@ -72,6 +72,29 @@ def is_collective(node: fx.Node) -> bool:
     return is_call(node) and node.target in COLLECTIVES
 
 
+# Position of the group name among each collective's arguments.
+_GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2}
+
+
+def _group_arg(node: fx.Node) -> int:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target not in _GROUP_ARG:
+        raise ValueError(f"{node.name} ({target}) is not a lowered collective")
+    return _GROUP_ARG[target]
+
+
+def group_name(node: fx.Node) -> str:
+    """The process group a lowered collective runs on."""
+    name = node.args[_group_arg(node)]
+    assert isinstance(name, str), f"{node.name}: group name {name!r}"
+    return name
+
+
+def set_group_name(node: fx.Node, name: str) -> None:
+    index = _group_arg(node)
+    node.args = (*node.args[:index], name, *node.args[index + 1:])
+
+
 def is_wait(node: fx.Node) -> bool:
     return is_call(node) and node.target is WAIT
 
