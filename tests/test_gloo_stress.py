@@ -1,0 +1,105 @@
+"""Stress: fxshard's emitted collectives in a tight loop on 2 gloo ranks must not corrupt the heap.
+
+torch 2.13's gloo worker threads write the process group's status (the name
+of the last completed work, a heap string for the functional all_gather's
+"ALLGATHER_COALESCED") without a lock, so two collectives completing together
+on one group can free the same buffer twice (docs/devices.md). fxshard puts
+collectives that are in flight together on different groups
+(assign_groups_pass). To make a crash on a shared group certain within a few
+seconds, as the investigation did: 8 gloo worker threads per group and glibc's
+tcache off, so a double free aborts at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.ir import predicates as P
+from fxshard.policies import by_class
+
+from models import MLP
+
+ITERATIONS = 1000
+
+
+class _ManyThreads(c10d.ProcessGroupGloo):  # type: ignore[misc, name-defined]
+    def __init__(self, store, rank, size, timeout=None):  # type: ignore[no-untyped-def]
+        options = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._threads = 8
+        options._devices = [c10d.ProcessGroupGloo.create_default_device()]  # type: ignore[attr-defined]
+        super().__init__(store, rank, size, options)
+
+
+def _shared_in_flight(schedule: list) -> list[str]:  # type: ignore[type-arg]
+    """Collectives issued on a group while another collective on it is still in flight."""
+    in_flight: dict[str, str] = {}
+    found = []
+    for node, tensor in schedule:
+        if tensor is None:
+            in_flight = {g: n for g, n in in_flight.items() if n != node.args[0].name}
+            continue
+        group = node.args[-1]
+        if group in in_flight:
+            found.append(f"{node.name} with {in_flight[group]} on group {group}")
+        in_flight[group] = node.name
+    return found
+
+
+def _stress(rank: int, world_size: int, store_path: str) -> None:
+    torch.set_num_threads(1)
+    c10d.ProcessGroupGloo = _ManyThreads  # type: ignore[misc]
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
+    torch.manual_seed(0)
+    # Eight small units, up to four gathers prefetched, and the reduce-scatters
+    # of backward overlapping the next unit's gather.
+    sharded = fxshard.compile(MLP(d_in=8, hidden=8, d_out=8, depth=8), policy=by_class(nn.Linear),
+                              max_inflight_gathers=4)
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    F.mse_loss(sharded(x), y).backward()  # trace, and one real step
+    # The emitted schedule's collectives alone, issued and waited where the
+    # graphs issue and wait them, in a tight loop: no compute in between.
+    schedule = []
+    for gm in (sharded.graphs["forward"], sharded.graphs["backward"]):
+        for node in gm.graph.nodes:
+            if P.is_collective(node):
+                val = node.args[0].meta["val"]
+                schedule.append((node, torch.randn(val.shape, dtype=val.dtype)))
+            elif P.is_wait(node):
+                schedule.append((node, None))
+    shared = _shared_in_flight(schedule)
+    if shared:  # deterministic, whether or not this run happens to crash
+        raise AssertionError(f"collectives in flight together on one group: {shared}")
+    for _ in range(ITERATIONS):
+        issued = {}
+        for node, tensor in schedule:
+            if tensor is not None:
+                issued[node] = node.target(tensor, *node.args[1:])
+            else:
+                torch.ops._c10d_functional.wait_tensor(issued.pop(node.args[0]))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_emitted_collectives_in_a_tight_loop_do_not_corrupt_the_heap() -> None:
+    previous = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.tcache_count=0"  # read by the spawned ranks at start
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_stress, args=(2, os.path.join(tmp, "store")), nprocs=2)
+    finally:
+        if previous is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = previous
