@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.nn.modules.module import _IncompatibleKeys
 
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.report import Report
@@ -200,6 +201,59 @@ class ShardedModule(nn.Module):
             for key, value in expected.items():
                 if key not in params:
                     value.copy_(state_dict[key])
+
+    # -- the standard nn.Module API, made safe -------------------------------------------------
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """The full (unsharded) state dict under the original module's names.
+
+        A collective, as FSDP1's default (FULL_STATE_DICT): every rank must
+        call it. This rank's flat shards are ``sharded.parameters()``; never
+        save them as a model.
+        """
+        full = self.full_state_dict()
+        result = destination if destination is not None else {}
+        for key, value in full.items():
+            result[prefix + key] = value
+        return result
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """Load a full state dict under the original names (every rank passes it).
+
+        ``strict=False`` loads the keys that match and returns the ones it
+        skipped (``missing_keys``, ``unexpected_keys``), as ``nn.Module`` does;
+        a key whose shape differs is an error either way.
+        """
+        if assign:
+            raise FxShardError("load_state_dict(assign=True) is not supported by a ShardedModule: "
+                               "its parameters are flat shards; load values with assign=False")
+        expected = self._skeleton.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict or not (missing or unexpected):
+            self.load_full_state_dict(dict(state_dict))
+            return _IncompatibleKeys([], [])
+        merged = self.full_state_dict()  # a collective, as is the load
+        merged.update({k: v for k, v in state_dict.items() if k in expected})
+        self.load_full_state_dict(merged)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise FxShardError(
+            "a ShardedModule cannot be pickled (torch.save(sharded), pickle, multiprocessing): it "
+            "holds this rank's shards and a process group. Save its state instead: "
+            "torch.save(sharded.state_dict(), path) (a collective: call it on every rank), or "
+            "sharded.full_state_dict(rank0_only=True) on every rank and save on rank 0."
+        )
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise FxShardError(
+            "a ShardedModule cannot be deep-copied: it holds this rank's shards and a process "
+            "group. Copy the model before fxshard.compile, or rebuild it and load "
+            "sharded.state_dict() into the copy."
+        )
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "

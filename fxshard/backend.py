@@ -32,8 +32,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.driver.compiler import CompiledStep, Driver
 from fxshard.driver.trace import TracedStep, flatten_outputs, parameter_views
@@ -44,23 +42,6 @@ from fxshard.ir.policies import Policy
 from fxshard.passes import build_pipelines
 
 log = logging.getLogger("fxshard")
-
-# Parameters fxshard took the data out of: an optimizer over them is a mistake.
-_RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors have no truth value
-_HOOK: Any = None
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in _RETIRED:
-                raise FxShardError(
-                    f"{type(optimizer).__name__} was built over a parameter of shape "
-                    f"{tuple(p.shape)} that fxshard has sharded: it no longer holds the model. "
-                    "Build the optimizer over fxshard.parameters(model), e.g. "
-                    "torch.optim.AdamW(fxshard.parameters(model), lr=...)."
-                )
-
 
 class _Sharding:
     """What ``fxshard.parameters`` did to one module: its driver, and where each stand-in sits."""
@@ -137,21 +118,15 @@ class FxShardBackend:
     # -- sharding (fxshard.parameters) ----------------------------------------------------
 
     def shard(self, module: nn.Module) -> list[nn.Parameter]:
-        global _HOOK
         for sharding in self._modules:
             if any(id(p) in sharding.slots for p in module.parameters()):
                 return sharding.driver.shards  # already sharded: the same shards again
         driver = Driver(self.config)
         shards = driver.shard(module)
         plan = driver.plan
-        originals = list(module.parameters())
         # Stand-ins on the parameters' device: Dynamo bakes the device of
         # tensors computed from parameters into its graphs.
-        driver.strip(module, on_device=True)
-        for p in originals:
-            _RETIRED[p] = True
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+        driver.strip(module, on_device=True, use="fxshard.parameters(model)")
         by_name = dict(module.named_parameters(remove_duplicate=False))
         slots = {}
         for group in plan.groups:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -129,3 +132,51 @@ def test_plan_and_graph_text_are_printable() -> None:
     paths = {fxshard.meta.module_path(n) for n in fw.graph.nodes if n.target is torch.ops.aten.addmm.default}
     assert paths == {"layers.0", "layers.1", "head"}
     assert sum(1 for n in fw.graph.nodes if P.is_free(n)) == 3
+
+
+def test_state_dict_is_the_full_model_under_the_original_names() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    state = sharded.state_dict()
+    assert list(state) == list(ref.state_dict())  # never flat shards under made-up names
+    for k, v in ref.state_dict().items():
+        assert torch.equal(state[k], v), k
+    assert list(sharded.state_dict(prefix="m.")) == [f"m.{k}" for k in ref.state_dict()]
+
+
+def test_load_state_dict_strict_false_loads_what_matches_and_reports_the_rest() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    result = sharded.load_state_dict({"head.bias": torch.ones(5), "extra": torch.zeros(1)}, strict=False)
+    assert result.unexpected_keys == ["extra"]
+    assert result.missing_keys == [k for k in ref.state_dict() if k != "head.bias"]
+    state = sharded.state_dict()
+    assert torch.equal(state["head.bias"], torch.ones(5))
+    assert torch.equal(state["layers.0.weight"], ref.layers[0].weight)
+    with pytest.raises(fxshard.FxShardError, match="missing keys"):
+        sharded.load_state_dict({"head.bias": torch.ones(5)})  # strict by default
+
+
+def test_pickling_saving_and_deepcopy_point_to_the_state_dict() -> None:
+    sharded = fxshard.compile(MLP())
+    for attempt in (lambda: torch.save(sharded, io.BytesIO()), lambda: pickle.dumps(sharded)):
+        with pytest.raises(fxshard.FxShardError, match="cannot be pickled.*state_dict"):
+            attempt()
+    with pytest.raises(fxshard.FxShardError, match="cannot be deep-copied.*state_dict"):
+        copy.deepcopy(sharded)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_optimizer_over_the_original_module_is_refused(when: str) -> None:
+    model = MLP()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    opt = early if when == "before" else torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded(torch.randn(2, 12)).sum().backward()
+    with pytest.raises(fxshard.FxShardError, match="no longer holds the model.*sharded.parameters\\(\\)"):
+        opt.step()
+    torch.optim.SGD(sharded.parameters(), lr=0.1).step()  # the right one steps

@@ -40,6 +40,7 @@ from fxshard.driver.runtime import (
     collective_failure,
     make_shards,
     resolve_world,
+    retire,
     strip_parameters,
     with_comm_groups,
 )
@@ -147,9 +148,13 @@ class Driver:
         self.shards = make_shards(module, self._plan, self.world.rank, self.device)
         return self.shards
 
-    def strip(self, module: nn.Module, *, on_device: bool = False) -> None:
-        """From here the shards hold the only copy of ``module``'s parameters."""
+    def strip(self, module: nn.Module, *, on_device: bool = False,
+              use: str = "sharded.parameters()") -> None:
+        """From here the shards hold the only copy of ``module``'s parameters; an optimizer
+        over the originals raises at its first step, naming ``use``."""
+        retire(list(module.parameters()), use)  # built before compile
         strip_parameters(module, on_device=on_device)
+        retire(list(module.parameters()), use)  # the stand-ins: built after compile
 
     # -- steps --------------------------------------------------------------------------------
 

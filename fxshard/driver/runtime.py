@@ -10,10 +10,13 @@ import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ShardPlan
@@ -122,6 +125,33 @@ def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.dev
             shard[span[0] - lo:span[1] - lo].copy_(src[span[0] - slot.offset:span[1] - slot.offset])
         shards.append(nn.Parameter(shard, requires_grad=group.requires_grad))
     return shards
+
+
+# Parameters fxshard took the data out of, and what to build an optimizer over
+# instead: an optimizer stepping over one of them is a mistake.
+_RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors have no truth value
+_HOOK: list[Any] = []
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            use = _RETIRED.get(p)
+            if use is not None:
+                raise FxShardError(
+                    f"{type(optimizer).__name__} was built over a parameter of shape "
+                    f"{tuple(p.shape)} that fxshard has sharded: it no longer holds the model, "
+                    f"so it would never change. Build the optimizer over {use}, e.g. "
+                    f"torch.optim.AdamW({use}, lr=...)."
+                )
+
+
+def retire(params: list[nn.Parameter], use: str) -> None:
+    """Refuse any optimizer step over ``params``; ``use`` is what to step over instead."""
+    for p in params:
+        _RETIRED[p] = use
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
 def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
