@@ -86,11 +86,7 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                  "last use, so free positions depend on the schedule",
                  needs=("insert_all_gather_pass",), required=_PLACES),
     ]
-    if config.options.prefetch_mode(graph) is not None:
-        specs.append(PassSpec(prefetch_gathers_pass,
-                              "after just-in-time placement: a prefetch moves a placed gather "
-                              "earlier, as far as the in-flight limit allows",
-                              needs=("place_gathers_pass",)))
+    specs += _prefetch(config, graph)
     if config.compute == "eager":
         specs.append(PassSpec(insert_free_pass,
                               "after the gathers are placed: frees follow the final position of "
@@ -98,6 +94,15 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                               needs=("insert_all_gather_pass",)))
     specs += _separate(config)
     return specs
+
+
+def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
+    if config.options.prefetch_mode(graph) is None:
+        return []
+    return [PassSpec(prefetch_gathers_pass,
+                     "after just-in-time placement: a prefetch moves a placed gather earlier, "
+                     "as far as the in-flight limit allows",
+                     needs=("place_gathers_pass",))]
 
 
 def _separate(config: CompileConfig) -> list[PassSpec]:
@@ -126,11 +131,7 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                  "gathers just in time, before any prefetch or free is decided",
                  needs=("insert_all_gather_pass",), required=_PLACES),
     ]
-    if config.options.prefetch_mode("backward") is not None:
-        specs.append(PassSpec(prefetch_gathers_pass,
-                              "after just-in-time placement: a prefetch moves a placed gather "
-                              "earlier, as far as the in-flight limit allows",
-                              needs=("place_gathers_pass",)))
+    specs += _prefetch(config, "backward")
     specs.append(PassSpec(schedule_reduce_scatter_pass,
                           "after the gathers are placed, before frees: moves only gradient "
                           "layout nodes and reductions, which no gather window depends on",
