@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.codegen import GraphCompiler
-from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, phase_fingerprint
+from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import (
@@ -46,7 +46,7 @@ from fxshard.driver.runtime import (
 )
 from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
 from fxshard.ir.analysis import first_use_order
-from fxshard.ir.collectives import Collective, bus_bytes, step_collectives
+from fxshard.ir.collectives import Collective, bus_bytes, fingerprint, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
@@ -68,15 +68,19 @@ class CompiledStep:
     input_bytes: int
     buffer_bytes: int
     pass_log: PassLog | None = None  # the code after every pass, when dumping
+    # phase ("forward", "backward") -> (graph, its collectives, their fingerprint),
+    # what the ranks agree on before running the phase; computed once.
+    phases: dict[str, tuple[str, list[Collective], bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for phase in ("forward", "backward") if self.trains else ("forward",):
+            graph = "backward" if phase == "backward" else ("forward" if self.trains else "inference")
+            issued = [c for c in self.collectives if c.graph == graph]
+            self.phases[phase] = (graph, issued, fingerprint(issued, phase))
 
     @property
     def trains(self) -> bool:
         return "backward" in self.graphs
-
-    def phase(self, name: str) -> tuple[str, list[Collective]]:
-        """("forward" | "backward", the collectives that phase issues)."""
-        graph = "backward" if name == "backward" else ("forward" if self.trains else "inference")
-        return graph, [c for c in self.collectives if c.graph == graph]
 
 
 class _Recorder:
@@ -210,8 +214,8 @@ class Driver:
         return step.output_spec.unflatten(flat)
 
     def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor]) -> None:
-        graph, collectives = step.phase(phase)
-        agree(phase, phase_fingerprint(phase, collectives),
+        graph, collectives, digest = step.phases[phase]
+        agree(phase, digest,
               lambda: describe_step(phase, graph, torch.is_grad_enabled(), list(inputs), collectives),
               self.world)
 

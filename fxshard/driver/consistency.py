@@ -18,7 +18,6 @@ a barrier) raises after the driver's timeout; see ``runtime.with_comm_groups``.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +30,6 @@ from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 
 Description = dict[str, Any]
 AGREEMENT_BYTES = 8  # each rank's contribution to the agreement all_gather
-
-
-def phase_fingerprint(phase: str, sequence: list[Collective]) -> bytes:
-    text = phase + "\n" + "\n".join(str(c) for c in sequence)
-    return hashlib.sha256(text.encode()).digest()[:8]
 
 
 def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], world: World) -> None:

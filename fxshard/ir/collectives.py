@@ -87,8 +87,9 @@ def step_collectives(graphs: dict[str, fx.GraphModule]) -> list[Collective]:
     return [c for name in order if name in graphs for c in collectives(name, graphs[name])]
 
 
-def fingerprint(sequence: list[Collective]) -> bytes:
-    text = "\n".join(str(c) for c in sequence)
+def fingerprint(sequence: list[Collective], phase: str = "") -> bytes:
+    """8 bytes that differ when the sequence (or the phase it is issued in) differs."""
+    text = phase + "\n" + "\n".join(str(c) for c in sequence)
     return hashlib.sha256(text.encode()).digest()[:8]
 
 
