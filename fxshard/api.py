@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.report import Report
@@ -161,46 +163,72 @@ class ShardedModule(nn.Module):
     # -- checkpoints --------------------------------------------------------------------------
 
     def full_state_dict(self, rank0_only: bool = False, timeout: float = 300.0) -> dict[str, torch.Tensor]:
-        """The unsharded state dict under the original module's names, buffers included.
+        """What the unsharded module's own ``state_dict()`` returns: full tensors, its names,
+        its state-dict hooks applied (a module that fuses or renames parameters there
+        gets its own keys), buffers included.
 
         A collective: every rank must call it, in the same order relative to
         other collectives. A rank left waiting raises after ``timeout`` seconds
         instead of hanging. With ``rank0_only`` other ranks still take part and
-        get an empty dict.
+        get an empty dict. The values are copies: training on does not change them.
         """
         full = full_parameters(list(self.flat_params), self.plan, self._driver.world, timeout)
         if rank0_only and self.rank != 0:
             return {}
-        result: dict[str, torch.Tensor] = {}
-        for key, value in self._skeleton.state_dict(keep_vars=True).items():
-            result[key] = full[key] if key in full else value.detach().clone()
-        return result
+        with self._materialised(full):
+            state = self._skeleton.state_dict()
+        meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if meta:
+            raise FxShardError(
+                f"full_state_dict: the module's state_dict() returned meta tensors for {meta}: "
+                "a state-dict hook or _save_to_state_dict reads tensors other than the module's "
+                "parameters and buffers, which fxshard cannot gather. Compute them from the "
+                "parameters in the hook."
+            )
+        return dict(state)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                             timeout: float = 300.0) -> _IncompatibleKeys:
         """Inverse of :meth:`full_state_dict`: every rank passes the full dict, keeps its shard.
 
-        Checks everything before changing anything, so a bad dict leaves the
-        model as it was.
+        Loads through the module's own ``load_state_dict``, so its load hooks run
+        (a checkpoint with split q/k/v loads into a fused parameter). Everything
+        is checked before anything changes: a bad dict leaves the model as it
+        was. ``strict=False`` loads the keys that match and returns the ones it
+        skipped, as ``nn.Module.load_state_dict`` does; it gathers the current
+        parameters first, so then it is a collective.
         """
-        expected = self._skeleton.state_dict(keep_vars=True)
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        wrong = [f"{k}: expected {tuple(v.shape)}, got {tuple(state_dict[k].shape)}"
-                 for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape]
-        if missing or unexpected or wrong:
-            raise FxShardError(
-                "load_full_state_dict: the state dict does not match the model"
-                + (f"; missing keys {missing}" if missing else "")
-                + (f"; unexpected keys {unexpected}" if unexpected else "")
-                + (f"; wrong shapes {wrong}" if wrong else "")
-                + ". Pass a dict from full_state_dict() or the original module's state_dict()."
-            )
-        load_shards(list(self.flat_params), self.plan, state_dict, self.rank)
-        params = {n for g in self.plan.groups for s in g.params for n in s.names}
+        full: dict[str, torch.Tensor] = {}
+        if strict:  # every parameter will be written, or the load fails
+            for group in self.plan.groups:
+                for slot in group.params:
+                    value = torch.empty(slot.shape, dtype=group.dtype, device=self._driver.device)
+                    full.update(dict.fromkeys(slot.names, value))  # ties stay one tensor
+        else:
+            full = full_parameters(list(self.flat_params), self.plan, self._driver.world, timeout)
+        with self._materialised(full) as buffers:
+            try:
+                result = self._skeleton.load_state_dict(dict(state_dict), strict=strict)
+            except RuntimeError as e:
+                raise FxShardError(
+                    f"load_full_state_dict: the state dict does not match the model, nothing was "
+                    f"loaded. {str(e).strip()} Pass a dict from full_state_dict(), or the original "
+                    "module's state_dict()."
+                ) from None
+        load_shards(list(self.flat_params), self.plan, full, self.rank)
         with torch.no_grad():
-            for key, value in expected.items():
-                if key not in params:
-                    value.copy_(state_dict[key])
+            for name, buffer in self._skeleton.named_buffers(remove_duplicate=False):
+                buffer.copy_(buffers[name])
+        return result
+
+    @contextlib.contextmanager
+    def _materialised(self, params: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """The skeleton with ``params`` (every name) as its parameters and copies of its buffers,
+        for the module's own state-dict code to run on; yields the buffer copies."""
+        buffers = {name: b.detach().clone()
+                   for name, b in self._skeleton.named_buffers(remove_duplicate=False)}
+        with _reparametrize_module(self._skeleton, {**params, **buffers}):
+            yield buffers
 
     # -- the standard nn.Module API, made safe -------------------------------------------------
 
@@ -222,23 +250,15 @@ class ShardedModule(nn.Module):
                         assign: bool = False) -> _IncompatibleKeys:
         """Load a full state dict under the original names (every rank passes it).
 
-        ``strict=False`` loads the keys that match and returns the ones it
-        skipped (``missing_keys``, ``unexpected_keys``), as ``nn.Module`` does;
-        a key whose shape differs is an error either way.
+        The same as :meth:`load_full_state_dict`: ``strict=False`` loads the keys
+        that match and returns the ones it skipped (``missing_keys``,
+        ``unexpected_keys``), as ``nn.Module`` does; a key whose shape differs is
+        an error either way.
         """
         if assign:
             raise FxShardError("load_state_dict(assign=True) is not supported by a ShardedModule: "
                                "its parameters are flat shards; load values with assign=False")
-        expected = self._skeleton.state_dict(keep_vars=True)
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict or not (missing or unexpected):
-            self.load_full_state_dict(dict(state_dict))
-            return _IncompatibleKeys([], [])
-        merged = self.full_state_dict()  # a collective, as is the load
-        merged.update({k: v for k, v in state_dict.items() if k in expected})
-        self.load_full_state_dict(merged)
-        return _IncompatibleKeys(missing, unexpected)
+        return self.load_full_state_dict(state_dict, strict=strict)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise FxShardError(

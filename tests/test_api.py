@@ -157,7 +157,7 @@ def test_load_state_dict_strict_false_loads_what_matches_and_reports_the_rest() 
     state = sharded.state_dict()
     assert torch.equal(state["head.bias"], torch.ones(5))
     assert torch.equal(state["layers.0.weight"], ref.layers[0].weight)
-    with pytest.raises(fxshard.FxShardError, match="missing keys"):
+    with pytest.raises(fxshard.FxShardError, match="Missing key"):
         sharded.load_state_dict({"head.bias": torch.ones(5)})  # strict by default
 
 
