@@ -161,6 +161,22 @@ def test_load_state_dict_strict_false_loads_what_matches_and_reports_the_rest() 
         sharded.load_state_dict({"head.bias": torch.ones(5)})  # strict by default
 
 
+def test_requires_grad_changed_after_compile_is_refused() -> None:
+    model = MLP()
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    x = torch.randn(3, 12)
+    sharded(x).sum().backward()
+    model.layers[0].weight.requires_grad_(False)  # the original module's parameter
+    with pytest.raises(fxshard.FxShardError, match="parameter 'layers.0.weight' had requires_grad=True"):
+        sharded(x)
+    model.layers[0].weight.requires_grad_(True)  # changed back: runs again
+    sharded(x).sum().backward()
+    shard = next(iter(sharded.parameters()))
+    shard.requires_grad_(False)
+    with pytest.raises(fxshard.FxShardError, match="flat shard 0 .* had requires_grad=True"):
+        sharded(x)
+
+
 def test_pickling_saving_and_deepcopy_point_to_the_state_dict() -> None:
     sharded = fxshard.compile(MLP())
     for attempt in (lambda: torch.save(sharded, io.BytesIO()), lambda: pickle.dumps(sharded)):

@@ -168,6 +168,22 @@ def test_optimizer_over_the_original_parameters_is_refused() -> None:
         wrong.step()
 
 
+def test_requires_grad_changed_after_sharding_is_refused() -> None:
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend=fxshard.backend(policy=by_class(nn.Linear)), dynamic=False)
+    fxshard.parameters(compiled)
+    compiled(torch.randn(2, 12)).sum().backward()
+    model.head.weight.requires_grad_(False)  # freezing after sharding: would keep training
+    with pytest.raises(FxShardError, match="parameter 'head.weight' had requires_grad=True.*before sharding"):
+        compiled(torch.randn(2, 12))
+
+
+def test_broadcast_buffers_is_refused_with_the_reason() -> None:
+    with pytest.raises(TypeError, match="does not take \\['broadcast_buffers'\\].*not the module's forward"):
+        fxshard.backend(broadcast_buffers=True)
+
+
 def test_calling_before_sharding_is_refused() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(MLP(), backend=fxshard.backend(), dynamic=False)

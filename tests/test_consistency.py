@@ -20,7 +20,7 @@ from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
-from models import MLP
+from models import MLP, BNNet
 
 
 def _divergent(rank: int) -> str:
@@ -87,11 +87,43 @@ def _one_rank_skips_backward(rank: int) -> str:
     return "no error"
 
 
+def _buffers(rank: int) -> dict[str, Any]:
+    """BatchNorm statistics: broadcast_buffers=True against DDP's default, train then eval."""
+    torch.manual_seed(0)
+    model = BNNet()
+    ddp = DDP(copy.deepcopy(model))  # broadcast_buffers=True
+    sharded = fxshard.compile(model, policy=by_class(nn.BatchNorm2d), broadcast_buffers=True)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)  # each rank's own data: its own statistics
+    losses, ref_losses = [], []
+    for _ in range(3):
+        x, y = torch.randn(5, 3, 6, 6, generator=gen), torch.randn(5, 4, generator=gen)
+        for m, o, out in ((sharded, opt, losses), (ddp, ref_opt, ref_losses)):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    report = sharded.report()
+    sharded.eval()
+    ddp.eval()
+    x = torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(99))  # the same on every rank
+    with torch.no_grad():  # DDP broadcasts before this one too (the forward before had grad)
+        evals = [sharded(x), sharded(x)]
+        ref_evals = [ddp(x), ddp(x)]
+    state = sharded.full_state_dict()
+    return {"losses": losses, "ref_losses": ref_losses, "evals": evals, "ref_evals": ref_evals,
+            "state": state, "ref_state": ddp.module.state_dict(), "comm": report.comm_bytes_per_step,
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in ddp.module.buffers())}
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     # Each case leaves the process group usable: a mismatch is found by
     # collectives every rank takes part in.
     return {"divergent": _divergent(rank), "partial": _partial_last_batch(rank),
-            "eval": _one_rank_evaluates(rank), "skip": _one_rank_skips_backward(rank)}
+            "eval": _one_rank_evaluates(rank), "skip": _one_rank_skips_backward(rank),
+            "buffers": _buffers(rank)}
 
 
 @cache
@@ -111,6 +143,21 @@ def test_partial_last_batch_trains_exactly_like_ddp() -> None:
     for r in (res["partial"] for res in results()):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
         assert max(r["errors"]) < 1e-5
+
+
+def test_broadcast_buffers_trains_and_evaluates_like_ddp() -> None:
+    ranks = [r["buffers"] for r in results()]
+    for r in ranks:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        for ours, theirs in zip(r["evals"], r["ref_evals"]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert r["state"].keys() == r["ref_state"].keys()
+        for k, v in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    # Rank 0's statistics everywhere at eval time: the same outputs for the same input.
+    torch.testing.assert_close(ranks[0]["evals"][0], ranks[1]["evals"][0])
+    for r in ranks:  # the report counts what each step's forward receives from rank 0
+        assert r["comm"]["broadcast"] == r["buffer_bytes"] > 0
 
 
 def test_one_rank_in_eval_mode_raises_on_every_rank_naming_each_step() -> None:

@@ -32,11 +32,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.codegen import GraphCompiler
-from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step
+from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import (
     World,
+    broadcast_buffers,
     collective_failure,
     make_shards,
     resolve_world,
@@ -122,6 +123,10 @@ class Driver:
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
+        # (what to call it, tensor, requires_grad when planned): checked before every step.
+        self._requires_grad: list[tuple[str, torch.Tensor, bool]] = []
+        self._module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
+        self._broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
 
     @property
     def plan(self) -> ShardPlan:
@@ -159,6 +164,24 @@ class Driver:
         retire(list(module.parameters()), use)  # built before compile
         strip_parameters(module, on_device=on_device)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
+        self._module = module
+        self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
+                               for name, p in module.named_parameters()]
+        self._requires_grad += [(f"flat shard {g.index} (unit {g.unit or '<root>'!r})", shard,
+                                 shard.requires_grad) for g, shard in zip(self.plan.groups, self.shards)]
+
+    def check_requires_grad(self) -> None:
+        """Refuse to run when a parameter's ``requires_grad`` changed after sharding: the flat
+        groups, and the graphs, were made for the values at that time."""
+        for what, tensor, planned in self._requires_grad:
+            if tensor.requires_grad != planned:
+                raise FxShardError(
+                    f"{what} had requires_grad={planned} when fxshard sharded the model and has "
+                    f"requires_grad={tensor.requires_grad} now. fxshard groups parameters into flat "
+                    "shards by requires_grad and compiles the step for those values, so the change "
+                    "cannot take effect. Freeze or unfreeze parameters on the model before sharding "
+                    "it (fxshard.compile / fxshard.parameters), and change it back now."
+                )
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -198,7 +221,12 @@ class Driver:
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step. Before its forward, and before its backward, every rank
         checks that all ranks are about to issue the same collectives."""
-        self._agree(step, "forward", inputs)
+        self.check_requires_grad()
+        buffers = self._buffers_to_broadcast()
+        self._agree(step, "forward", inputs, broadcast=bool(buffers))
+        if buffers:
+            broadcast_buffers(buffers, self.world)
+        self._broadcast_next = torch.is_grad_enabled()
         try:
             flat = step.fn(*inputs)
         except RuntimeError as e:
@@ -213,20 +241,34 @@ class Driver:
                     outputs, lambda grads: self._agree(step, "backward", inputs), mode="any")
         return step.output_spec.unflatten(flat)
 
-    def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor]) -> None:
+    def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
+               broadcast: bool = False) -> None:
         graph, collectives, digest = step.phases[phase]
+        if broadcast:
+            digest = with_buffer_broadcast(digest)
         agree(phase, digest,
-              lambda: describe_step(phase, graph, torch.is_grad_enabled(), list(inputs), collectives),
+              lambda: describe_step(phase, graph, torch.is_grad_enabled(), list(inputs), collectives,
+                                    broadcast),
               self.world)
+
+    def _buffers_to_broadcast(self) -> list[torch.Tensor]:
+        """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""
+        if not (self.config.broadcast_buffers and self._broadcast_next and self._module is not None
+                and self.world.size > 1):
+            return []
+        return list(self._module.buffers())
 
     # -- what a step will do --------------------------------------------------------------------
 
     def report(self, step: CompiledStep) -> Report:
         phases = 2 if step.trains else 1  # an agreement before forward and before backward
         agreement = phases * bus_bytes("all_gather", AGREEMENT_BYTES, self.world.size)
+        # A training step's forward starts by broadcasting (DDP's rule, steady state).
+        broadcast = step.buffer_bytes if (self.config.broadcast_buffers and step.trains
+                                          and self.world.size > 1) else 0
         return build_report(self.plan, self.world.rank, step.graphs, step.collectives,
                             list(self.shards), step.buffer_bytes, step.input_bytes,
-                            step.num_user_outputs, agreement)
+                            step.num_user_outputs, agreement, broadcast)
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""

@@ -18,6 +18,7 @@ a barrier) raises after the driver's timeout; see ``runtime.with_comm_groups``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -56,11 +57,17 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     raise CollectiveMismatchError(_mismatch(descriptions, world.rank))
 
 
+def with_buffer_broadcast(fingerprint: bytes) -> bytes:
+    """The fingerprint of a phase that starts with the broadcast of rank 0's buffers."""
+    return hashlib.sha256(fingerprint + b"broadcast_buffers").digest()[:AGREEMENT_BYTES]
+
+
 def describe_step(phase: str, graph: str, grad: bool, inputs: list[torch.Tensor],
-                  collectives: list[Collective]) -> Description:
+                  collectives: list[Collective], broadcast: bool = False) -> Description:
     shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+    issued = (["broadcast of rank 0's buffers"] if broadcast else []) + [str(c) for c in collectives]
     return {"phase": phase, "mode": "train" if graph != "inference" else "eval/inference",
-            "grad": grad, "inputs": shapes or "none", "collectives": [str(c) for c in collectives]}
+            "grad": grad, "inputs": shapes or "none", "collectives": issued}
 
 
 def _mismatch(descriptions: list[Description | None], rank: int) -> str:

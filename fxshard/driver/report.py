@@ -38,7 +38,8 @@ class Report:
     buffer_bytes: int  # module buffers (BatchNorm statistics)
     input_bytes: int
     # Bus bytes per rank, per kind and "total". "agreement" is the ranks' 8-byte
-    # all_gather before each phase (driver/consistency.py).
+    # all_gather before each phase (driver/consistency.py); "broadcast" is rank
+    # 0's buffers, with broadcast_buffers (what each other rank receives).
     comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
     # Predicted live bytes after each node of the forward, then the backward graph.
@@ -80,6 +81,7 @@ def build_report(
     input_bytes: int,
     num_user_outputs: int | None = None,
     agreement_bytes: int = 0,
+    broadcast_bytes: int = 0,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
@@ -139,4 +141,4 @@ def build_report(
             sum(c.bus_bytes for c in mine),
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
-                  input_bytes, bytes_per_kind(sequence, agreement_bytes), tuple(units), curves)
+                  input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units), curves)

@@ -177,6 +177,21 @@ def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
             mod._parameters[name] = stand_ins[id(p)]
 
 
+def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
+    """Copy rank 0's ``buffers`` to every rank, in place (a collective; DDP's broadcast_buffers)."""
+    if world.group is None or world.size == 1 or not buffers:
+        return
+    if dist.get_backend(world.group) == "fake":
+        return  # nothing is communicated on torch's fake process group
+    group = world.comm[0] if world.comm else world.group
+    with torch.no_grad():
+        # What DDP calls: the buffers coalesced into few messages, copied back in place.
+        dist._broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+
+
 def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[], Exception]) -> None:
     """Wait for an async collective; past ``timeout`` seconds (None: the group's own) raise
     ``error()`` instead of hanging."""

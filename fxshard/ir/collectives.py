@@ -93,8 +93,12 @@ def fingerprint(sequence: list[Collective], phase: str = "") -> bytes:
     return hashlib.sha256(text.encode()).digest()[:8]
 
 
-def bytes_per_kind(sequence: list[Collective], agreement_bytes: int = 0) -> dict[str, int]:
+def bytes_per_kind(sequence: list[Collective], agreement_bytes: int = 0,
+                   broadcast_bytes: int = 0) -> dict[str, int]:
+    """Bus bytes per kind and "total"; "broadcast" (rank 0's buffers) only where there is one."""
     totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "agreement": agreement_bytes}
+    if broadcast_bytes:
+        totals["broadcast"] = broadcast_bytes
     for c in sequence:
         totals[c.kind] += c.bus_bytes
     totals["total"] = sum(totals.values())

@@ -30,6 +30,11 @@ PassHook = Callable[[str, str, fx.GraphModule], None]
 
 # Options a front end cannot honour, and why.
 _NOT_FOR: dict[str, dict[str, str]] = {
+    "backend": {
+        "broadcast_buffers": "the backend runs each graph Dynamo captured, not the module's "
+                             "forward, so it has no one point per forward to broadcast at; use "
+                             "fxshard.compile, or broadcast the buffers yourself between steps",
+    },
     "explain": {
         "process_group": "explain runs on a fake process group of its own, of world_size ranks",
         "timeout": "explain runs nothing, so no collective can time out",
@@ -63,6 +68,11 @@ class CompileConfig:
     # (one per in-flight slot): two in flight on one gloo group corrupt its
     # heap (torch 2.13). None: on gloo only.
     inflight_groups: bool | None = None
+    # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
+    # are copied to every rank before the first forward and before each forward
+    # that follows a forward with grad enabled, as DDP does. False (the
+    # default, as FSDP1 and FSDP2): each rank keeps its own buffers.
+    broadcast_buffers: bool = False
     # Write plan, report, per-pass graphs, timeline and unit graph of every
     # compiled step here. Default: the FXSHARD_DUMP environment variable.
     dump_dir: str | None = None
@@ -88,7 +98,8 @@ class CompileConfig:
         """The configuration for ``front_end`` from its keyword arguments.
 
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
-        ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``, and
+        ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
+        ``broadcast_buffers``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}
