@@ -160,6 +160,19 @@ class ShardedModule(nn.Module):
                                          model_name=type(self._skeleton).__name__,
                                          buffer_bytes=buffer_bytes)
 
+    # -- training ---------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the gradients by their total norm over all ranks; returns that norm (FSDP1's name).
+
+        The same as ``torch.nn.utils.clip_grad_norm_(sharded.parameters(), ...)``,
+        which is correct on fxshard's shards too (``fxshard.driver.grads``). A
+        collective: every rank must call it.
+        """
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def full_state_dict(self, rank0_only: bool = False, timeout: float = 300.0) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from fxshard.driver import grads
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
@@ -155,6 +156,8 @@ class Driver:
                                replicate_below=options.replicate_below)
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self.shards = make_shards(module, self._plan, self.world.rank, self.device)
+        if self.world.comm and self.world.size > 1:  # a real group, more than one rank
+            grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
 
     def strip(self, module: nn.Module, *, on_device: bool = False,
