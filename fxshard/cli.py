@@ -6,7 +6,8 @@
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
 it that returns the model. The model is built on the meta device (no memory),
-unless --no-meta.
+unless --no-meta. Without --input-dtype, an input the model gives an
+nn.Embedding as its indices is int64 (token ids), the others float32.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxshard.ir.errors import FxShardError
+from fxshard.ir.errors import FxShardError, TraceError
 from fxshard.ir.policies import Policy, by_class, by_size
 
 _TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
@@ -104,6 +105,20 @@ def _inputs(shapes: list[str], dtypes: list[str]) -> tuple[torch.Tensor, ...]:
     return tuple(result)
 
 
+def _token_ids_as_int64(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Without --input-dtype, the inputs the model gives an nn.Embedding as indices are
+    int64 (token ids), the others float32. An input the forward changes before the
+    embedding (ids + 1) is not recognised: tracing then fails with a hint to pass
+    --input-dtype int64."""
+    from fxshard.explain import embedding_inputs
+
+    ids = embedding_inputs(model, inputs)
+    for i, name in ids.items():
+        print(f"fxshard explain: no --input-dtype given: input {i} indexes nn.Embedding {name!r}, "
+              "so it is int64", file=sys.stderr)
+    return tuple(x.to(torch.int64) if i in ids else x for i, x in enumerate(inputs))
+
+
 def _options(items: list[str]) -> dict[str, Any]:
     options = {}
     for item in items:
@@ -138,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--rank", type=int, default=0)
     ex.add_argument("--policy", default=None, help='e.g. "by_class(Block) | by_size(1e6)"')
     ex.add_argument("--input-shape", action="append", default=[], help="comma-separated; repeat per input")
-    ex.add_argument("--input-dtype", action="append", default=[], help="torch dtype name per input")
+    ex.add_argument("--input-dtype", action="append", default=[],
+                    help="torch dtype name per input (default: int64 for an nn.Embedding's indices, "
+                         "else float32)")
     ex.add_argument("--option", action="append", default=[], help="scheduling option key=value")
     ex.add_argument("--eval", action="store_true", help="explain an inference step")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
@@ -157,11 +174,16 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("meta"):
                 model = factory()
         options = _options(args.option)
-        result = explain(model, _inputs(args.input_shape, args.input_dtype),
-                         parse_policy(args.policy, module), args.world_size, rank=args.rank,
-                         train=not args.eval, dump_dir=args.dump, **options)
+        inputs = _inputs(args.input_shape, args.input_dtype)
+        if not args.input_dtype:
+            inputs = _token_ids_as_int64(model, inputs)
+        result = explain(model, inputs, parse_policy(args.policy, module), args.world_size,
+                         rank=args.rank, train=not args.eval, dump_dir=args.dump, **options)
     except (FxShardError, TypeError, ValueError) as e:
-        print(f"fxshard explain: error: {e}", file=sys.stderr)
+        note = ""
+        if isinstance(e, TraceError) and e.kind in ("index-dtype", "dtype") and not args.input_dtype:
+            note = "\n(no --input-dtype was given, so the inputs were float32)"
+        print(f"fxshard explain: error: {e}{note}", file=sys.stderr)
         return 2
     print(result)
     if args.graphs:

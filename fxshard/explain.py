@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,46 @@ def _to_meta(model: nn.Module) -> nn.Module:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
+
+
+def embedding_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[int, str]:
+    """Which of ``example_inputs`` the model gives an ``nn.Embedding`` as its indices, as
+    they are or viewed: {input position: the embedding's module path}.
+
+    Runs the forward once on a meta copy of the model (nothing is computed) and
+    gives each embedding integer indices of the shape it got, so that the
+    forward goes on past it; stops at the forward's first error.
+    """
+    meta_model = _to_meta(model)
+    inputs = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    found: dict[int, str] = {}
+
+    def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...] | None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            indices = args[0]
+            for i, x in enumerate(inputs):
+                if isinstance(x, torch.Tensor) and (indices is x or indices._base is x):
+                    found.setdefault(i, name)
+            if indices.is_floating_point():
+                return (indices.to(torch.long), *args[1:])
+            return None
+
+        return pre_hook
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in meta_model.named_modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    try:
+        with torch.no_grad():
+            meta_model(*inputs)
+    except Exception:
+        pass  # what was found before the error stands; tracing reports the error itself
+    finally:
+        for h in handles:
+            h.remove()
+    return found
 
 
 def explain(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +48,148 @@ class Selects(nn.Module):
         return self.l(x)[torch.nonzero(x[:, 0] > 0)[:, 0]]
 
 
+class TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+# A kernel whose fake implementation, like many fused kernels', takes bfloat16 only.
+@torch.library.custom_op("fxshard_test_errors::bf16_only", mutates_args=())
+def bf16_only(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@bf16_only.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dtype == torch.bfloat16, lambda: f"bf16_only takes bfloat16, got {x.dtype}")
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxshard_test_errors::no_fake", mutates_args=())
+def no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class Calls(nn.Module):
+    """A Linear, then a function of its output."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.l(x))
+
+
+class WrongWidth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x[:, :3])
+
+
+def _line(fn: Callable[..., Any], text: str) -> int:
+    """The number of the line of ``fn``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _assert_source(err: TraceError, fn: Callable[..., Any], text: str) -> None:
+    """``err`` names the line of ``fn`` (in this file) that contains ``text``."""
+    line = _line(fn, text)
+    assert f"\n  at {__file__}:{line} in {fn.__name__}: " in str(err), str(err)
+    assert err.source is not None
+    assert (err.source.filename, err.source.lineno) == (__file__, line), err.source
+    assert text in err.source.code
+
+
+def _trace_error(e: BaseException) -> TraceError:
+    """The TraceError in ``e``'s chain (Dynamo wraps a backend's errors)."""
+    x: BaseException | None = e
+    while x is not None and not isinstance(x, TraceError):
+        x = getattr(x, "inner_exception", None) or x.__cause__ or x.__context__
+    assert x is not None, repr(e)
+    return x
+
+
+def _compile_error(model: nn.Module, x: torch.Tensor) -> TraceError:
+    with pytest.raises(TraceError) as info:
+        fxshard.compile(model, example_inputs=x)
+    return info.value
+
+
+def test_float_token_ids_into_an_embedding() -> None:
+    err = _compile_error(TokenModel(), torch.zeros(2, 3))
+    assert "module 'emb' (Embedding)" in str(err)
+    assert "indices must be integer tensors" in str(err) and "ids.long()" in str(err)
+    assert "--input-dtype int64" in str(err)
+    assert "tensor values" not in str(err)  # not the data-dependent hint
+    _assert_source(err, TokenModel.forward, "self.head(self.emb(ids))")
+    assert err.kind == "index-dtype" and err.module == "emb"
+
+
+def test_a_kernel_that_takes_only_bfloat16() -> None:
+    model = Calls(bf16_only)
+    err = _compile_error(model, torch.randn(3, 4))
+    assert "bf16_only takes bfloat16, got torch.float32" in str(err)
+    assert "does not accept the dtype of its inputs" in str(err) and "x.to(dtype)" in str(err)
+    assert "tensor values" not in str(err)
+    # The model's line that called the operator, not the line of its fake implementation.
+    _assert_source(err, Calls.forward, "self.fn(self.l(x))")
+    assert err.kind == "dtype"
+
+
+def test_an_operator_without_a_fake_implementation() -> None:
+    err = _compile_error(Calls(no_fake), torch.randn(3, 4))
+    assert "torch.library.register_fake" in str(err) and "tensor values" not in str(err)
+    _assert_source(err, Calls.forward, "self.fn(self.l(x))")
+    assert err.kind == "unsupported-operator"
+
+
+def test_any_other_failure_gets_a_hint_that_claims_no_cause() -> None:
+    err = _compile_error(WrongWidth(), torch.randn(3, 4))
+    assert "runs eagerly on inputs of these shapes and dtypes" in str(err)
+    assert "tensor values" not in str(err) and "dtype the model expects" not in str(err)
+    _assert_source(err, WrongWidth.forward, "self.l(x[:, :3])")
+    assert err.kind == "unknown" and err.module == "l"
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo remembers the shapes each forward's code has seen, across torch.compile calls."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_dynamic_shapes_under_torch_compile(dynamic: bool | None, fresh_dynamo: None) -> None:
+    """dynamic=True, or the default once a shape changes: Dynamo passes symbolic sizes."""
+    model = torch.compile(MLP(), backend=fxshard.backend(), dynamic=dynamic)
+    fxshard.parameters(model)
+    if dynamic is None:
+        model(torch.randn(3, 12))  # static; the next shape makes Dynamo go dynamic
+    with pytest.raises(Exception) as info:
+        model(torch.randn(5, 12))
+    err = _trace_error(info.value)
+    assert "its inputs have symbolic (dynamic) sizes: input 0 is the symbolic size s" in str(err)
+    assert "dynamic=False" in str(err) and "torch._dynamo.mark_static(x)" in str(err)
+    assert "tensor values" not in str(err)
+    # No line of the model failed: the line that called it.
+    line = _line(test_dynamic_shapes_under_torch_compile, "model(torch.randn(5, 12))")
+    assert f"called at {__file__}:{line} in test_dynamic_shapes_under_torch_compile" in str(err)
+    assert err.source is not None and (err.source.filename, err.source.lineno) == (__file__, line)
+    assert err.kind == "dynamic-shapes"
+
+
 def test_data_dependent_control_flow_names_module_and_op() -> None:
     model = Outer()
     before = copy.deepcopy(model.state_dict())
@@ -53,6 +198,8 @@ def test_data_dependent_control_flow_names_module_and_op() -> None:
     err = info.value
     assert err.module == "block" and err.op == "aten._local_scalar_dense.default"
     assert "module 'block' (DataDependent)" in str(err) and "torch.where" in str(err)
+    _assert_source(err, DataDependent.forward, "if y.sum() > 0")
+    assert err.kind == "data-dependent"
     # Nothing lost: the model still holds its parameters.
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -60,10 +207,45 @@ def test_data_dependent_control_flow_names_module_and_op() -> None:
 
 def test_dynamic_output_shape_gets_its_own_hint() -> None:
     sharded = fxshard.compile(Selects())
-    with pytest.raises(TraceError, match="(?s)aten.nonzero.*output shape depends on tensor values"):
+    with pytest.raises(TraceError, match="(?s)aten.nonzero.*output shape depends on tensor values") as info:
         sharded(torch.randn(3, 4))
+    _assert_source(info.value, Selects.forward, "torch.nonzero")
+    assert info.value.kind == "dynamic-output-shape"
     # The shards still hold the parameters.
     assert set(sharded.full_state_dict()) == {"l.weight", "l.bias"}
+
+
+def _raised_from(outer: BaseException, inner: BaseException) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise outer from e
+    except BaseException as e:
+        return e
+
+
+@pytest.mark.parametrize(("error", "module_type", "kind"), [
+    (RuntimeError("Expected tensor for argument #1 'indices' to have one of the following scalar "
+                  "types: Long, Int; but got torch.float32 instead"), "Embedding", "index-dtype"),
+    (RuntimeError("gather(): Expected dtype int32/int64 for index, but got torch.float32"), "?",
+     "index-dtype"),
+    (RuntimeError("expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16"),
+     "Linear", "dtype"),
+    (RuntimeError(".numpy() is not supported for tensor subclasses."), "?", "data-dependent"),
+    (RuntimeError("There was no fake impl registered for <CustomOpDef(lib::op)>."), "?",
+     "unsupported-operator"),
+    (torch._dynamo.exc.TensorifyScalarRestartAnalysis(), "?", "dynamic-shapes"),
+    # The cause of a wrapper raised from it counts.
+    (_raised_from(RuntimeError("while tracing"), RuntimeError("mat1 has dtype torch.float32")),
+     "?", "dtype"),
+    (RuntimeError("a and b must have same reduction dim, but got [3, 3] X [4, 4]."), "Linear",
+     "unknown"),
+])
+def test_each_cause_is_recognised(error: BaseException, module_type: str, kind: str) -> None:
+    from fxshard.driver.trace import diagnose
+
+    assert diagnose(error, module_type).kind == kind
 
 
 def test_world_size_without_process_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,68 @@ def test_cli_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> No
     assert "no nn.Module class 'Blok'" in capsys.readouterr().err
 
 
+class ThreeInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.tok = nn.Embedding(10, 2)
+        self.seg = nn.Embedding(2, 2)
+
+    def forward(self, feats: torch.Tensor, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        return self.lin(feats).sum() + self.tok(ids.view(-1)).sum() + self.seg(segments + 0).sum()
+
+
+def test_embedding_inputs_are_those_an_embedding_gets_as_they_are_or_viewed() -> None:
+    from fxshard.explain import embedding_inputs
+
+    model = ThreeInputs()
+    inputs = (torch.randn(2, 3), torch.zeros(2, 4), torch.zeros(2, 4))  # all float, as the CLI's default
+    assert embedding_inputs(model, inputs) == {1: "tok"}  # segments + 0 is not the input
+    assert all(p.device.type == "cpu" for p in model.parameters())  # ran on a meta copy
+
+
+def test_cli_explain_infers_int64_token_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    code = cli.main(["explain", "models:TinyGPT", "--world-size", "2", "--input-shape", "2,16"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "no --input-dtype given: input 0 indexes nn.Embedding 'tok', so it is int64" in captured.err
+    assert "ShardPlan(world_size=2" in captured.out
+
+
+SHIFTED_IDS = """
+import torch.nn as nn
+
+
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.emb(ids + 1)
+"""
+
+
+def test_cli_explain_asks_for_the_input_dtype_it_cannot_infer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The embedding gets ids + 1, not the input: no inference, and tracing float ids fails.
+    path = tmp_path / "fxshard_test_shifted_ids.py"
+    path.write_text(SHIFTED_IDS)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the file's folder first
+    monkeypatch.setitem(sys.modules, path.stem, None)  # and registers the module: undone after
+    from fxshard import cli
+
+    code = cli.main(["explain", f"{path}:Shifted", "--world-size", "2", "--input-shape", "2,3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "indices must be integer tensors" in err and "pass --input-dtype int64" in err
+    assert "no --input-dtype was given, so the inputs were float32" in err
+    line = 1 + SHIFTED_IDS.splitlines().index("        return self.emb(ids + 1)")
+    assert f"at {path.resolve()}:{line} in forward: return self.emb(ids + 1)" in err
+
+
 def test_logging_is_silent_by_default_and_goes_through_one_logger(
         caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
     logger = logging.getLogger("fxshard")

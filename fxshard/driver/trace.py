@@ -12,12 +12,22 @@ the joint forward+backward graph (the marker's autograd rule puts an
 ``fxshard.reduce_grad`` on each shard's gradient), partitions it and wraps the
 compiled graphs in its own autograd.Function. fxshard supplies only the
 partition function and the compilers (codegen.py), which run the passes.
+
+A trace that fails raises ``TraceError`` with the hint of its cause (``CAUSES``,
+a table of recognisers tried in order) and the line of the user's code that
+failed (``user_source``: the innermost frame outside torch, fxshard and the
+standard library).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
+import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,33 +38,8 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.func import functional_call
 
 from fxshard.ir import meta
-from fxshard.ir.errors import FxShardError, TraceError
+from fxshard.ir.errors import FxShardError, SourceLine, TraceError
 from fxshard.ir.plan import ShardPlan
-
-_DATA_DEPENDENT_HINT = (
-    "fxshard captures one static graph per input signature, so Python control flow may not "
-    "depend on tensor values (if x.sum() > 0, .item(), .tolist(), .numpy()). Express it with "
-    "tensor ops (torch.where, masking), or move it out of the model's forward."
-)
-_DYNAMIC_SHAPE_HINT = (
-    "this operator's output shape depends on tensor values (nonzero, boolean-mask indexing, "
-    "unique), which a static graph cannot hold. Use a fixed-shape form: torch.where, or "
-    "multiply by a mask instead of selecting."
-)
-_UNSUPPORTED_HINT = (
-    "this operator cannot run on fake tensors (it has no meta/fake implementation), so it "
-    "cannot be traced. Register one with torch.library.register_fake, or replace the operator."
-)
-
-
-def _hint(e: BaseException) -> str:
-    from torch._subclasses import fake_tensor
-
-    if isinstance(e, fake_tensor.DynamicOutputShapeException):
-        return _DYNAMIC_SHAPE_HINT
-    if isinstance(e, fake_tensor.UnsupportedOperatorException):
-        return _UNSUPPORTED_HINT
-    return _DATA_DEPENDENT_HINT
 
 
 @dataclasses.dataclass
@@ -224,6 +209,17 @@ def trace_step(
     or the backend's per-graph step); its ``failed_in`` and ``skeleton``
     attributes locate a failure.
     """
+    symbolic = _symbolic_inputs(example_inputs)
+    if symbolic:
+        source = user_source(traceback.extract_stack()[:-1])
+        raise TraceError(
+            f"fxshard could not trace {model_name}: its inputs have symbolic (dynamic) sizes: "
+            + "; ".join(symbolic)
+            + (f"\n  called at {source}" if source else "")
+            + f"\nHint: {DYNAMIC_SHAPES.hint}",
+            kind=DYNAMIC_SHAPES.kind,
+            source=source,
+        )
     try:
         with torch.fx.traceback.preserve_node_meta(), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True
@@ -245,15 +241,25 @@ def trace_step(
     except Exception as e:
         where = getattr(step, "failed_in", None)
         skeleton = getattr(step, "skeleton", step)
+        module_type = _module_type(skeleton, where)
         op = getattr(e, "func", None)
         op_name = str(op) if op is not None else None
-        location = f"module {where or '<root>'!r} ({_module_type(skeleton, where)})" if where is not None else "the model"
+        location = f"module {where or '<root>'!r} ({module_type})" if where is not None else "the model"
+        cause = diagnose(e, module_type)
+        source = failure_source(e)
+        at = f"at {source}" if source else ""
+        if source is None:  # not raised in the user's code: name the line that called fxshard
+            source = user_source(traceback.extract_stack()[:-1])
+            at = f"called at {source}" if source else ""
         raise TraceError(
             f"fxshard could not trace {model_name}: failed in {location}"
             + (f" at operator {op_name}" if op_name else "")
-            + f": {type(e).__name__}: {_first_line(e)}\nHint: {_hint(e)}",
+            + (f"\n  {at}" if at else "")
+            + f"\n{type(e).__name__}: {_first_line(e)}\nHint: {cause.hint}",
             module=where,
             op=op_name,
+            kind=cause.kind,
+            source=source,
         ) from e
 
 
@@ -291,3 +297,225 @@ def _module_type(root: nn.Module, path: str | None) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else ""
+
+
+# -- why a trace failed -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """One cause of a failed trace: how to recognise it and the hint that goes with it.
+
+    ``matches`` is asked about each exception of the failure's chain (the
+    error, then what it was raised from) with the class name of the module
+    that was running, "?" when unknown.
+    """
+
+    kind: str  # TraceError.kind
+    hint: str
+    matches: Callable[[BaseException, str], bool]
+
+
+_DTYPE_WORDS = re.compile(
+    r"\bdtypes?\b|\bscalar types?\b|\btorch\.(?:b?float\d*|half|double|u?int\d+|long|short|bool|complex\d*)\b"
+    r"|\b(?:BFloat16|Half|Float|Double|Long)\b"
+)
+_INDEX_WORDS = re.compile(r"\bind(?:ex|ices)\b", re.IGNORECASE)
+_READS_DATA = re.compile(r"\.(?:numpy|tolist|item)\(\)|\bdata pointer\b|\bdata_ptr\b")
+_NO_FAKE_IMPL = re.compile(r"\bfake impl|'Meta' backend|\bno (?:meta|fake) (?:kernel|implementation)", re.IGNORECASE)
+_EMBEDDINGS = ("Embedding", "EmbeddingBag")
+
+
+def _is_symbolic_shape_error(e: BaseException, module_type: str) -> bool:
+    from torch._dynamo import exc as dynamo_exc
+    from torch.fx.experimental import symbolic_shapes
+
+    restart = getattr(dynamo_exc, "TensorifyScalarRestartAnalysis", None)
+    return isinstance(e, symbolic_shapes.ConstraintViolationError) or (
+        restart is not None and isinstance(e, restart))
+
+
+def _is_data_dependent(e: BaseException, module_type: str) -> bool:
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    if isinstance(e, (fake_tensor.DataDependentOutputException,
+                      symbolic_shapes.GuardOnDataDependentSymNode)):
+        return True
+    return bool(_READS_DATA.search(str(e)))  # .numpy() on a fake tensor, a C extension reading data
+
+
+def _is_dynamic_output_shape(e: BaseException, module_type: str) -> bool:
+    from torch._subclasses import fake_tensor
+
+    return isinstance(e, fake_tensor.DynamicOutputShapeException)
+
+
+def _is_unsupported_operator(e: BaseException, module_type: str) -> bool:
+    from torch._subclasses import fake_tensor
+
+    return isinstance(e, fake_tensor.UnsupportedOperatorException) or bool(_NO_FAKE_IMPL.search(str(e)))
+
+
+def _is_index_dtype(e: BaseException, module_type: str) -> bool:
+    text = str(e)
+    return bool(_DTYPE_WORDS.search(text)) and (
+        module_type in _EMBEDDINGS or bool(_INDEX_WORDS.search(text)))
+
+
+def _is_dtype(e: BaseException, module_type: str) -> bool:
+    return bool(_DTYPE_WORDS.search(str(e)))
+
+
+DYNAMIC_SHAPES = Cause(
+    "dynamic-shapes",
+    "fxshard compiles one static graph per input shape and cannot trace symbolic (dynamic) "
+    "sizes. Dynamo passes them under torch.compile(..., dynamic=True), and by default once an "
+    "input's shape has changed: use torch.compile(model, backend=fxshard.backend(...), "
+    "dynamic=False), which compiles each new shape as a static graph of its own, or "
+    "torch._dynamo.mark_static(x) on each input.",
+    _is_symbolic_shape_error,
+)
+
+# In order: the first cause that matches names the failure (an index dtype is also a dtype).
+CAUSES: tuple[Cause, ...] = (
+    DYNAMIC_SHAPES,
+    Cause(
+        "data-dependent",
+        "fxshard captures one static graph per input signature, so Python control flow may not "
+        "depend on tensor values (if x.sum() > 0, .item(), .tolist(), .numpy()). Express it with "
+        "tensor ops (torch.where, masking), or move it out of the model's forward.",
+        _is_data_dependent,
+    ),
+    Cause(
+        "dynamic-output-shape",
+        "this operator's output shape depends on tensor values (nonzero, boolean-mask indexing, "
+        "unique), which a static graph cannot hold. Use a fixed-shape form: torch.where, or "
+        "multiply by a mask instead of selecting.",
+        _is_dynamic_output_shape,
+    ),
+    Cause(
+        "unsupported-operator",
+        "this operator cannot run on fake tensors (it has no meta/fake implementation), so it "
+        "cannot be traced. Register one with torch.library.register_fake, or replace the operator.",
+        _is_unsupported_operator,
+    ),
+    Cause(
+        "index-dtype",
+        "indices must be integer tensors: token ids fed to an nn.Embedding (or the index of "
+        "gather or index_select, or a class-index target) must be torch.long, e.g. ids.long(), "
+        "not float. With `fxshard explain`, pass --input-dtype int64 for that input.",
+        _is_index_dtype,
+    ),
+    Cause(
+        "dtype",
+        "an operator does not accept the dtype of its inputs: its kernel, or the meta/fake "
+        "implementation fxshard traces with, takes only some dtypes (a bfloat16-only kernel given "
+        "float32, float32 inputs into a model cast with model.to(torch.bfloat16)). Give the inputs "
+        "the dtype the model expects (x.to(dtype)), or cast the model before fxshard.compile; with "
+        "`fxshard explain`, pass --input-dtype.",
+        _is_dtype,
+    ),
+)
+
+UNKNOWN = Cause(
+    "unknown",
+    "the model's forward raised while fxshard traced it with AOTAutograd under fake tensors "
+    "(shapes and dtypes, no data). Check that it runs eagerly on inputs of these shapes and "
+    "dtypes; the original exception, with its traceback, is chained to this one.",
+    lambda e, module_type: True,
+)
+
+
+def diagnose(e: BaseException, module_type: str = "?") -> Cause:
+    """The first cause in ``CAUSES`` that matches an exception of ``e``'s chain, else ``UNKNOWN``."""
+    chain = _exception_chain(e)
+    return next((c for c in CAUSES if any(c.matches(x, module_type) for x in chain)), UNKNOWN)
+
+
+def _exception_chain(e: BaseException) -> list[BaseException]:
+    """``e``, the exception it was raised from or while handling, and so on."""
+    chain: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and all(x is not y for y in chain):
+        chain.append(x)
+        x = x.__cause__ if x.__cause__ is not None else (
+            None if x.__suppress_context__ else x.__context__)
+    return chain
+
+
+def _symbolic_inputs(inputs: Sequence[Any]) -> list[str]:
+    """What makes ``inputs`` dynamic: symbolic sizes (Dynamo's dynamic shapes), or ``[]``."""
+    found = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            found.append(f"input {i} is the symbolic size {x}")
+        elif isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
+            found.append(f"input {i} has shape ({', '.join(str(d) for d in x.shape)})")
+    return found
+
+
+# -- the user's line --------------------------------------------------------------------------
+
+# Packages whose frames are not the user's: torch and what it runs on, and fxshard itself.
+_LIBRARIES = ("torch", "functorch", "sympy", "triton", "optree", "fxshard", "fxshard.passes")
+_SITE_PACKAGES = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
+
+
+def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directories of the library packages loaded here, of the standard library)."""
+    roots = []
+    for name in _LIBRARIES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            roots.append(os.path.dirname(os.path.realpath(file)) + os.sep)
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths}
+    return tuple(roots), tuple(stdlib)
+
+
+def _is_library(filename: str, roots: tuple[str, ...], stdlib: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):  # generated code (fx graphs, exec), frozen modules
+        return True
+    path = os.path.realpath(filename)
+    # site-packages lies under the standard library's directory; the packages there are not it.
+    return path.startswith(roots) or (path.startswith(stdlib) and not _SITE_PACKAGES.search(path))
+
+
+def _is_dispatch(filename: str) -> bool:
+    """torch's Python dispatcher: what calls an operator's registered implementations."""
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    path = os.path.realpath(filename)
+    return path == os.path.join(torch_dir, "_ops.py") or path.startswith(
+        os.path.join(torch_dir, "_library") + os.sep)
+
+
+def user_source(frames: Sequence[traceback.FrameSummary]) -> SourceLine | None:
+    """The innermost of ``frames`` (outermost first) in the user's code: not in torch (or a
+    package it runs on), fxshard or the standard library; site-packages are user code
+    (a Hugging Face model's modeling file). A user's function that torch's dispatcher
+    called (a fake implementation registered with torch.library) is an operator's
+    implementation: the line is then the one that called the operator."""
+    roots, stdlib = _library_roots()
+    found: traceback.FrameSummary | None = None
+    dispatched = False  # whether torch's dispatcher lies between ``found`` and the next user frame
+    for frame in reversed(frames):
+        if _is_library(frame.filename, roots, stdlib):
+            dispatched = dispatched or (found is not None and _is_dispatch(frame.filename))
+            continue
+        if found is not None and not dispatched:
+            break
+        found, dispatched = frame, False
+    if found is None or found.lineno is None:
+        return None
+    return SourceLine(found.filename, found.lineno, found.name, (found.line or "").strip())
+
+
+def failure_source(e: BaseException) -> SourceLine | None:
+    """The user's line where ``e`` was raised: searched in ``e``'s own traceback, then in those
+    of the exceptions it was raised from (a wrapper raised in torch holds only torch frames)."""
+    for x in _exception_chain(e):
+        source = user_source(traceback.extract_tb(x.__traceback__))
+        if source is not None:
+            return source
+    return None

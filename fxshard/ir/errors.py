@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class FxShardError(RuntimeError):
     """Base class of every error fxshard raises on purpose."""
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    """One line of the user's code: where a trace failed, or where fxshard was called from."""
+
+    filename: str
+    lineno: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}: {self.code}"
 
 
 class TraceError(FxShardError):
@@ -12,12 +27,21 @@ class TraceError(FxShardError):
 
     ``module`` is the path of the innermost module being traced when it failed
     (``""`` is the root) and ``op`` the operator involved, when known.
+    ``kind`` names the cause, and the hint in the message follows it:
+    ``"index-dtype"``, ``"dtype"``, ``"dynamic-shapes"``, ``"data-dependent"``,
+    ``"dynamic-output-shape"``, ``"unsupported-operator"`` or ``"unknown"``.
+    ``source`` is the line of the user's code that failed (the innermost frame
+    of the traceback outside torch, fxshard and the standard library) or, when
+    no such frame failed, the line that called fxshard; None when neither is known.
     """
 
-    def __init__(self, message: str, *, module: str | None = None, op: str | None = None):
+    def __init__(self, message: str, *, module: str | None = None, op: str | None = None,
+                 kind: str = "unknown", source: SourceLine | None = None):
         super().__init__(message)
         self.module = module
         self.op = op
+        self.kind = kind
+        self.source = source
 
 
 class PlanError(FxShardError):
