@@ -5,6 +5,7 @@
     python benchmarks/run.py --scaling       # also: compile time vs depth, explain at scale
     python benchmarks/run.py --scaling --models ""   # only those (results/scaling.{json,md})
     python benchmarks/run.py --models large  # the model near the memory limit alone
+    python benchmarks/run.py --models net,gpt --append  # keep the other models' rows, marked † (earlier run)
 
 Every system trains the same model from the same initial weights on the same
 per-rank data, in its own spawned process group (gloo, one intra-op thread
@@ -13,7 +14,23 @@ per rank), and is measured with the same tools:
 - step time: median over the measured steps (forward, backward, optimizer step), rank 0;
 - peak live tensor bytes of one step: torch's MemTracker (fxshard.measure.peak_memory);
 - max RSS: the largest of the ranks' peak resident set sizes;
-- bytes communicated per step per rank: fxshard.measure.CommCounter (bus bytes).
+- bytes communicated per step per rank: fxshard.measure.CommCounter (bus bytes);
+- fxshard's safety costs, as ratios within the run: the wall time its ranks'
+  agreement (``fxshard.driver.compiler.agree``, two 8-byte all_gathers per
+  step) takes within the measured steps, wrapped in a timer in the fxshard
+  ranks' processes; and ``fxshard_onegroup``, every collective on one gloo
+  group (``inflight_groups=False``) instead of one group per in-flight slot.
+
+``fxshard_onegroup`` exists only to measure what the per-slot groups cost: on
+gloo it is unsafe (torch 2.13 frees a heap string twice when two collectives
+on one group complete together; docs/devices.md) and may crash a run.
+
+Measured on this 2-core CPU machine, gloo, 2 ranks, in one run of net and gpt
+(benchmarks/results/latest.md; other test runs shared the machine): the
+agreement took 4.2% of fxshard's step on Net (7 ms of 172) and 0.5% on the
+GPT (12 ms of 2146), 1.6-11% and 0.3-1.0% across the four fxshard systems;
+one gloo group instead of per-slot groups ran at 1.20x fxshard's step time on
+Net and 0.99x on the GPT: the per-slot groups cost no step time measurable here.
 
 The "large" model (a 0.7B-parameter GPT) runs with each rank's data memory
 capped (RLIMIT_DATA) at its share of 80% of this machine's RAM: DDP needs
@@ -23,7 +40,7 @@ straight to the OS (glibc's MALLOC_MMAP_THRESHOLD_) for every system, so the
 cap counts live memory rather than the allocator's leftovers.
 
 Results go to benchmarks/results/latest.{json,md,png}; ratios are against
-FSDP2 and DDP measured in the same run. Absolute times on a shared machine
+FSDP2 and DDP (fxshard's variants also against fxshard) measured in the same run. Absolute times on a shared machine
 are noise; the ratios are the claim.
 """
 
@@ -37,6 +54,7 @@ import platform
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,7 +71,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_noprefetch", "fxshard_inductor")
+SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
+           "fxshard_inductor")
 # The large model runs where it shows something: which systems fit at all.
 LARGE_SYSTEMS = ("ddp", "fsdp1", "fsdp2", "fxshard")
 # MemTracker and CommCounter watch the dispatcher; Inductor's generated code
@@ -129,11 +148,40 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
+    if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
+        options = dict(inflight_groups=False)
     return fxshard.compile(model, policy=policy, **options)
+
+
+class AgreementTimer:
+    """Wall time spent in the ranks' agreement, while ``on``.
+
+    Wraps ``fxshard.driver.compiler.agree``, the name the driver calls, in this
+    rank's process only. A missing name raises: the measurement must not go
+    silently to zero when the driver changes.
+    """
+
+    def __init__(self) -> None:
+        import fxshard.driver.compiler as compiler
+
+        self.seconds, self.calls, self.on = 0.0, 0, False
+        inner = compiler.agree
+
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            try:
+                inner(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds += time.perf_counter() - start
+                    self.calls += 1
+
+        compiler.agree = timed
 
 
 def run_system(rank: int, world_size: int, port: int, system: str, model_name: str, args: Any,
                out_dir: str, memory_limit: int | None) -> None:
+    import fxshard
     from fxshard.measure import CommCounter, peak_memory
 
     if memory_limit is not None:
@@ -144,6 +192,7 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     spec = model_spec(model_name, args.quick)
+    timer = AgreementTimer() if system.startswith("fxshard") else None
     torch.manual_seed(0)
     model = wrap(system, spec["make"](), spec, world_size)
     params = getattr(model, "shards", None) or model.parameters()
@@ -165,12 +214,16 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         step(x, y)
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
+    if timer is not None:
+        timer.on = True
     for x, y in batches[warmup:warmup + steps]:
         if distributed:
             dist.barrier()
         start = time.perf_counter()
         losses.append(step(x, y))
         times.append(time.perf_counter() - start)
+    if timer is not None:
+        timer.on = False
     x, y = batches[-2]
     peak = peak_memory(lambda: step(x, y), model, opt, x, y)
     x, y = batches[-1]
@@ -184,6 +237,17 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "memory_limit_bytes": memory_limit,
     }
+    if isinstance(model, fxshard.ShardedModule):  # what inflight_groups chose, from the emitted graphs
+        from fxshard.ir.predicates import group_name, is_collective
+
+        result["comm_groups"] = len({group_name(n) for gm in model.graphs.values()
+                                     for n in gm.graph.nodes if is_collective(n)})
+    if timer is not None:
+        # Per step, and as a share of the same steps' time. It includes waiting
+        # for the slower rank, which the step's first collective would otherwise wait.
+        result["agreement_s"] = timer.seconds / len(times)
+        result["agreement_share"] = timer.seconds / sum(times)
+        result["agreement_calls"] = timer.calls
     for key in NOT_VISIBLE.get(system, ()):
         result[key] = None
     torch.save(result, os.path.join(out_dir, f"{system}-{model_name}-{rank}.pt"))
@@ -235,8 +299,12 @@ def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, 
     ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
     first = ranks[0]
     peaks = [r["peak_bytes"] for r in ranks]
-    return {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
-            "peak_bytes": None if None in peaks else max(peaks)}
+    merged = {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
+              "peak_bytes": None if None in peaks else max(peaks),
+              "load_1min": os.getloadavg()[0]}  # above the core count, others took CPU time
+    if "agreement_share" in first:  # rank 0's, like the step time; each rank's too
+        merged["agreement_share_ranks"] = [r["agreement_share"] for r in ranks]
+    return merged
 
 
 def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
@@ -295,12 +363,16 @@ def ratios(results: list[dict[str, Any]]) -> None:
             for key in ("step_s", "peak_bytes", "rss_bytes"):
                 ok = ref and ref[key] and r[key] is not None
                 r[f"{key}_vs_{base}"] = r[key] / ref[key] if ok else None
+        if r["system"].startswith("fxshard_"):  # a variant against fxshard's defaults
+            ref = by.get((r["model"], "fxshard"))
+            r["step_s_vs_fxshard"] = r["step_s"] / ref["step_s"] if ref else None
 
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     mib = 1 << 20
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, world size {meta['world_size']}, "
              "one thread per rank; medians of the measured steps.", "",
+             *([meta["note"], ""] if meta.get("note") else []),
              "| model | system | step ms | ×FSDP2 | ×DDP | peak MiB | ×FSDP2 | ×DDP | max RSS MiB | comm MiB/step |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
@@ -311,13 +383,22 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return "n/v" if v is None else f"{v / mib:.{digits}f}"
 
     for r in results:
+        model = r["model"] + ("†" if "earlier_run" in r else "")
         if "failed" in r:
-            lines.append(f"| {r['model']} | {r['system']} | failed: {r['failed']} |" + " |" * 7)
+            lines.append(f"| {model} | {r['system']} | failed: {r['failed']} |" + " |" * 7)
             continue
-        lines.append(f"| {r['model']} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
+        lines.append(f"| {model} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
                      f"{f(r['step_s_vs_ddp'])} | {m(r['peak_bytes'], 1)} | {f(r['peak_bytes_vs_fsdp2'])} | "
                      f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {m(r['comm_bytes'], 2)} |")
     notes = []
+    loads = [r["load_1min"] for r in results if r.get("load_1min") is not None and "earlier_run" not in r]
+    if loads:
+        notes.append(f"1-minute load average after each system: {min(loads):.1f} to {max(loads):.1f} "
+                     f"({meta['machine']}): above the core count, other processes took CPU time from the ranks.")
+    earlier = list(dict.fromkeys(r["model"] for r in results if "earlier_run" in r))
+    if earlier:
+        notes.append(f"†: {', '.join(earlier)} from an earlier run, kept by --append (not re-run with the "
+                     "rows above; their ratios are within that earlier run).")
     if any(r["system"] in NOT_VISIBLE for r in results):
         notes.append("n/v: not visible to the tracker. Inductor's generated code allocates and calls "
                      "collectives below the dispatcher that MemTracker and CommCounter watch.")
@@ -327,7 +408,33 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         notes.append(f"{model}: {params / 1e9:.2f}B parameters; each rank's data memory capped at "
                      f"{limit / (1 << 30):.1f} GiB (RLIMIT_DATA), 80% of RAM shared by {meta['world_size']} ranks."
                      if params else f"{model}: each rank capped at {limit / (1 << 30):.1f} GiB.")
-    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes) + overheads(results)
+
+
+def overheads(results: list[dict[str, Any]]) -> str:
+    """fxshard's safety features as ratios within the run: the agreement, and per-slot gloo groups."""
+    rows = [r for r in results if r["system"].startswith("fxshard") and "failed" not in r
+            and "earlier_run" not in r and ("agreement_share" in r or "step_s_vs_fxshard" in r)]
+    if not rows:
+        return ""
+    lines = ["", "Overheads of fxshard's safety features, this run:", "",
+             "| model | system | agreement ms/step | agreement ÷ step, rank 0 (each rank) | step ÷ fxshard |",
+             "|---|---|---:|---:|---:|"]
+    for r in rows:
+        each = ", ".join(f"{x:.1%}" for x in r.get("agreement_share_ranks", []))
+        ms, share = "–", "–"
+        if "agreement_share" in r:
+            ms = f"{r['agreement_s'] * 1000:.1f}"
+            share = f"{r['agreement_share']:.1%}" + (f" ({each})" if each else "")
+        vs = r.get("step_s_vs_fxshard")
+        lines.append(f"| {r['model']} | {r['system']} | {ms} | {share} | {'–' if vs is None else f'{vs:.2f}'} |")
+    lines += ["", "Agreement: wall time inside `fxshard.driver.compiler.agree` (two 8-byte all_gathers per "
+              "step) over the measured steps, as a share of those steps' time; it includes any wait for "
+              "the slower rank, which the step's first collective would wait otherwise. "
+              "`fxshard_onegroup` (`inflight_groups=False`) puts every collective on one gloo group "
+              "instead of one per in-flight slot: unsafe on gloo (torch 2.13 heap corruption, "
+              "docs/devices.md), run only to measure what the per-slot groups cost."]
+    return "\n".join(lines) + "\n"
 
 
 def scaling_markdown(scaling: dict[str, Any]) -> str:
@@ -348,7 +455,7 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in results})
+    models = list(dict.fromkeys(r["model"] for r in results))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "step_s_vs_fsdp2", "step time ÷ FSDP2"),
                            (axes[1], "peak_bytes_vs_fsdp2", "peak tensor memory ÷ FSDP2")):
@@ -365,13 +472,40 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
                     ax.text(x, 0.05, "out of memory" if "memory" in failed else "failed",
                             rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+        earlier = {r["model"] for r in results if "earlier_run" in r}
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
+                      [m + " (earlier run)" if m in earlier else m for m in models])
         ax.set_title(title)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(SYSTEMS), fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=(len(SYSTEMS) + 1) // 2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+def keep_earlier(results: list[dict[str, Any]], params: dict[str, int], meta: dict[str, Any],
+                 earlier: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``--append``: after this run's rows, the earlier report's rows of the models not run
+    now, marked ``earlier_run``; ``meta["earlier_run"]`` records what they were measured with."""
+    ran = {r["model"] for r in results}
+    kept = [{**r, "earlier_run": r.get("earlier_run", True)} for r in earlier["results"]
+            if r["model"] not in ran]
+    if kept:
+        meta["earlier_run"] = earlier["meta"].get("earlier_run") or {
+            k: v for k, v in earlier["meta"].items() if k not in ("params", "earlier_run")}
+    return results + kept, {**earlier["meta"].get("params", {}), **params}
+
+
+def fxshard_version() -> str | None:
+    """The commit measured, and whether the library had local changes."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "fxshard", "passes")
+        return git("rev-parse", "--short", "HEAD") + (" with local changes to the library" if changed else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -388,6 +522,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="cap each rank's data memory (default: only for the large model)")
     p.add_argument("--scaling", action="store_true", help="compile-time scaling and planning at scale")
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--note", default=None, help="a sentence printed under the table's first line "
+                   "(e.g. what else ran on the machine)")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 10)
     out = Path(args.out)
@@ -405,14 +541,15 @@ def main(argv: list[str] | None = None) -> None:
         for system in systems:
             print(f"{model_name} / {system} ...", flush=True)
             results.append(measure(system, model_name, args, str(scratch)))
-    if args.append and (out / "latest.json").exists():  # keep the other models' rows
-        earlier = json.loads((out / "latest.json").read_text())
-        ran = set(args.models.split(","))
-        results = [r for r in earlier["results"] if r["model"] not in ran] + results
-        params = {**earlier["meta"].get("params", {}), **params}
+    meta: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                            "torch": torch.__version__, "world_size": args.world_size,
+                            "quick": args.quick, "steps": args.steps, "fxshard": fxshard_version()}
+    if args.note:
+        meta["note"] = args.note
+    if args.append and results and (out / "latest.json").exists():
+        results, params = keep_earlier(results, params, meta, json.loads((out / "latest.json").read_text()))
     ratios(results)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "world_size": args.world_size, "quick": args.quick, "steps": args.steps, "params": params}
+    meta["params"] = params
     report: dict[str, Any] = {"meta": meta, "results": results}
     if args.scaling:
         scaling = {"compile_scaling": compile_scaling([12, 24, 48]),

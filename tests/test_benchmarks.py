@@ -13,23 +13,37 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "benchmarks/run.py", "--quick", "--models", "gpt",
-         "--systems", "ddp,fsdp2,fxshard", "--out", str(tmp_path)],
+         "--systems", "ddp,fsdp2,fxshard,fxshard_onegroup", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
     rows = {r["system"]: r for r in report["results"]}
-    assert set(rows) == {"ddp", "fsdp2", "fxshard"}
+    assert set(rows) == {"ddp", "fsdp2", "fxshard", "fxshard_onegroup"}
+    assert not any("failed" in r for r in rows.values()), rows
     # Same units (one per block, resident root) -> the same bytes on the wire as FSDP2,
     # counted by the same counter, plus the ranks' agreement before forward and
     # backward (8 bytes from each of the 2 ranks, twice); DDP all-reduces 2x the parameters.
     assert rows["fxshard"]["comm_bytes"] == rows["fsdp2"]["comm_bytes"] + 2 * 8 > 16
     assert not any(r["comm_uncounted"] for r in rows.values())
+    # One gloo group instead of per-slot groups moves the same bytes; only the time differs.
+    assert rows["fxshard_onegroup"]["comm_bytes"] == rows["fxshard"]["comm_bytes"]
+    assert rows["fxshard_onegroup"]["comm_groups"] == 1 < rows["fxshard"]["comm_groups"]
+    assert rows["fxshard_onegroup"]["step_s_vs_fxshard"] is not None
+    # The agreement's time: measured (2 calls per measured step, forward and backward),
+    # a positive part of the step.
+    fx = rows["fxshard"]
+    assert fx["agreement_calls"] == 2 * report["meta"]["steps"]
+    assert 0 < fx["agreement_s"] < fx["step_s"]
+    assert 0 < fx["agreement_share"] < 1 and len(fx["agreement_share_ranks"]) == 2
+    assert "agreement_s" not in rows["fsdp2"]
     # Same model, same data: the same losses as DDP.
     for a, b in zip(rows["fxshard"]["losses"], rows["ddp"]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert rows["fxshard"]["step_s_vs_fsdp2"] is not None and rows["fsdp2"]["step_s_vs_fsdp2"] == 1.0
     table = (tmp_path / "latest.md").read_text()
-    assert "| gpt | fxshard |" in table and "×FSDP2" in table
+    assert "| gpt | fxshard |" in table and "| gpt | fxshard_onegroup |" in table and "×FSDP2" in table
+    assert "Overheads of fxshard's safety features" in table
+    assert f"| gpt | fxshard | {fx['agreement_s'] * 1000:.1f} | {fx['agreement_share']:.1%} (" in table
     assert (tmp_path / "latest.png").stat().st_size > 10_000
 
 
@@ -52,3 +66,23 @@ def test_table_shows_out_of_memory_and_what_the_tracker_cannot_see() -> None:
     assert "| large | ddp | failed: out of memory: you tried to allocate 50331648 bytes |" in table
     assert "| n/v |" in table and "n/v: not visible to the tracker" in table
     assert "large: 0.72B parameters; each rank's data memory capped at 9.0 GiB" in table
+
+
+def test_append_keeps_and_marks_the_earlier_runs_rows() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run
+
+    row = dict(step_s=2.0, peak_bytes=1, rss_bytes=1, comm_bytes=1)
+    earlier = {"meta": {"machine": "old", "steps": 3, "params": {"large": 7, "net": 5}},
+               "results": [{"model": "net", "system": "fsdp2", **row},
+                           {"model": "large", "system": "fsdp2", **row}]}
+    meta: dict = {"machine": "new", "steps": 10}
+    results, params = run.keep_earlier([{"model": "net", "system": "fsdp2", **row, "step_s": 1.0}],
+                                       {"net": 6}, meta, earlier)
+    assert [(r["model"], r["step_s"], "earlier_run" in r) for r in results] == [
+        ("net", 1.0, False), ("large", 2.0, True)]
+    assert params == {"large": 7, "net": 6} and meta["earlier_run"] == {"machine": "old", "steps": 3}
+    run.ratios(results)
+    table = run.markdown(results, {"machine": "m", "torch": "t", "world_size": 2})
+    assert "| large† | fsdp2 | 2000 | 1.00 |" in table and "| net | fsdp2 | 1000 | 1.00 |" in table
+    assert "†: large from an earlier run" in table
