@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 from functools import cache
 from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,7 +17,7 @@ import fxshard
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
-from models import Block, TinyGPT
+from models import Block, BNNet, TinyGPT
 
 # -- gradient clipping ----------------------------------------------------------------------------
 
@@ -101,3 +103,174 @@ def test_clip_grad_norm_matches_ddp(world_size: int) -> None:
 def test_clip_grad_norm_error_if_nonfinite_raises_on_every_rank() -> None:
     for results in clip_results(2):
         assert "non-finite" in results["nonfinite"], results["nonfinite"]
+
+
+# -- meta-device init and sync_module_states --------------------------------------------------------
+
+
+class Wide(nn.Module):
+    """32 layers of 4 MiB each: large enough for the process's resident memory to show it."""
+
+    def __init__(self, width: int = 1024, depth: int = 32):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _meta_init(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = TinyGPT()  # built normally, in one process
+    torch.manual_seed(100 + rank)  # the ranks' generators differ: they must agree on rank 0's
+    if rank == 0:
+        torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TinyGPT()
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    state = sharded.full_state_dict()
+    x = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        out, ref_out = sharded(x), reference(x)
+
+    # The backend: the same model on the meta device, sharded by fxshard.parameters.
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = TinyGPT()
+    torch._dynamo.reset()
+    compiled = torch.compile(meta, backend=fxshard.backend(policy=by_class(Block)), dynamic=False)
+    fxshard.parameters(compiled)
+    with torch.no_grad():
+        backend_out = compiled(x)
+
+    # Peak memory while sharding a model 2x a rank's shard, built on the meta device.
+    # Resident memory counts live memory only with a fixed mmap threshold: glibc
+    # otherwise raises it after a free and keeps freed layers on its heap.
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    with torch.device("meta"):
+        wide = Wide()
+    full_bytes = sum(p.numel() * p.element_size() for p in wide.parameters())
+    _reset_peak_rss()
+    base = _peak_rss_bytes()
+    wide_sharded = fxshard.compile(wide)
+    peak = _peak_rss_bytes() - base
+    shard_bytes = sum(p.numel() * p.element_size() for p in wide_sharded.parameters())
+    return {"state": state, "ref_state": reference.state_dict(), "out": out, "ref_out": ref_out,
+            "backend_out": backend_out, "peak": peak, "full_bytes": full_bytes,
+            "shard_bytes": shard_bytes}
+
+
+def _sync_module_states(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    if rank == 0:
+        model = BNNet()  # the real weights (a checkpoint loaded on rank 0, say)
+        model.bn.running_mean.fill_(0.5)
+        expected = copy.deepcopy(model).state_dict()
+    else:
+        with torch.device("meta"):
+            model = BNNet()
+        expected = {}
+    sharded = fxshard.compile(model, sync_module_states=True)
+    return {"state": sharded.full_state_dict(), "expected": expected}
+
+
+def init_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return {"meta": _meta_init(rank, world_size), "sync": _sync_module_states(rank, world_size)}
+
+
+@cache
+def init_results() -> list[dict[str, Any]]:
+    return run_ranks(init_worker, 2)
+
+
+def test_meta_init_equals_a_model_built_normally() -> None:
+    for r in (res["meta"] for res in init_results()):
+        assert list(r["state"]) == list(r["ref_state"])
+        for k, v in r["ref_state"].items():
+            assert torch.equal(r["state"][k], v), k  # bit for bit: rank 0's seed, torch's own init
+        torch.testing.assert_close(r["out"], r["ref_out"])
+        torch.testing.assert_close(r["backend_out"], r["ref_out"])
+
+
+def test_meta_init_never_holds_the_whole_model() -> None:
+    for r in (res["meta"] for res in init_results()):
+        assert r["shard_bytes"] == r["full_bytes"] // 2
+        # This rank's shards (64 MiB) plus one layer (4 MiB) at a time, and ~10 MiB that
+        # any first run of torch code allocates; the whole model is 128 MiB.
+        assert r["peak"] < r["shard_bytes"] + 24 * 2**20 < r["full_bytes"], (r["peak"], r["shard_bytes"])
+
+
+def test_sync_module_states_broadcasts_rank0s_weights_and_buffers() -> None:
+    results = init_results()
+    expected = results[0]["sync"]["expected"]
+    for r in results:
+        assert list(r["sync"]["state"]) == list(expected)
+        for k, v in expected.items():
+            assert torch.equal(r["sync"]["state"][k], v), k
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)  # computed in __init__
+
+    def reset_parameters(self) -> None:
+        pass  # "nothing to reset": right for a real model, not for one built on meta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.freqs
+
+
+def test_meta_model_that_cannot_be_initialised_is_refused_by_name() -> None:
+    with torch.device("meta"):
+        model = NoReset()
+    with pytest.raises(fxshard.FxShardError, match=r"no reset_parameters\(\).*<root> \(NoReset\).*param_init_fn"):
+        fxshard.compile(model)
+    with torch.device("meta"):
+        rotary = Rotary()
+    with pytest.raises(fxshard.FxShardError, match="reset_parameters.*'<root>' \\(Rotary\\) left buffer 'freqs'"):
+        fxshard.compile(rotary)
+
+
+def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
+    def init(module: nn.Module) -> None:
+        if isinstance(module, NoReset):
+            module.scale.fill_(2.0)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = NoReset()
+    sharded = fxshard.compile(model, param_init_fn=init)
+    state = sharded.full_state_dict()
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 4)
+    assert torch.equal(state["scale"], torch.full((4,), 2.0))
+    assert torch.equal(state["lin.weight"], reference.weight)

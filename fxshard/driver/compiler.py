@@ -35,11 +35,13 @@ from fxshard.driver import grads
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
+from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import (
     World,
     broadcast_buffers,
     collective_failure,
+    comm_device,
     make_shards,
     resolve_world,
     retire,
@@ -138,24 +140,33 @@ class Driver:
     # -- plan and shards ----------------------------------------------------------------------
 
     def shard(self, module: nn.Module, *, allow_meta: bool = False) -> list[nn.Parameter]:
-        """Plan ``module`` and copy this rank's flat shards out of it (the module is unchanged)."""
+        """Plan ``module`` and make this rank's flat shards: copied out of it (the module is
+        unchanged), initialised module by module if it is on the meta device
+        (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``)."""
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise FxShardError(
                 f"the model's parameters are on several devices {sorted(map(str, devices))}: "
                 "move the whole model to this rank's device before sharding it"
             )
-        if devices == {torch.device("meta")} and not allow_meta:
-            raise FxShardError(
-                "the model's parameters are on the meta device: materialise them (to_empty + init) "
-                "to train, or use fxshard.explain to inspect the plan, graphs and report"
-            )
+        on_meta = devices == {torch.device("meta")}
+        sync = self.config.sync_module_states and self.world.size > 1 and self.runs
         options = self.config.options
         self._plan = make_plan(module, self.config.policy, self.world.size,
                                bucket_bytes=options.bucket_bytes,
                                replicate_below=options.replicate_below)
-        self.device = next(iter(devices)) if devices else torch.device("cpu")
-        self.shards = make_shards(module, self._plan, self.world.rank, self.device)
+        if on_meta and self.world.group is not None:  # becomes real where the group communicates
+            self.device = comm_device(self.world.group)
+        else:
+            self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
+        if sync:
+            self.shards = broadcast_shards(module, self._plan, self.world, self.device)
+        elif on_meta and self.runs and not allow_meta:
+            self.shards = materialise_shards(module, self._plan, self.world, self.device,
+                                             self.config.param_init_fn)
+        else:
+            self.shards = make_shards(module, self._plan, self.world.rank,
+                                      torch.device("meta") if on_meta else self.device)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
@@ -165,7 +176,7 @@ class Driver:
         """From here the shards hold the only copy of ``module``'s parameters; an optimizer
         over the originals raises at its first step, naming ``use``."""
         retire(list(module.parameters()), use)  # built before compile
-        strip_parameters(module, on_device=on_device)
+        strip_parameters(module, self.device if on_device else None)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self._module = module
         self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxshard.driver.runtime import World, wait_within
+from fxshard.driver.runtime import World, comm_device, wait_within
 from fxshard.ir.collectives import Collective
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 
@@ -38,7 +38,7 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
         return  # nobody to agree with (torch's fake process group communicates nothing)
     group = world.comm[0] if world.comm else world.group
-    device = _comm_device(group)
+    device = comm_device(group)
     mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)
     work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
@@ -92,12 +92,3 @@ def _mismatch(descriptions: list[Description | None], rank: int) -> str:
         "shapes may differ where they change no collective (a smaller last batch)."
     )
     return "\n".join(lines)
-
-
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend in ("xccl", "ccl") and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")

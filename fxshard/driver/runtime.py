@@ -66,6 +66,16 @@ def resolve_world(process_group: dist.ProcessGroup | None) -> World:
     return World(0, 1, None)
 
 
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s backend takes its tensors: CUDA for nccl, XPU for xccl, else the CPU."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend in ("xccl", "ccl") and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The timeout ``group`` was created with (torch's default for its backend if unknown)."""
     backend = dist.get_backend(group)
@@ -100,7 +110,7 @@ def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
     return replace(world, comm=tuple(groups), timeout=limit)
 
 
-def _slot_overlap(group: FlatGroup, offset: int, numel: int, rank: int) -> tuple[int, int] | None:
+def slot_overlap(group: FlatGroup, offset: int, numel: int, rank: int) -> tuple[int, int] | None:
     lo, hi = group.shard_range(rank)
     start, stop = max(lo, offset), min(hi, offset + numel)
     return (start, stop) if start < stop else None
@@ -118,7 +128,7 @@ def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.dev
         lo, _ = group.shard_range(rank)
         shard = torch.zeros(group.shard_numel, dtype=group.dtype, device=device)
         for slot in group.params:
-            span = _slot_overlap(group, slot.offset, slot.numel, rank)
+            span = slot_overlap(group, slot.offset, slot.numel, rank)
             if span is None:
                 continue
             src = params[slot.name].detach().reshape(-1)
@@ -154,14 +164,14 @@ def retire(params: list[nn.Parameter], use: str) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
-def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
+def strip_parameters(module: nn.Module, device: torch.device | None = None) -> None:
     """Replace every parameter by a stand-in that holds no data, keeping ties.
 
     The module stays as the skeleton that ``functional_call`` runs; its real
     parameters live only in the flat shards from here on. Stand-ins live on
-    the meta device, or with ``on_device`` on the parameter's own device as one
-    element broadcast to the parameter's shape (for Dynamo, which bakes the
-    device of tensors computed from parameters into its graphs).
+    the meta device, or with a ``device`` on it as one element broadcast to the
+    parameter's shape (for Dynamo, which bakes the device of tensors computed
+    from parameters into its graphs).
     """
     stand_ins: dict[int, nn.Parameter] = {}
     for mod in module.modules():
@@ -169,8 +179,8 @@ def strip_parameters(module: nn.Module, on_device: bool = False) -> None:
             if p is None:
                 continue
             if id(p) not in stand_ins:
-                if on_device:
-                    data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                if device is not None:
+                    data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
                 else:
                     data = torch.empty_like(p, device="meta")
                 stand_ins[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
@@ -257,7 +267,7 @@ def load_shards(shards: list[nn.Parameter], plan: ShardPlan, full: dict[str, tor
         for group, shard in zip(plan.groups, shards):
             lo, _ = group.shard_range(rank)
             for slot in group.params:
-                span = _slot_overlap(group, slot.offset, slot.numel, rank)
+                span = slot_overlap(group, slot.offset, slot.numel, rank)
                 if span is None:
                     continue
                 src = full[slot.name].detach().reshape(-1).to(shard.device, shard.dtype)

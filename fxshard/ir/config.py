@@ -38,6 +38,8 @@ _NOT_FOR: dict[str, dict[str, str]] = {
     "explain": {
         "process_group": "explain runs on a fake process group of its own, of world_size ranks",
         "timeout": "explain runs nothing, so no collective can time out",
+        "param_init_fn": "explain initialises nothing: its model stays on the meta device",
+        "sync_module_states": "explain has no real ranks to broadcast between",
     },
 }
 
@@ -73,6 +75,13 @@ class CompileConfig:
     # that follows a forward with grad enabled, as DDP does. False (the
     # default, as FSDP1 and FSDP2): each rank keeps its own buffers.
     broadcast_buffers: bool = False
+    # A model on the meta device is initialised module by module, each
+    # module's own tensors by param_init_fn(module) or its reset_parameters()
+    # (fxshard/driver/init.py), on the process group's device.
+    param_init_fn: Callable[[Any], None] | None = field(default=None, compare=False)
+    # FSDP1's option: rank 0's parameters and buffers are broadcast to every
+    # rank at compile (the others' may be on the meta device).
+    sync_module_states: bool = False
     # Write plan, report, per-pass graphs, timeline and unit graph of every
     # compiled step here. Default: the FXSHARD_DUMP environment variable.
     dump_dir: str | None = None
@@ -90,6 +99,8 @@ class CompileConfig:
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(f"param_init_fn must be callable as fn(module), got {self.param_init_fn!r}")
         if self.on_pass is not None and not callable(self.on_pass):
             raise TypeError(f"on_pass must be callable as on_pass(graph, pass_name, gm), got {self.on_pass!r}")
 
@@ -99,7 +110,7 @@ class CompileConfig:
 
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
-        ``broadcast_buffers``, and
+        ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

@@ -1,0 +1,164 @@
+"""This rank's flat shards of a model that is not fully here: built on the meta device, or real
+on rank 0 only (``sync_module_states``).
+
+Meta-device init (``with torch.device("meta"): model = Build()``): the ranks
+first take rank 0's random generator state, so that they initialise alike.
+Then, module by module in ``named_modules()`` order (the order a model built
+normally initialises in), each module's own parameters and buffers are made
+real on the device and initialised by ``param_init_fn(module)`` or the
+module's ``reset_parameters()``; this rank copies its slices of the
+parameters into its shards, and the module gets its meta parameters back.
+A rank holds its shards plus one module's parameters at a time, never a
+whole unit, let alone the model. Buffers stay real on the module, as always.
+
+Every element is first filled with NaN, so a parameter or floating buffer
+that the init left alone (a module whose ``reset_parameters`` skips one, a
+buffer computed in ``__init__`` such as a rotary table) is an error naming it,
+not a silent garbage value.
+
+``sync_module_states``: rank 0's parameters are broadcast one flat group at a
+time (each rank keeps its slice), and its buffers one by one; the other ranks'
+copies are never read, so they may be built on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxshard.driver.runtime import World, comm_device, slot_overlap
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan
+
+InitFn = Callable[[nn.Module], None]
+
+
+def _own_tensors(module: nn.Module) -> bool:
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _check_initialisable(module: nn.Module, init_fn: InitFn | None) -> None:
+    if init_fn is not None:
+        return
+    lacking = [f"{name or '<root>'} ({type(m).__name__})" for name, m in module.named_modules()
+               if _own_tensors(m) and not callable(getattr(m, "reset_parameters", None))]
+    if lacking:
+        raise FxShardError(
+            f"the model is on the meta device, and these modules have parameters or buffers but "
+            f"no reset_parameters() to initialise them: {lacking}. Give them a reset_parameters(), "
+            "or pass param_init_fn=fn to fxshard.compile: fn(module) initialises that module's own "
+            "parameters and buffers in place (they are real, uninitialised tensors when it runs)."
+        )
+
+
+def agree_on_rng(world: World, device: torch.device) -> None:
+    """Every rank continues with rank 0's random generator state (of ``device``'s generator)."""
+    if world.group is None or world.size == 1:
+        return
+    if device.type == "cpu":
+        state = torch.get_rng_state()
+    else:
+        state = torch.get_device_module(device.type).get_rng_state(device)
+    comm = comm_device(world.group)
+    shared = state.to(comm)
+    dist.broadcast(shared, src=dist.get_global_rank(world.group, 0), group=world.group)
+    if device.type == "cpu":
+        torch.set_rng_state(shared.cpu())
+    else:
+        torch.get_device_module(device.type).set_rng_state(shared.cpu(), device)
+
+
+def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device: torch.device,
+                       init_fn: InitFn | None) -> list[nn.Parameter]:
+    """This rank's flat shards of the meta-device ``module``, initialised module by module."""
+    _check_initialisable(module, init_fn)
+    agree_on_rng(world, device)
+    where = {}
+    for group in plan.groups:
+        for slot in group.params:
+            for name in slot.names:
+                where[name] = (group, slot)
+    shards = [torch.zeros(g.shard_numel, dtype=g.dtype, device=device) for g in plan.groups]
+    written: set[int] = set()  # flat-group slots already copied (a tied parameter: its first init)
+    for path, mod in module.named_modules():
+        if not _own_tensors(mod):
+            continue
+        originals = dict(mod._parameters)
+        real: dict[str, torch.Tensor] = {}
+        for name, p in originals.items():
+            if p is None:
+                continue
+            value = torch.full(p.shape, float("nan"), dtype=p.dtype, device=device) \
+                if p.dtype.is_floating_point else torch.zeros(p.shape, dtype=p.dtype, device=device)
+            mod._parameters[name] = real[name] = nn.Parameter(value, requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.full(b.shape, float("nan"), dtype=b.dtype, device=device) \
+                    if b.dtype.is_floating_point else torch.zeros(b.shape, dtype=b.dtype, device=device)
+        try:
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(mod)
+                else:
+                    mod.reset_parameters()
+            left = [f"parameter {name!r}" for name, t in real.items() if bool(t.isnan().any())]
+            left += [f"buffer {name!r}" for name, b in mod._buffers.items()
+                     if b is not None and b.dtype.is_floating_point and bool(b.isnan().any())]
+            if left:
+                how = "param_init_fn" if init_fn is not None else "reset_parameters()"
+                raise FxShardError(
+                    f"initialising the meta-device model: {how} of module {path or '<root>'!r} "
+                    f"({type(mod).__name__}) left {', '.join(left)} uninitialised (NaN). Pass "
+                    "param_init_fn=fn to fxshard.compile, where fn(module) also sets those (e.g. "
+                    "recomputes a buffer that __init__ computed), or build the model on a real device."
+                )
+            prefix = f"{path}." if path else ""
+            for name, value in real.items():
+                group, slot = where[prefix + name]
+                key = id(slot)
+                if key in written:
+                    continue
+                written.add(key)
+                span = slot_overlap(group, slot.offset, slot.numel, world.rank)
+                if span is not None:
+                    lo, _ = group.shard_range(world.rank)
+                    flat = value.detach().reshape(-1)
+                    shards[group.index][span[0] - lo:span[1] - lo].copy_(
+                        flat[span[0] - slot.offset:span[1] - slot.offset])
+        finally:
+            mod._parameters.update(originals)  # the meta parameters again: nothing full stays
+    return [nn.Parameter(s, requires_grad=g.requires_grad) for g, s in zip(plan.groups, shards)]
+
+
+def broadcast_shards(module: nn.Module, plan: ShardPlan, world: World,
+                     device: torch.device) -> list[nn.Parameter]:
+    """This rank's flat shards of rank 0's parameters (``sync_module_states``), and rank 0's
+    buffers in ``module`` (made real on ``device`` where they are on the meta device)."""
+    assert world.group is not None
+    src = dist.get_global_rank(world.group, 0)
+    comm = comm_device(world.group)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    if world.rank == 0 and any(p.is_meta for p in params.values()):
+        raise FxShardError("sync_module_states=True broadcasts rank 0's parameters, but rank 0's "
+                           "model is on the meta device: build (or load) the real model on rank 0")
+    shards = []
+    for group in plan.groups:
+        full = torch.zeros(group.padded_numel, dtype=group.dtype, device=comm)
+        if world.rank == 0:
+            for slot in group.params:
+                full[slot.offset:slot.offset + slot.numel].copy_(params[slot.name].detach().reshape(-1))
+        dist.broadcast(full, src=src, group=world.group)
+        lo, hi = group.shard_range(world.rank)
+        shards.append(nn.Parameter(full[lo:hi].to(device, copy=True), requires_grad=group.requires_grad))
+        del full
+    for mod in module.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            value = b.to(comm) if not b.is_meta else torch.empty(b.shape, dtype=b.dtype, device=comm)
+            dist.broadcast(value, src=src, group=world.group)
+            mod._buffers[name] = value.to(device)
+    return shards
