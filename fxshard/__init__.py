@@ -29,6 +29,7 @@ from fxshard.ir.errors import (
 )
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
+from fxshard.ir.precision import MixedPrecision
 from fxshard.passes import verify
 
 # Silent unless the application configures logging (see README: Debugging).
@@ -43,6 +44,7 @@ __all__ = [
     "FlatGroup",
     "FxShardError",
     "GraphInvariantError",
+    "MixedPrecision",
     "PlanError",
     "Report",
     "ShardPlan",

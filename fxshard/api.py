@@ -153,7 +153,8 @@ class ShardedModule(nn.Module):
             return args, kwargs
 
         buffers = dict(self._skeleton.named_buffers(remove_duplicate=False))
-        step = StepFunction(self._skeleton, self._driver.plan, list(self.flat_params), buffers, rebuild)
+        step = StepFunction(self._skeleton, self._driver.plan, list(self.flat_params), buffers, rebuild,
+                            self._driver.config.mixed_precision)
         buffer_bytes = sum(b.numel() * b.element_size()
                            for b in self._skeleton.buffers())
         return self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],

@@ -39,6 +39,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
+from fxshard.ir.precision import MixedPrecision
 from fxshard.passes import build_pipelines
 
 log = logging.getLogger("fxshard")
@@ -71,7 +72,7 @@ class _GraphStep(TracedStep):
     gm: fx.GraphModule
 
     def __init__(self, gm: fx.GraphModule, plan: ShardPlan, shards: dict[int, nn.Parameter],
-                 param_inputs: dict[int, str], n_inputs: int):
+                 param_inputs: dict[int, str], n_inputs: int, cast: dict[int, torch.dtype]):
         super().__init__()
         object.__setattr__(self, "gm", gm)  # not a submodule: nothing of it is lifted
         self.plan = plan
@@ -80,6 +81,7 @@ class _GraphStep(TracedStep):
             self.register_parameter(f"shard{g}", shards[g])
         self.param_inputs = param_inputs
         self.n_inputs = n_inputs
+        self.cast = cast  # graph input position -> dtype (mixed precision's cast_forward_inputs)
         self.output_spec = None
         self.failed_in = None  # read by trace_step's error report
         object.__setattr__(self, "skeleton", gm)
@@ -89,6 +91,7 @@ class _GraphStep(TracedStep):
         it = iter(inputs)
         args = [views[self.param_inputs[i]] if i in self.param_inputs else next(it)
                 for i in range(self.n_inputs)]
+        args = [a.to(self.cast[i]) if i in self.cast else a for i, a in enumerate(args)]
         flat, self.output_spec = flatten_outputs(self.gm(*args))
         return tuple(flat)
 
@@ -101,6 +104,12 @@ class FxShardBackend:
 
     def __init__(self, policy: Policy | None = None, **options: Any):
         self.config = CompileConfig.build("backend", policy=policy, **options)
+        precision = self.config.mixed_precision
+        if precision is not None and precision.output_dtype is not None:
+            raise TypeError(
+                "fxshard.backend does not take MixedPrecision(output_dtype=...): it compiles each "
+                "graph Dynamo captured, whose outputs may be activations for the next graph, not "
+                "the module's outputs. Cast the model's output yourself, or use fxshard.compile.")
         build_pipelines(self.config)  # a bad disable_passes fails here, not at the first call
         self._modules: list[_Sharding] = []
 
@@ -166,7 +175,8 @@ class FxShardBackend:
         param_inputs = {i: sharding.slots[id(x)][1] for i, x in params}
         groups = sorted({sharding.slots[id(x)][0] for _, x in params})
         step = _GraphStep(gm, driver.plan, {g: driver.shards[g] for g in groups}, param_inputs,
-                          len(example_inputs))
+                          len(example_inputs), _input_casts(placeholders, example_inputs, param_inputs,
+                                                            self.config.mixed_precision))
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
         compiled = driver.compile_step(
             step, user_inputs, model_name=f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")
@@ -186,6 +196,22 @@ class FxShardBackend:
         if not self._modules:
             raise FxShardError("nothing sharded yet: call fxshard.parameters(model) first")
         return self._modules[-1].driver.plan
+
+
+def _input_casts(placeholders: list[fx.Node], example_inputs: Sequence[Any], params: dict[int, str],
+                 precision: MixedPrecision | None) -> dict[int, torch.dtype]:
+    """Which floating-point graph inputs mixed precision casts to ``param_dtype``: the
+    graph's inputs except parameters and the module's buffers (BatchNorm statistics stay)."""
+    if precision is None or not precision.cast_forward_inputs or precision.param_dtype is None:
+        return {}
+    casts = {}
+    for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else ""
+        if i not in params and isinstance(x, torch.Tensor) and x.is_floating_point() \
+                and "._buffers[" not in name:
+            casts[i] = precision.param_dtype
+    return casts
 
 
 def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:

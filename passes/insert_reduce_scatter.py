@@ -14,6 +14,12 @@ shard's gradient.
 
 A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
 ``div -> all_reduce(.., "sum") -> wait_tensor``.
+
+With mixed precision the marker names the dtype to reduce in and the
+shard's dtype; the gradient is cast around the reduction::
+
+    cat(bf16) -> convert(fp32) -> div_ -> reduce_scatter_tensor -> wait_tensor -> shard.grad
+    cat(bf16) -> div_ -> reduce_scatter_tensor(bf16) -> wait_tensor -> convert(fp32) -> shard.grad
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.nodes import call
 
 from .context import PassContext
-from .lowering import replace_with_collective
+from .lowering import CONVERT, cast, replace_with_collective
 
 aten = torch.ops.aten
 
@@ -38,26 +44,34 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     if not markers:
         return gm
     for marker in markers:
-        grad, group, _world_size = marker.args
+        grad, group, _world_size = marker.args[:3]
+        reduce_dtype = marker.args[3] if len(marker.args) > 3 else None
+        out_dtype = marker.args[4] if len(marker.args) > 4 else None
         if not isinstance(grad, fx.Node) or not isinstance(group, int):
             raise GraphInvariantError(f"{marker.name}: malformed fxshard.reduce_grad {marker.args}")
+        unit = ctx.unit_of(group)
+        grad = cast(gm, grad, reduce_dtype, marker, group, unit)
         if ctx.group_name is None:
-            marker.replace_all_uses_with(grad)
+            marker.replace_all_uses_with(cast(gm, grad, out_dtype, marker, group, unit))
             gm.graph.erase_node(marker)
             continue
-        unit = ctx.unit_of(group)
         # A cat's result is a fresh buffer read only here: divide it in place,
         # rather than hold a second full-size copy until the reduction is issued.
-        fresh = grad.target is aten.cat.default and len(grad.users) == 1
+        fresh = grad.target in (aten.cat.default, CONVERT) and set(grad.users) <= {marker}
         divide = aten.div_.Tensor if fresh else aten.div.Tensor
         with gm.graph.inserting_before(marker):
             scaled = call(gm.graph, divide, (grad, ctx.world_size))
         if P.is_allreduce_grad_marker(marker):
-            replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
-                                    meta.ALL_REDUCE, group, unit)
+            wait = replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
+                                           meta.ALL_REDUCE, group, unit)
         else:
-            replace_with_collective(gm, marker, P.REDUCE_SCATTER,
-                                    (scaled, "sum", ctx.world_size, ctx.group_name),
-                                    meta.REDUCE_SCATTER, group, unit)
+            wait = replace_with_collective(gm, marker, P.REDUCE_SCATTER,
+                                           (scaled, "sum", ctx.world_size, ctx.group_name),
+                                           meta.REDUCE_SCATTER, group, unit)
+        if out_dtype is not None:  # the reduced gradient in the shard's dtype
+            users = list(wait.users)
+            converted = cast(gm, wait, out_dtype, wait.next, group, unit)
+            for user in users:
+                user.replace_input_with(wait, converted)
     gm.recompile()
     return gm

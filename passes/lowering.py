@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.nodes import call
+
+CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def replace_with_collective(gm: fx.GraphModule, marker: fx.Node, collective: Any,
@@ -30,3 +33,16 @@ def replace_with_collective(gm: fx.GraphModule, marker: fx.Node, collective: Any
     marker.replace_all_uses_with(wait)
     gm.graph.erase_node(marker)
     return wait
+
+
+def cast(gm: fx.GraphModule, value: fx.Node, dtype: Any, before: fx.Node, group: int,
+         unit: str) -> fx.Node:
+    """``value`` converted to ``dtype`` (mixed precision), inserted before ``before``; ``value``
+    itself when it already has that dtype or ``dtype`` is None."""
+    if dtype is None or value.meta["val"].dtype == dtype:
+        return value
+    with gm.graph.inserting_before(before):
+        node = call(gm.graph, CONVERT, (value, dtype))
+    node.meta.update({k: v for k, v in before.meta.items() if k not in (meta.KEY, "val")})
+    meta.set_info(node, meta.NodeInfo(meta.CAST, group, unit))
+    return node

@@ -39,6 +39,7 @@ from fxshard.ir.analysis import (
     Window,
     buffer_uses,
     is_gather_wait,
+    issue_nodes,
     order_of,
     parameter_chain,
     windows,
@@ -60,8 +61,8 @@ def place_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for wait, chain, outside in moves:
         order = order_of(gm.graph)
         first = min(outside, key=order.__getitem__)
-        for node in (wait.args[0], wait, *chain):
-            assert isinstance(node, fx.Node)
+        assert isinstance(wait.args[0], fx.Node)
+        for node in (*issue_nodes(wait.args[0]), wait, *chain):
             first.prepend(node)
     if moves:
         gm.recompile()
@@ -107,7 +108,9 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         if point >= target.issue:
             continue  # stays just in time
         anchor = list(gm.graph.nodes)[point]
-        anchor.prepend(target.buffer.args[0])
+        assert isinstance(target.buffer.args[0], fx.Node)
+        for node in issue_nodes(target.buffer.args[0]):
+            anchor.prepend(node)
         moved = True
     if moved:
         gm.recompile()

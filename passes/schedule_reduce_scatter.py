@@ -21,12 +21,14 @@ from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
 
 from .context import PassContext
+from .lowering import CONVERT
 
 aten = torch.ops.aten
 
 
+# convert_element_type: mixed precision's cast to the reduce dtype.
 _FLATTEN_OPS = {aten.cat.default, aten.div.Tensor, aten.div_.Tensor, aten.zeros.default,
-                aten.full.default}
+                aten.full.default, CONVERT}
 
 
 def _flatten_chain(rs: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
@@ -64,6 +66,11 @@ def schedule_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
     output = next(n for n in gm.graph.nodes if P.is_output(n))
     for rs, following in zip(reductions, [*reductions[1:], None]):
         (wait,) = rs.users
-        (following or output).prepend(wait)
+        anchor = following or output
+        # The cast of the reduced gradient to the shard's dtype (mixed precision) goes along.
+        casts = [u for u in wait.users if u.target is CONVERT]
+        anchor.prepend(wait)
+        for node in casts:
+            anchor.prepend(node)
     gm.recompile()
     return gm

@@ -17,7 +17,8 @@ import fxshard
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
-from models import Block, BNNet, TinyGPT
+from graph_utils import fake_world
+from models import Block, BNNet, Net, TinyGPT
 
 # -- gradient clipping ----------------------------------------------------------------------------
 
@@ -274,3 +275,158 @@ def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
     reference = nn.Linear(4, 4)
     assert torch.equal(state["scale"], torch.full((4,), 2.0))
     assert torch.equal(state["lin.weight"], reference.weight)
+
+
+# -- mixed precision ---------------------------------------------------------------------------------
+
+BF16 = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _net_inputs(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+
+
+def _gpt_inputs(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 61, (2, 16), generator=gen), torch.randint(0, 61, (2, 16), generator=gen)
+
+
+def _bf16_against_fsdp2(rank: int, name: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fxshard.measure import CommCounter
+
+    torch.manual_seed(0)
+    model: nn.Module = TinyGPT() if name == "gpt" else Net(dropout=False)
+    unit = Block if name == "gpt" else nn.Linear
+    reference = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in reference.modules():
+        if isinstance(m, unit):
+            fully_shard(m, mp_policy=policy)
+    fully_shard(reference, mp_policy=policy)
+    sharded = fxshard.compile(model, policy=by_class(unit), mixed_precision=BF16)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    inputs = _gpt_inputs if name == "gpt" else _net_inputs
+    gen = torch.Generator().manual_seed(rank)
+    losses, ref_losses, counted = [], [], []
+    for _ in range(3):
+        x, y = inputs(gen)
+        for m, o, out in ((sharded, opt, losses), (reference, ref_opt, ref_losses)):
+            with CommCounter() as counter:
+                logits = m(x)
+                loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+                loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+            counted.append(counter.total)
+    full = {k: v.full_tensor() for k, v in reference.state_dict().items()}
+    return {"losses": losses, "ref_losses": ref_losses, "state": sharded.full_state_dict(),
+            "ref_state": full, "bytes": counted[-2], "ref_bytes": counted[-1],
+            "shard_dtypes": {p.dtype for p in sharded.parameters()},
+            "gathered": {c.dtype for c in sharded._driver.steps[-1].collectives if c.kind == "all_gather"},
+            "reduced": {c.dtype for c in sharded._driver.steps[-1].collectives if c.kind == "reduce_scatter"},
+            "report_bytes": sharded.report().comm_bytes_per_step}
+
+
+def _fp16_scaler(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    sharded = fxshard.compile(model, policy=by_class(Block),
+                              mixed_precision=fxshard.MixedPrecision(param_dtype=torch.float16,
+                                                                    reduce_dtype=torch.float32))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(0)
+    before = [p.detach().clone() for p in sharded.parameters()]
+    skipped = []
+    for step in range(2):
+        x, y = _gpt_inputs(gen)
+        loss = F.cross_entropy(sharded(x).flatten(0, 1).float(), y.flatten())
+        scaler.scale(loss).backward()
+        if step == 0 and rank == 1:
+            # An overflow in rank 1's slice of the gradient only (an fp16 reduction can
+            # overflow in one rank's slice); rank 0's shards are all finite.
+            with torch.no_grad():
+                next(iter(sharded.parameters())).grad[0] = float("inf")
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale)
+        opt.zero_grad()
+        if step == 0:
+            unchanged = all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+    return {"skipped": skipped, "unchanged_after_inf": unchanged, "scale": scaler.get_scale()}
+
+
+def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
+    if world_size == 2:
+        results["net"] = _bf16_against_fsdp2(rank, "net")
+        results["fp16"] = _fp16_scaler(rank)
+    return results
+
+
+@cache
+def precision_results(world_size: int) -> list[dict[str, Any]]:
+    return run_ranks(precision_worker, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
+    for results in precision_results(world_size):
+        for name in ("gpt", "net") if world_size == 2 else ("gpt",):
+            r = results[name]
+            assert r["shard_dtypes"] == {torch.float32}  # master weights stay fp32
+            assert r["gathered"] == {torch.bfloat16} and r["reduced"] == {torch.float32}
+            # The same bf16 computation as FSDP2's: bit for bit equal at world size 2
+            # (measured). At 3, gloo's reduce-scatter sums in another order than FSDP2's
+            # (test_parity.py explains), and the next bf16 forward rounds that ulp up to
+            # bf16's: losses 2.6e-4 apart after three steps (measured).
+            rel = 1e-6 if world_size == 2 else 1e-3
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=rel), name
+            for k, v in r["ref_state"].items():
+                torch.testing.assert_close(r["state"][k], v, rtol=100 * rel, atol=rel, msg=f"{name} {k}")
+            # Never more bytes than FSDP2 (plus the ranks' 16-byte agreement).
+            assert r["bytes"] <= r["ref_bytes"] + 16, (name, r["bytes"], r["ref_bytes"])
+            assert r["report_bytes"]["total"] == r["bytes"]
+
+
+def test_fp16_grad_scaler_skips_an_overflow_on_every_rank() -> None:
+    ranks = [r["fp16"] for r in precision_results(2)]
+    for r in ranks:
+        assert r["skipped"] == [True, False]  # the inf was on rank 1 only; both skip, both go on
+        assert r["unchanged_after_inf"]
+    assert ranks[0]["scale"] == ranks[1]["scale"]
+
+
+def test_a_param_dtype_the_device_cannot_compute_in_is_refused() -> None:
+    model = Net()
+    with pytest.raises(fxshard.FxShardError, match=r"param_dtype=torch.float8_e8m0fnu\) cannot compute on cpu.*bfloat16"):
+        fxshard.compile(model, mixed_precision=fxshard.MixedPrecision(param_dtype=torch.float8_e8m0fnu))
+    assert all(p.device.type == "cpu" for p in model.parameters())  # nothing was sharded
+    with pytest.raises(TypeError, match="floating-point torch.dtype"):
+        fxshard.MixedPrecision(param_dtype=torch.int8)
+
+
+def test_mixed_precision_is_visible_in_the_plan_and_graphs() -> None:
+    with fake_world(2):
+        sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), mixed_precision=fxshard.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, full_precision_modules=(nn.LayerNorm,)),
+            example_inputs=torch.randint(0, 61, (2, 16)))
+    table = str(sharded.plan)
+    assert "float32>bfloat16/float32" in table
+    # LayerNorms keep fp32: groups of their own, no cast.
+    kept = [g for g in sharded.plan.groups if g.param_dtype is None]
+    assert kept and all("ln" in s.name for g in kept for s in g.params)
+    casts = [n for n in sharded.graphs["forward"].graph.nodes
+             if n.target is torch.ops.prims.convert_element_type.default
+             and all(u.target is torch.ops._c10d_functional.all_gather_into_tensor.default for u in n.users)]
+    assert len(casts) == len(sharded.plan.groups) - len(kept)
+    gathers = sharded.report().comm_bytes_per_step["all_gather"]
+    # bf16 bytes where cast: each rank receives the other's half, in forward, and again in
+    # backward for the units resharded after forward (all but the root).
+    expected = sum(g.padded_numel // 2 * (2 if g.param_dtype else 4)
+                   * (2 if sharded.options.reshards(g.unit) else 1) for g in sharded.plan.groups)
+    assert gathers == expected

@@ -154,11 +154,13 @@ class Driver:
         options = self.config.options
         self._plan = make_plan(module, self.config.policy, self.world.size,
                                bucket_bytes=options.bucket_bytes,
-                               replicate_below=options.replicate_below)
+                               replicate_below=options.replicate_below,
+                               mixed_precision=self.config.mixed_precision)
         if on_meta and self.world.group is not None:  # becomes real where the group communicates
             self.device = comm_device(self.world.group)
         else:
             self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
+        _check_compute_dtype(self.config, self.device if not on_meta or self.runs else None)
         if sync:
             self.shards = broadcast_shards(module, self._plan, self.world, self.device)
         elif on_meta and self.runs and not allow_meta:
@@ -296,6 +298,23 @@ class Driver:
                              world_size=self.world.size, rank=self.world.rank)
         log.info("fxshard: wrote %d files to %s", len(written), directory)
         return written
+
+
+def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> None:
+    """Refuse a ``param_dtype`` this device cannot multiply in, before anything is sharded."""
+    precision = config.mixed_precision
+    if precision is None or precision.param_dtype is None or device is None or device.type == "meta":
+        return
+    dtype = precision.param_dtype
+    try:
+        probe = torch.ones(2, 2, device=device).to(dtype)
+        probe @ probe
+    except (RuntimeError, NotImplementedError) as e:
+        raise FxShardError(
+            f"MixedPrecision(param_dtype={dtype}) cannot compute on {device}: a matmul in it "
+            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use a dtype the device "
+            "computes in (torch.bfloat16 on CPUs and recent GPUs, torch.float16 on older GPUs)."
+        ) from None
 
 
 def emitted_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:

@@ -15,6 +15,12 @@ coefficient behave exactly as in torch. Any other operation on a ShardGrad
 runs as on a plain tensor and returns plain tensors.
 
 The shard's padding is zero in every gradient, so it adds nothing to a norm.
+``torch.amp.GradScaler`` (fp16) is made correct the same way: its
+``unscale_`` calls ``torch._amp_foreach_non_finite_check_and_unscale_`` on
+the gradients, and on ShardGrads the ``found_inf`` flag it sets is then the
+maximum over the ranks, so an inf in one rank's shard skips the step on every
+rank, and every rank lowers the scale alike.
+
 Replicated groups (``replicate_below``) hold the whole gradient on every rank
 and keep plain gradients.
 
@@ -48,6 +54,8 @@ class ShardGrad(torch.Tensor):
             return _global_norms([args[0]], [result], _ord(args, kwargs))[0]
         if func is torch._foreach_norm:
             return _global_norms(list(args[0]), list(result), _ord(args, kwargs))
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            _agree_on_inf(list(args[0]), args[1] if len(args) > 1 else kwargs["found_inf"])
         return result
 
 
@@ -81,6 +89,14 @@ def _global_norms(tensors: list[torch.Tensor], norms: list[torch.Tensor], p: flo
         for k, i in enumerate(indices):
             result[i] = combined[k].to(norms[i].dtype)
     return result
+
+
+def _agree_on_inf(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """torch.amp.GradScaler's check found an inf or NaN in this rank's shards: every rank skips
+    the step (the max over the ranks), or none does."""
+    groups = {g.fxshard_group.group_name: g.fxshard_group for g in grads if isinstance(g, ShardGrad)}
+    for group in groups.values():
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
 
 def install(shards: Sequence[nn.Parameter], sharded: Sequence[bool], group: dist.ProcessGroup) -> None:

@@ -40,6 +40,7 @@ from torch.func import functional_call
 from fxshard.ir import meta
 from fxshard.ir.errors import FxShardError, SourceLine, TraceError
 from fxshard.ir.plan import ShardPlan
+from fxshard.ir.precision import MixedPrecision
 
 
 @dataclasses.dataclass
@@ -122,13 +123,29 @@ def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor]) -> dict[st
     for index, shard in shards.items():
         group = plan.groups[index]
         marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
-        full = marker(shard, group.index, group.world_size)
+        full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype)
         sizes = [slot.numel for slot in group.params] + ([group.pad] if group.pad else [])
         for slot, piece in zip(group.params, torch.split(full, sizes)):
             view = piece.view(slot.shape)
             for name in slot.names:
                 views[name] = view
     return views
+
+
+def cast_inputs(inputs: Sequence[torch.Tensor], precision: MixedPrecision | None) -> list[torch.Tensor]:
+    """Floating-point inputs in ``param_dtype`` (``cast_forward_inputs``), as traced."""
+    if precision is None or not precision.cast_forward_inputs or precision.param_dtype is None:
+        return list(inputs)
+    dtype = precision.param_dtype
+    return [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+
+
+def cast_outputs(outputs: Sequence[torch.Tensor], precision: MixedPrecision | None) -> list[torch.Tensor]:
+    """Floating-point outputs in ``output_dtype``, as traced."""
+    if precision is None or precision.output_dtype is None:
+        return list(outputs)
+    dtype = precision.output_dtype
+    return [x.to(dtype) if x.is_floating_point() else x for x in outputs]
 
 
 class TracedStep(nn.Module):
@@ -159,6 +176,7 @@ class StepFunction(TracedStep):
         shards: Sequence[nn.Parameter],
         buffers: dict[str, torch.Tensor],
         rebuild_inputs: Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]],
+        precision: MixedPrecision | None = None,
     ):
         super().__init__()
         # A plain attribute, not a submodule: its (meta) parameters must not be lifted.
@@ -170,6 +188,7 @@ class StepFunction(TracedStep):
         for i, buf in enumerate(buffers.values()):
             self.register_buffer(f"buffer{i}", buf)
         self.rebuild_inputs = rebuild_inputs
+        self.precision = precision
         self.output_spec: OutputSpec | None = None
         self.failed_in: str | None = None
 
@@ -179,7 +198,7 @@ class StepFunction(TracedStep):
         )
         for i, name in enumerate(self.buffer_names):
             tensors[name] = getattr(self, f"buffer{i}")
-        args, kwargs = self.rebuild_inputs(inputs)
+        args, kwargs = self.rebuild_inputs(cast_inputs(inputs, self.precision))
         scopes = _ModuleScopes(self.skeleton)
         try:
             out = functional_call(self.skeleton, tensors, args, kwargs)
@@ -189,7 +208,7 @@ class StepFunction(TracedStep):
         finally:
             scopes.close()
         flat, self.output_spec = flatten_outputs(out)
-        return tuple(flat)
+        return tuple(cast_outputs(flat, self.precision))
 
 
 def trace_step(

@@ -102,6 +102,16 @@ def source_group(node: fx.Node) -> int | None:
         node = inputs[0]
 
 
+def issue_nodes(collective: fx.Node) -> list[fx.Node]:
+    """The nodes that issue a gather, in order: mixed precision's cast of the shard, if it
+    exists only for this gather, then the collective. Scheduling moves them together."""
+    source = collective.args[0]
+    if isinstance(source, fx.Node) and source.op == "call_function" and len(source.users) == 1 \
+            and (info := meta.get_info(source)) is not None and info.role == meta.CAST:
+        return [source, collective]
+    return [collective]
+
+
 def parameter_chain(buffer: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.Node]:
     """Nodes computed from this one gathered buffer alone, in graph order (not ``buffer``).
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.policies import Policy
+from fxshard.ir.precision import MixedPrecision
 
 FrontEnd = Literal["compile", "backend", "explain"]
 Compute = Literal["eager", "inductor"]
@@ -70,6 +71,8 @@ class CompileConfig:
     # (one per in-flight slot): two in flight on one gloo group corrupt its
     # heap (torch 2.13). None: on gloo only.
     inflight_groups: bool | None = None
+    # FSDP2's MixedPrecisionPolicy semantics (fxshard.ir.precision).
+    mixed_precision: MixedPrecision | None = None
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
     # are copied to every rank before the first forward and before each forward
     # that follows a forward with grad enabled, as DDP does. False (the
@@ -99,6 +102,9 @@ class CompileConfig:
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision must be a fxshard.MixedPrecision(param_dtype=..., ...), "
+                            f"got {self.mixed_precision!r}")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"param_init_fn must be callable as fn(module), got {self.param_init_fn!r}")
         if self.on_pass is not None and not callable(self.on_pass):
@@ -110,7 +116,8 @@ class CompileConfig:
 
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
-        ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``, and
+        ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
+        ``mixed_precision``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

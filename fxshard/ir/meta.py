@@ -27,6 +27,7 @@ ALL_REDUCE = "all_reduce"
 WAIT = "wait"
 FREE = "free"
 REMAT = "remat"  # backward copy of a parameter-only computation
+CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient around its reduction
 SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
 
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import prod
+from typing import Any
 
 import networkx as nx
 import torch
@@ -25,6 +26,7 @@ import torch.nn as nn
 
 from fxshard.ir.errors import PlanError
 from fxshard.ir.policies import Policy, WrapQuery
+from fxshard.ir.precision import MixedPrecision
 
 log = logging.getLogger("fxshard")
 
@@ -64,6 +66,15 @@ class FlatGroup:
     # Kept whole on every rank (parameters under ``replicate_below`` elements):
     # no gather, gradients all-reduced.
     replicated: bool = False
+    # Mixed precision (fxshard.ir.precision): the dtype the group is gathered
+    # and computed in, and the one its gradient is reduced in. None: no cast
+    # (``dtype``, and the dtype the gradient arrives in).
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.dtype
 
     @property
     def shard_numel(self) -> int:
@@ -154,7 +165,7 @@ class ShardPlan:
                 names = ", ".join(_relative(s.name, unit.modules) for s in g.params)
                 rows.append(
                     (unit.label, str(gi) + (" (replicated)" if g.replicated else ""),
-                     str(g.dtype).removeprefix("torch."), "yes" if g.requires_grad else "no",
+                     _dtypes(g), "yes" if g.requires_grad else "no",
                      f"{g.numel:_}", f"{g.padded_numel:_}", f"{g.shard_numel:_}", names)
                 )
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
@@ -178,6 +189,20 @@ def _relative(name: str, modules: tuple[str, ...]) -> str:
     return name
 
 
+def _dtypes(group: FlatGroup) -> str:
+    """``float32``, or with mixed precision ``float32>bfloat16`` (gathered and computed in
+    bfloat16) and ``/float32`` (gradient reduced in float32)."""
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    text = name(group.dtype)
+    if group.param_dtype is not None:
+        text += f">{name(group.param_dtype)}"
+    if group.reduce_dtype is not None:
+        text += f"/{name(group.reduce_dtype)}"
+    return text
+
+
 def make_plan(
     module: nn.Module,
     policy: Policy | None,
@@ -186,6 +211,7 @@ def make_plan(
     *,
     bucket_bytes: int = 0,
     replicate_below: int = 0,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardPlan:
     """Partition ``module``'s parameters into FSDP units for ``world_size`` ranks.
 
@@ -194,7 +220,9 @@ def make_plan(
     module tree is walked (post-order, root last). ``bucket_bytes`` merges runs
     of adjacent units smaller than it (root excluded) into one unit, so they
     share one collective. Parameters with fewer than ``replicate_below``
-    elements go to a replicated group of their unit.
+    elements go to a replicated group of their unit. With ``mixed_precision``
+    each group records the dtypes it is gathered, computed and reduced in;
+    parameters kept at full precision get groups of their own.
     """
     if world_size < 1:
         raise PlanError(f"world_size must be at least 1, got {world_size}")
@@ -203,6 +231,12 @@ def make_plan(
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
         param_of[id(p)] = p
+    precision: dict[int, tuple[torch.dtype | None, torch.dtype | None]] = {}
+    if mixed_precision is not None:
+        for mod in module.modules():
+            for own in mod._parameters.values():
+                if own is not None and id(own) not in precision:
+                    precision[id(own)] = mixed_precision.dtypes_for(own, mod)
     if not param_of:
         raise PlanError(f"{type(module).__name__} has no parameters: there is nothing to shard")
 
@@ -274,13 +308,14 @@ def make_plan(
         pids = unit_params.get(name, [])
         if not pids:
             continue
-        keys: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+        keys: dict[tuple[Any, ...], list[int]] = {}
         for pid in pids:
             p = param_of[pid]
             small = p.numel() < replicate_below
-            keys.setdefault((p.dtype, p.requires_grad, small), []).append(pid)
+            compute, reduce = precision.get(pid, (None, None))
+            keys.setdefault((p.dtype, p.requires_grad, small, compute, reduce), []).append(pid)
         group_ids = []
-        for (dtype, requires_grad, replicated), members in keys.items():
+        for (dtype, requires_grad, replicated, compute, reduce), members in keys.items():
             slots, offset = [], 0
             for pid in members:
                 p = param_of[pid]
@@ -290,7 +325,7 @@ def make_plan(
             padded = offset if replicated else -(-offset // world_size) * world_size
             group_ids.append(len(groups))
             groups.append(FlatGroup(len(groups), name, dtype, requires_grad, tuple(slots),
-                                    offset, padded, world_size, replicated))
+                                    offset, padded, world_size, replicated, compute, reduce))
         units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
 
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
