@@ -259,6 +259,32 @@ def test_meta_model_that_cannot_be_initialised_is_refused_by_name() -> None:
         fxshard.compile(rotary)
 
 
+class HFStyle(nn.Module):
+    """Initialised by _init_weights after construction, as Hugging Face's post_init() does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.zero_()
+            module.bias.data.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_model_initialised_by_init_weights_needs_param_init_fn() -> None:
+    with torch.device("meta"):
+        model = HFStyle()
+    with pytest.raises(fxshard.FxShardError, match="_init_weights.*param_init_fn=model._init_weights"):
+        fxshard.compile(model)  # reset_parameters() would silently give torch's default init
+    state = fxshard.compile(model, param_init_fn=model._init_weights).full_state_dict()
+    assert torch.equal(state["lin.weight"], torch.zeros(4, 4)) and torch.equal(state["lin.bias"], torch.ones(4))
+
+
 def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
     def init(module: nn.Module) -> None:
         if isinstance(module, NoReset):

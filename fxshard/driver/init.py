@@ -43,6 +43,16 @@ def _own_tensors(module: nn.Module) -> bool:
 def _check_initialisable(module: nn.Module, init_fn: InitFn | None) -> None:
     if init_fn is not None:
         return
+    if callable(getattr(module, "_init_weights", None)):
+        # Hugging Face's convention: post_init() applies _init_weights to every module
+        # after construction; on the meta device it changed nothing, and
+        # reset_parameters() would silently give torch's defaults instead.
+        raise FxShardError(
+            f"{type(module).__name__} initialises its weights with _init_weights() (Hugging Face's "
+            "post_init), which did nothing on the meta device. Pass param_init_fn=model._init_weights "
+            "to fxshard.compile (called for every module with parameters or buffers of its own), "
+            "or param_init_fn=lambda m: m.reset_parameters() for torch's default init."
+        )
     lacking = [f"{name or '<root>'} ({type(m).__name__})" for name, m in module.named_modules()
                if _own_tensors(m) and not callable(getattr(m, "reset_parameters", None))]
     if lacking:
