@@ -134,7 +134,8 @@ class ShardedModule(nn.Module):
         return self._driver.run(step, tensors)
 
     def _signature(self, leaves: list[Any], spec: pytree.TreeSpec) -> Any:
-        parts: list[Any] = [self.training, torch.is_grad_enabled(), str(spec)]
+        parts: list[Any] = [self.training, torch.is_grad_enabled(), str(spec),
+                            self._driver.grad_sync() if torch.is_grad_enabled() else None]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 parts.append((tuple(x.shape), x.dtype, str(x.device), x.requires_grad))
@@ -159,7 +160,9 @@ class ShardedModule(nn.Module):
                            for b in self._skeleton.buffers())
         return self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],
                                          model_name=type(self._skeleton).__name__,
-                                         buffer_bytes=buffer_bytes)
+                                         buffer_bytes=buffer_bytes,
+                                         grad_sync=self._driver.grad_sync() if torch.is_grad_enabled()
+                                         else "reduce")
 
     # -- training ---------------------------------------------------------------------------
 
@@ -173,6 +176,27 @@ class ShardedModule(nn.Module):
         """
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communication (DDP's and FSDP1's name).
+
+        Inside, backward reduces nothing: each unit's gradient is added to an
+        unsharded sum (one full-size gradient per flat group, the memory DDP's
+        gradients take), and the shards get no gradient. The first backward
+        after the block reduces that sum together with its own gradient, so the
+        shards' gradients equal DDP's after the same ``no_sync`` loop.
+        """
+        previous = self._driver.requires_gradient_sync
+        self._driver.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._driver.set_requires_gradient_sync(previous)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's name for the same switch: False until the step whose backward should reduce."""
+        self._driver.set_requires_gradient_sync(requires_gradient_sync)
 
     # -- checkpoints --------------------------------------------------------------------------
 

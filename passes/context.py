@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
 
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
 
 GraphKind = Literal["joint", "forward", "backward", "inference"]
+# What a training step does with each unit's gradient: reduce it (the default),
+# add it to an unsharded accumulator without communicating (inside no_sync), or
+# reduce it together with the accumulated sum (the first synced step after).
+GradSync = Literal["reduce", "accumulate", "flush"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,9 @@ class PassContext:
     # Names of the process groups of the in-flight slots, when collectives in
     # flight together must go on different groups (assign_groups_pass).
     inflight_groups: tuple[str, ...] = ()
+    grad_sync: GradSync = "reduce"
+    # Flat group -> its unsharded gradient accumulator (no_sync), owned by the driver.
+    accumulators: Mapping[int, torch.Tensor] = field(default_factory=dict, compare=False)
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):

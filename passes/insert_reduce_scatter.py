@@ -15,6 +15,14 @@ shard's gradient.
 A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
 ``div -> all_reduce(.., "sum") -> wait_tensor``.
 
+Inside ``no_sync`` (``ctx.grad_sync``) the gradient is instead added to its
+group's unsharded accumulator (a ``get_attr`` of the driver's buffer) and the
+shard gets no gradient; the first synced step after reduces gradient +
+accumulator and frees the accumulator::
+
+    accumulate:  cat -> add_(accumulated_g, cat)                      (shard.grad: None)
+    flush:       cat -> add(cat, accumulated_g); free(accumulated_g) -> div -> reduce_scatter ...
+
 With mixed precision the marker names the dtype to reduce in and the
 shard's dtype; the gradient is cast around the reduction::
 
@@ -30,12 +38,23 @@ import torch.fx as fx
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.errors import GraphInvariantError
-from fxshard.ir.nodes import call
+from fxshard.ir.nodes import attribute, call
+from fxshard.ir.ops import FREE
 
 from .context import PassContext
 from .lowering import CONVERT, cast, replace_with_collective
 
 aten = torch.ops.aten
+
+
+def _no_gradient(marker: fx.Node) -> None:
+    """The shard gets no gradient from this step (AOTAutograd's backward may return None)."""
+    for user in list(marker.users):
+        if not P.is_output(user):
+            raise GraphInvariantError(f"{marker.name}: the shard gradient is read by {user.name}")
+        outputs = user.args[0]
+        assert isinstance(outputs, (tuple, list))
+        user.args = (tuple(None if a is marker else a for a in outputs),)
 
 
 def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -51,6 +70,18 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             raise GraphInvariantError(f"{marker.name}: malformed fxshard.reduce_grad {marker.args}")
         unit = ctx.unit_of(group)
         grad = cast(gm, grad, reduce_dtype, marker, group, unit)
+        if ctx.grad_sync != "reduce":
+            with gm.graph.inserting_before(marker):
+                acc = attribute(gm, f"fxshard_accumulated_{group}", ctx.accumulators[group], grad)
+                if ctx.grad_sync == "accumulate":  # no_sync: add up unsharded, no collective
+                    call(gm.graph, aten.add_.Tensor, (acc, grad))
+                else:  # the first synced step after: reduce the sum, release the accumulator
+                    grad = call(gm.graph, aten.add.Tensor, (grad, acc))
+                    call(gm.graph, FREE, (acc,))
+            if ctx.grad_sync == "accumulate":
+                _no_gradient(marker)
+                gm.graph.erase_node(marker)
+                continue
         if ctx.group_name is None:
             marker.replace_all_uses_with(cast(gm, grad, out_dtype, marker, group, unit))
             gm.graph.erase_node(marker)

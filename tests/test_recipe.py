@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 from functools import cache
@@ -456,3 +457,74 @@ def test_mixed_precision_is_visible_in_the_plan_and_graphs() -> None:
     expected = sum(g.padded_numel // 2 * (2 if g.param_dtype else 4)
                    * (2 if sharded.options.reshards(g.unit) else 1) for g in sharded.plan.groups)
     assert gathers == expected
+
+
+# -- gradient accumulation without communication ---------------------------------------------------
+
+
+def _no_sync(rank: int, world_size: int, fsdp2_name: bool) -> dict[str, Any]:
+    from fxshard.measure import CommCounter
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    inside: list[int] = []
+    losses, ref_losses = [], []
+    for _ in range(2):
+        batches = [_gpt_inputs(gen) for _ in range(3)]
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            if fsdp2_name:
+                sharded.set_requires_gradient_sync(last)
+                context: Any = contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext() if last else sharded.no_sync()
+            with context, CommCounter() as counter:
+                loss = F.cross_entropy(sharded(x).flatten(0, 1), y.flatten())
+                loss.backward()
+            if not last:
+                inside.append(counter.calls["reduce_scatter"])
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                ref_loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+                ref_loss.backward()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with sharded.no_sync():
+        x, y = _gpt_inputs(gen)
+        sharded(x)  # a step inside no_sync: its report shows the unsharded sums
+        accumulating = sharded.report()
+    return {"losses": losses, "ref_losses": ref_losses, "inside": inside,
+            "state": sharded.full_state_dict(), "ref_state": ddp.module.state_dict(),
+            "accumulator_bytes": accumulating.accumulator_bytes,
+            "full_bytes": sum(g.padded_numel * 4 for g in sharded.plan.groups)}
+
+
+def no_sync_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return {"no_sync": _no_sync(rank, world_size, False), "fsdp2": _no_sync(rank, world_size, True)}
+
+
+def test_no_sync_matches_ddp_and_communicates_no_gradient() -> None:
+    for results in run_ranks(no_sync_worker, 2):
+        for name in ("no_sync", "fsdp2"):
+            r = results[name]
+            assert r["inside"] == [0, 0, 0, 0], name  # no reduce-scatter inside no_sync
+            # The memory cost: one unsharded fp32 gradient per flat group, in the report.
+            assert r["accumulator_bytes"] == r["full_bytes"] > 0
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), name
+            for k, v in r["ref_state"].items():
+                torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-6, msg=f"{name} {k}")
+
+
+def test_no_sync_is_refused_under_inductor() -> None:
+    sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), compute="inductor")
+    with pytest.raises(fxshard.FxShardError, match="no_sync.*compute='inductor'"):
+        with sharded.no_sync():
+            pass

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._functorch.partitioners import default_partition
 from torch.fx.graph import _BoxedCodeGen
@@ -25,6 +26,7 @@ from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
+from fxshard.passes.context import GradSync
 
 log = logging.getLogger("fxshard")
 
@@ -41,7 +43,9 @@ class GraphCompiler:
     def __init__(self, plan: ShardPlan, world: World,
                  config: CompileConfig, pipelines: Mapping[str, Sequence[PassSpec]],
                  on_pass: PassHook | None = None,
-                 finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None):
+                 finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
+                 grad_sync: GradSync = "reduce",
+                 accumulators: Mapping[int, torch.Tensor] | None = None):
         self.plan = plan
         self.world = world
         self.world_size = world.size
@@ -50,6 +54,8 @@ class GraphCompiler:
         self.pipelines = pipelines
         self.on_pass = on_pass
         self.finish = finish
+        self.grad_sync: GradSync = grad_sync
+        self.accumulators = accumulators or {}
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
@@ -58,7 +64,8 @@ class GraphCompiler:
         return PassContext(self.plan, self.world_size, self.group_name, graph,
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
                            options=self.config.options,
-                           inflight_groups=self.world.slot_names if self.config.inflight_groups else ())
+                           inflight_groups=self.world.slot_names if self.config.inflight_groups else (),
+                           grad_sync=self.grad_sync, accumulators=self.accumulators)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass

@@ -55,6 +55,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.passes import PassSpec, build_pipelines
+from fxshard.passes.context import GradSync
 
 log = logging.getLogger("fxshard")
 
@@ -75,6 +76,7 @@ class CompiledStep:
     # phase ("forward", "backward") -> (graph, its collectives, their fingerprint),
     # what the ranks agree on before running the phase; computed once.
     phases: dict[str, tuple[str, list[Collective], bytes]] = field(default_factory=dict)
+    grad_sync: GradSync = "reduce"  # what its backward does with gradients (no_sync)
 
     def __post_init__(self) -> None:
         for phase in ("forward", "backward") if self.trains else ("forward",):
@@ -126,6 +128,11 @@ class Driver:
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
+        # no_sync: whether backward reduces gradients; each flat group's unsharded
+        # gradient sum while it does not; whether a sum is waiting to be reduced.
+        self.requires_gradient_sync = True
+        self.accumulators: dict[int, torch.Tensor] = {}
+        self.accumulated = False
         # (what to call it, tensor, requires_grad when planned): checked before every step.
         self._requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         self._module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
@@ -201,14 +208,41 @@ class Driver:
 
     # -- steps --------------------------------------------------------------------------------
 
+    def grad_sync(self) -> GradSync:
+        """What a training step compiled now does with its gradients (``no_sync``)."""
+        if not self.requires_gradient_sync:
+            return "accumulate"
+        return "flush" if self.accumulated else "reduce"
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        if not requires and self.config.compute == "inductor":
+            raise FxShardError(
+                "no_sync / set_requires_gradient_sync(False) is not supported with "
+                "compute='inductor' yet: its accumulators are buffers the eager graphs update in "
+                "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
+            )
+        self.requires_gradient_sync = requires
+
+    def _accumulators(self) -> dict[int, torch.Tensor]:
+        """One unsharded gradient sum per flat group with a gradient, made on first need."""
+        if not self.accumulators:
+            for g in self.plan.groups:
+                if g.requires_grad:
+                    dtype = g.reduce_dtype or g.compute_dtype
+                    self.accumulators[g.index] = torch.zeros(g.padded_numel, dtype=dtype,
+                                                             device=self.device)
+        return self.accumulators
+
     def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
-                     buffer_bytes: int = 0) -> CompiledStep:
+                     buffer_bytes: int = 0, grad_sync: GradSync = "reduce") -> CompiledStep:
         """Trace ``step`` on ``inputs`` and run every graph's passes; nothing runs yet."""
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
         compiler = GraphCompiler(self.plan, self.world, self.config, self.pipelines,
                                  on_pass=recorder,
-                                 finish=_inductor_finish if inductor and self.runs else None)
+                                 finish=_inductor_finish if inductor and self.runs else None,
+                                 grad_sync=grad_sync,
+                                 accumulators=self._accumulators() if grad_sync != "reduce" else None)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -225,7 +259,7 @@ class Driver:
         compiled = CompiledStep(
             fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
-            recorder.log,
+            recorder.log, grad_sync=grad_sync if "backward" in graphs else "reduce",
         )
         self.steps.append(compiled)
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
@@ -243,6 +277,12 @@ class Driver:
         if buffers:
             broadcast_buffers(buffers, self.world)
         self._broadcast_next = torch.is_grad_enabled()
+        if step.grad_sync == "accumulate" and not self.accumulated:
+            for acc in self.accumulators.values():  # released by the last flush: a fresh sum
+                acc.untyped_storage().resize_(acc.numel() * acc.element_size())
+                acc.zero_()
+        if step.grad_sync != "reduce" and torch.is_grad_enabled():
+            self.accumulated = step.grad_sync == "accumulate"
         try:
             flat = step.fn(*inputs)
         except RuntimeError as e:
@@ -284,7 +324,10 @@ class Driver:
                                           and self.world.size > 1) else 0
         return build_report(self.plan, self.world.rank, step.graphs, step.collectives,
                             list(self.shards), step.buffer_bytes, step.input_bytes,
-                            step.num_user_outputs, agreement, broadcast)
+                            step.num_user_outputs, agreement, broadcast,
+                            accumulator_bytes=sum(a.numel() * a.element_size()
+                                                  for a in self.accumulators.values())
+                            if step.grad_sync != "reduce" else 0)
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""

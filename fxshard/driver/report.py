@@ -42,6 +42,9 @@ class Report:
     # 0's buffers, with broadcast_buffers (what each other rank receives).
     comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
+    # no_sync: the unsharded gradient sums (one full gradient per flat group) that
+    # a step inside no_sync, or the first after, keeps; counted in the peak.
+    accumulator_bytes: int = 0
     # Predicted live bytes after each node of the forward, then the backward graph.
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -82,10 +85,11 @@ def build_report(
     num_user_outputs: int | None = None,
     agreement_bytes: int = 0,
     broadcast_bytes: int = 0,
+    accumulator_bytes: int = 0,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
-    base = shard_bytes + buffer_bytes + input_bytes
+    base = shard_bytes + buffer_bytes + input_bytes + accumulator_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
@@ -141,4 +145,5 @@ def build_report(
             sum(c.bus_bytes for c in mine),
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
-                  input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units), curves)
+                  input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
+                  accumulator_bytes=accumulator_bytes, memory_curve=curves)

@@ -48,3 +48,15 @@ def call(graph: fx.Graph, target: Any, args: tuple[Any, ...],
 def refresh_value(node: fx.Node) -> None:
     """Recompute ``node.meta["val"]`` from its inputs (after its inputs were replaced)."""
     node.meta["val"] = fake_value(node.target, node.args, node.kwargs)
+
+
+def attribute(gm: fx.GraphModule, name: str, tensor: torch.Tensor, like: fx.Node) -> fx.Node:
+    """A ``get_attr`` node for ``tensor``, registered on ``gm`` as buffer ``name``, at the
+    insertion point; its ``meta["val"]`` is a fake tensor of ``like``'s fake mode."""
+    mode = detect_fake_mode([like.meta["val"]])
+    if mode is None:
+        raise GraphInvariantError(f"{like.name} holds no fake tensor")
+    gm.register_buffer(name, tensor, persistent=False)
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = mode.from_tensor(tensor)
+    return node
