@@ -7,8 +7,8 @@
     python benchmarks/run.py --models large  # the model near the memory limit alone
     python benchmarks/run.py --models net,gpt --append  # keep the other models' rows, marked † (earlier run)
 
-Every system trains the same model from the same initial weights on the same
-per-rank data, in its own spawned process group (gloo, one intra-op thread
+Every system trains the same model from the same initial weights (the large
+model: see below) on the same per-rank data, in its own spawned process group (gloo, one intra-op thread
 per rank), and is measured with the same tools:
 
 - step time: median over the measured steps (forward, backward, optimizer step), rank 0;
@@ -26,21 +26,38 @@ gloo it is unsafe (torch 2.13 frees a heap string twice when two collectives
 on one group complete together; docs/devices.md) and may crash a run.
 
 Measured on this 2-core CPU machine, gloo, 2 ranks, in one run of net and gpt
-(benchmarks/results/latest.md; other test runs shared the machine): the
-agreement took 4.2% of fxshard's step on Net (7 ms of 172) and 0.5% on the
-GPT (12 ms of 2146), 1.6-11% and 0.3-1.0% across the four fxshard systems;
-one gloo group instead of per-slot groups ran at 1.20x fxshard's step time on
-Net and 0.99x on the GPT: the per-slot groups cost no step time measurable here.
+with nothing else running (benchmarks/results/latest.md): the agreement took
+5.1% of fxshard's step on Net (5.7 ms of 109) and 0.4% on the GPT (5.0 ms of
+1410), 2.4-6.2% and 0.2-0.6% across the five fxshard systems; one gloo group
+instead of per-slot groups ran at 0.98x fxshard's step time on Net and 1.03x
+on the GPT: the per-slot groups cost no step time measurable here.
+
+Mixed precision: ``fsdp2_bf16`` and ``fxshard_bf16`` train the same units
+with bf16 parameters for compute and fp32 shards, optimizer state and gradient
+reduction (FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)``; ``fxshard.MixedPrecision`` with the same
+fields); the loss is taken on the logits cast to fp32. Their ×FSDP2 ratios are
+against ``fsdp2_bf16``, the same precision (``step_s_vs_fsdp2_bf16`` in the
+JSON; ``step_s_vs_fsdp2`` stays against fp32 FSDP2 for every row).
 
 The "large" model (a 0.7B-parameter GPT) runs with each rank's data memory
 capped (RLIMIT_DATA) at its share of 80% of this machine's RAM: DDP needs
 16 bytes per parameter per rank (weights, gradients, two Adam states) and does
-not fit; the sharded systems need half that. Allocations of 1 MiB and more go
-straight to the OS (glibc's MALLOC_MMAP_THRESHOLD_) for every system, so the
-cap counts live memory rather than the allocator's leftovers.
+not fit; the sharded systems need half that. Every sharded system builds it on
+the meta device, so no rank ever holds all of it: fxshard materialises its
+shards module by module (the same weights as a model built normally); FSDP1
+materialises one wrapped unit at a time (``device_id``, then each module's
+``reset_parameters()``); FSDP2 allocates its shards (``to_empty``) and runs
+``reset_parameters()`` on them (see ``init_fsdp2_on_meta``: other initial
+values than the rest, which time, memory and bytes do not depend on). Only
+``single`` and ``ddp`` build it whole; every system builds the smaller models
+whole. Allocations of 1 MiB and more go straight to the OS (glibc's
+MALLOC_MMAP_THRESHOLD_) for every system, so the cap counts live memory rather
+than the allocator's leftovers.
 
 Results go to benchmarks/results/latest.{json,md,png}; ratios are against
-FSDP2 and DDP (fxshard's variants also against fxshard) measured in the same run. Absolute times on a shared machine
+FSDP2 (the bf16 rows: FSDP2-bf16) and DDP (fxshard's scheduling variants also
+against fxshard) measured in the same run. Absolute times on a shared machine
 are noise; the ratios are the claim.
 """
 
@@ -72,12 +89,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
-           "fxshard_inductor")
+           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16")
+# Mixed precision: bf16 parameters for compute, fp32 shards, optimizer state and
+# gradient reduction (FSDP2's MixedPrecisionPolicy; fxshard.MixedPrecision, the same semantics).
+BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+# Built whole on every rank: the unsharded systems. The sharded ones build the
+# model on the meta device and materialise only their shards (see build()).
+BUILT_WHOLE = ("single", "ddp")
 # The large model runs where it shows something: which systems fit at all.
 LARGE_SYSTEMS = ("ddp", "fsdp1", "fsdp2", "fxshard")
 # MemTracker and CommCounter watch the dispatcher; Inductor's generated code
 # allocates and calls collectives below it, so these columns would read low.
-NOT_VISIBLE = {"fxshard_inductor": ("peak_bytes", "comm_bytes")}
+NOT_VISIBLE = {"fxshard_inductor": ("peak_bytes", "comm_bytes", "comm_by_kind")}
 
 
 def model_spec(name: str, quick: bool) -> dict[str, Any]:
@@ -87,7 +110,7 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
 
     if name == "net":
         batch = 16 if quick else 64
-        return dict(make=Net, block=None, min_params=20000, loss=lambda o, y: F.nll_loss(o, y),
+        return dict(make=Net, block=None, min_params=20000, loss=lambda o, y: F.nll_loss(o.float(), y),
                     inputs=lambda g: (torch.randn(batch, 1, 28, 28, generator=g),
                                       torch.randint(0, 10, (batch,), generator=g)))
     if name == "large":
@@ -105,10 +128,42 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
         return idx[:, :-1], idx[:, 1:]
 
     def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(o.reshape(-1, o.shape[-1]), y.reshape(-1))
+        return F.cross_entropy(o.reshape(-1, o.shape[-1]).float(), y.reshape(-1))
 
     return dict(make=make, block=Block, min_params=dim * dim * 4, loss=loss, inputs=inputs,
                 label=f"GPT {layers}x{dim}")
+
+
+def baseline(system: str) -> str:
+    """The FSDP2 row a system's ×FSDP2 ratios are against: the one at the same precision."""
+    return "fsdp2_bf16" if system.endswith("_bf16") else "fsdp2"
+
+
+def build(system: str, model_name: str, spec: dict[str, Any]) -> nn.Module:
+    """The model, under the seed set by the caller: whole for the unsharded systems; for the
+    sharded ones, the large model on the meta device (no rank ever holds all of it)."""
+    if system in BUILT_WHOLE or model_name != "large":
+        return spec["make"]()
+    with torch.device("meta"):
+        return spec["make"]()
+
+
+def init_fsdp2_on_meta(model: nn.Module) -> None:
+    """FSDP2's meta-device init, as torchtitan does it: allocate this rank's shards, then each
+    module's ``reset_parameters()`` on its DTensor parameters, in construction order, skipping
+    a module whose parameters an earlier one initialised (a tied output embedding: built
+    normally, the tie comes after its init). On CPU, DTensor draws each rank's local shard
+    from that rank's generator (its random ops are for CUDA-like devices), so these initial
+    weights are not the other systems'; step time, memory and bytes do not depend on them."""
+    model.to_empty(device="cpu")
+    done: set[int] = set()
+    with torch.no_grad():
+        for m in model.modules():
+            own = [id(p) for p in m.parameters(recurse=False)]
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset) and not (own and done.issuperset(own)):
+                reset()
+            done.update(own)
 
 
 def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -> nn.Module:
@@ -116,6 +171,7 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     from fxshard.policies import by_class, by_size
 
     block = spec["block"]
+    on_meta = any(p.is_meta for p in model.parameters())
     if system == "single":
         return model
     if system == "ddp":
@@ -127,17 +183,22 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
         from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=spec["min_params"])
+        # On meta, FSDP1 materialises one wrapped unit at a time (to_empty, then each
+        # module's reset_parameters()) before flattening and sharding it.
         return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    if system == "fsdp2":
+    if system in ("fsdp2", "fsdp2_bf16"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
+        mp_policy = MixedPrecisionPolicy(**BF16) if system == "fsdp2_bf16" else MixedPrecisionPolicy()
         for m in model.modules():
             if (block is not None and isinstance(m, block)) or (block is None and m is not model and
                                                                  sum(p.numel() for p in m.parameters(recurse=False)) >= spec["min_params"]):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(m, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        if on_meta:
+            init_fsdp2_on_meta(model)
         return model
     policy = by_class(block) if block is not None else by_size(spec["min_params"])
     if system == "fxshard_inductor":  # the torch.compile backend, Inductor compiling the graphs
@@ -150,6 +211,8 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
         options = dict(forward_prefetch=False, backward_prefetch=None)
     if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
         options = dict(inflight_groups=False)
+    if system == "fxshard_bf16":
+        options = dict(mixed_precision=fxshard.MixedPrecision(**BF16))
     return fxshard.compile(model, policy=policy, **options)
 
 
@@ -194,7 +257,7 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
     spec = model_spec(model_name, args.quick)
     timer = AgreementTimer() if system.startswith("fxshard") else None
     torch.manual_seed(0)
-    model = wrap(system, spec["make"](), spec, world_size)
+    model = wrap(system, build(system, model_name, spec), spec, world_size)
     params = getattr(model, "shards", None) or model.parameters()
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -233,8 +296,10 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         "system": system, "model": model_name, "rank": rank,
         "step_s": statistics.median(times), "warmup_s": warmup_s, "peak_bytes": peak,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "comm_bytes": counter.total, "comm_uncounted": dict(counter.uncounted), "losses": losses,
+        "comm_bytes": counter.total, "comm_by_kind": dict(counter.bytes),
+        "comm_uncounted": dict(counter.uncounted), "losses": losses,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "built_on_meta": system not in BUILT_WHOLE and model_name == "large",
         "memory_limit_bytes": memory_limit,
     }
     if isinstance(model, fxshard.ShardedModule):  # what inflight_groups chose, from the emitted graphs
@@ -301,7 +366,7 @@ def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, 
     peaks = [r["peak_bytes"] for r in ranks]
     merged = {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
               "peak_bytes": None if None in peaks else max(peaks),
-              "load_1min": os.getloadavg()[0]}  # above the core count, others took CPU time
+              "load_1min": os.getloadavg()[0]}  # above world size + 1, others took CPU time
     if "agreement_share" in first:  # rank 0's, like the step time; each rank's too
         merged["agreement_share_ranks"] = [r["agreement_share"] for r in ranks]
     return merged
@@ -354,16 +419,20 @@ def planning_at_scale(world_sizes: list[int], models: list[str]) -> list[dict[st
 
 
 def ratios(results: list[dict[str, Any]]) -> None:
+    """``{key}_vs_{base}``: against fp32 FSDP2 and DDP for every row, and against FSDP2-bf16
+    for the bf16 rows (the same precision: what the table's ×FSDP2 columns show for them)."""
     by = {(r["model"], r["system"]): r for r in results if "failed" not in r}
     for r in results:
         if "failed" in r:
             continue
-        for base in ("fsdp2", "ddp"):
+        for base in dict.fromkeys(("fsdp2", "ddp", baseline(r["system"]))):
             ref = by.get((r["model"], base))
             for key in ("step_s", "peak_bytes", "rss_bytes"):
                 ok = ref and ref[key] and r[key] is not None
                 r[f"{key}_vs_{base}"] = r[key] / ref[key] if ok else None
-        if r["system"].startswith("fxshard_"):  # a variant against fxshard's defaults
+        # A variant of fxshard's scheduling against its defaults (bf16 computes otherwise:
+        # it is against FSDP2-bf16 instead).
+        if r["system"].startswith("fxshard_") and baseline(r["system"]) == "fsdp2":
             ref = by.get((r["model"], "fxshard"))
             r["step_s_vs_fxshard"] = r["step_s"] / ref["step_s"] if ref else None
 
@@ -387,18 +456,38 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if "failed" in r:
             lines.append(f"| {model} | {r['system']} | failed: {r['failed']} |" + " |" * 7)
             continue
-        lines.append(f"| {model} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r['step_s_vs_fsdp2'])} | "
-                     f"{f(r['step_s_vs_ddp'])} | {m(r['peak_bytes'], 1)} | {f(r['peak_bytes_vs_fsdp2'])} | "
+        base = baseline(r["system"])
+        lines.append(f"| {model} | {r['system']} | {r['step_s'] * 1000:.0f} | {f(r.get(f'step_s_vs_{base}'))} | "
+                     f"{f(r['step_s_vs_ddp'])} | {m(r['peak_bytes'], 1)} | {f(r.get(f'peak_bytes_vs_{base}'))} | "
                      f"{f(r['peak_bytes_vs_ddp'])} | {r['rss_bytes'] / mib:.0f} | {m(r['comm_bytes'], 2)} |")
     notes = []
+    if any(baseline(r["system"]) != "fsdp2" for r in results):
+        notes.append("_bf16 rows: bf16 parameters for compute, fp32 shards, optimizer state and gradient "
+                     "reduction (FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                     "reduce_dtype=torch.float32)`, `fxshard.MixedPrecision` with the same fields). Their "
+                     "×FSDP2 columns are against fsdp2_bf16, the same precision; ×DDP is against fp32 DDP.")
+    meta_built = list(dict.fromkeys(r["model"] for r in results if r.get("built_on_meta")))
+    if meta_built:
+        notes.append(f"{', '.join(meta_built)}: built on the meta device by every sharded system "
+                     "(each rank materialises only its shards); single and DDP build it whole.")
     loads = [r["load_1min"] for r in results if r.get("load_1min") is not None and "earlier_run" not in r]
     if loads:
+        ws = meta["world_size"]
+        own = ws + 1  # the ranks' compute threads, and their communication threads at times
         notes.append(f"1-minute load average after each system: {min(loads):.1f} to {max(loads):.1f} "
-                     f"({meta['machine']}): above the core count, other processes took CPU time from the ranks.")
+                     f"({meta['machine']}); a system's own {ws} ranks, with their communication threads, "
+                     f"account for about {ws} to {own}" + (
+                         ": above that, other processes took CPU time from the ranks." if max(loads) > own
+                         else ", so nothing else took CPU time to speak of."))
     earlier = list(dict.fromkeys(r["model"] for r in results if "earlier_run" in r))
     if earlier:
         notes.append(f"†: {', '.join(earlier)} from an earlier run, kept by --append (not re-run with the "
                      "rows above; their ratios are within that earlier run).")
+        before_meta = [m for m in earlier if m == "large" and not any(
+            "built_on_meta" in r for r in results if r["model"] == m)]
+        if before_meta:
+            notes.append(f"{', '.join(before_meta)}†: measured before the benchmark built it on the meta "
+                         "device: every system built it whole, then sharded it.")
     if any(r["system"] in NOT_VISIBLE for r in results):
         notes.append("n/v: not visible to the tracker. Inductor's generated code allocates and calls "
                      "collectives below the dispatcher that MemTracker and CommCounter watch.")
@@ -457,11 +546,12 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
 
     models = list(dict.fromkeys(r["model"] for r in results))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, title in ((axes[0], "step_s_vs_fsdp2", "step time ÷ FSDP2"),
-                           (axes[1], "peak_bytes_vs_fsdp2", "peak tensor memory ÷ FSDP2")):
+    for ax, key, title in ((axes[0], "step_s", "step time ÷ FSDP2 (bf16: ÷ FSDP2-bf16)"),
+                           (axes[1], "peak_bytes", "peak tensor memory ÷ FSDP2 (bf16: ÷ FSDP2-bf16)")):
         width = 0.8 / len(SYSTEMS)
         for i, system in enumerate(SYSTEMS):
-            values = [next((r.get(key) or 0 for r in results if r["model"] == m and r["system"] == system), 0)
+            ratio = f"{key}_vs_{baseline(system)}"
+            values = [next((r.get(ratio) or 0 for r in results if r["model"] == m and r["system"] == system), 0)
                       for m in models]
             xs = [j + i * width for j in range(len(models))]
             ax.bar(xs, values, width, label=system)

@@ -7,18 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path: Path) -> None:
+    systems = ["ddp", "fsdp2", "fxshard", "fxshard_onegroup", "fsdp2_bf16", "fxshard_bf16"]
     proc = subprocess.run(
         [sys.executable, "benchmarks/run.py", "--quick", "--models", "gpt",
-         "--systems", "ddp,fsdp2,fxshard,fxshard_onegroup", "--out", str(tmp_path)],
+         "--systems", ",".join(systems), "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
     rows = {r["system"]: r for r in report["results"]}
-    assert set(rows) == {"ddp", "fsdp2", "fxshard", "fxshard_onegroup"}
+    assert set(rows) == set(systems)
     assert not any("failed" in r for r in rows.values()), rows
     # Same units (one per block, resident root) -> the same bytes on the wire as FSDP2,
     # counted by the same counter, plus the ranks' agreement before forward and
@@ -40,8 +43,22 @@ def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path
     for a, b in zip(rows["fxshard"]["losses"], rows["ddp"]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert rows["fxshard"]["step_s_vs_fsdp2"] is not None and rows["fsdp2"]["step_s_vs_fsdp2"] == 1.0
+    # bf16 parameters, fp32 reduction: FSDP2-bf16's bytes plus the agreement; the gathers
+    # move half the fp32 bytes (the agreement's 16 stay int64), the reduce-scatters the same.
+    bf16, ref16 = rows["fxshard_bf16"], rows["fsdp2_bf16"]
+    assert bf16["comm_bytes"] == ref16["comm_bytes"] + 2 * 8 < rows["fxshard"]["comm_bytes"]
+    assert 2 * ref16["comm_by_kind"]["all_gather"] == rows["fsdp2"]["comm_by_kind"]["all_gather"]
+    assert 2 * (bf16["comm_by_kind"]["all_gather"] - 16) == fx["comm_by_kind"]["all_gather"] - 16
+    assert bf16["comm_by_kind"]["reduce_scatter"] == fx["comm_by_kind"]["reduce_scatter"]
+    # The same bf16 computation as FSDP2's (bit for bit in tests/test_recipe.py).
+    assert bf16["losses"] == pytest.approx(ref16["losses"], rel=1e-3)
+    # The bf16 rows' ratios are against FSDP2-bf16; step_s_vs_fsdp2 stays against fp32 FSDP2.
+    assert ref16["step_s_vs_fsdp2_bf16"] == 1.0 and bf16["step_s_vs_fsdp2_bf16"] is not None
+    assert "step_s_vs_fxshard" not in bf16 and "step_s_vs_fsdp2_bf16" not in fx
     table = (tmp_path / "latest.md").read_text()
     assert "| gpt | fxshard |" in table and "| gpt | fxshard_onegroup |" in table and "×FSDP2" in table
+    assert f"| gpt | fsdp2_bf16 | {ref16['step_s'] * 1000:.0f} | 1.00 |" in table
+    assert "_bf16 rows: bf16 parameters for compute" in table
     assert "Overheads of fxshard's safety features" in table
     assert f"| gpt | fxshard | {fx['agreement_s'] * 1000:.1f} | {fx['agreement_share']:.1%} (" in table
     assert (tmp_path / "latest.png").stat().st_size > 10_000
