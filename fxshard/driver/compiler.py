@@ -167,7 +167,8 @@ class Driver:
             self.device = comm_device(self.world.group)
         else:
             self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
-        _check_compute_dtype(self.config, self.device if not on_meta or self.runs else None)
+        if self.runs:
+            _check_compute_dtype(self.config, self.device)
         if sync:
             self.shards = broadcast_shards(module, self._plan, self.world, self.device)
         elif on_meta and self.runs and not allow_meta:
