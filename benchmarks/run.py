@@ -64,6 +64,7 @@ are noise; the ratios are the claim.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -98,8 +99,9 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 BUILT_WHOLE = ("single", "ddp")
 # The large model runs where it shows something: which systems fit at all.
 LARGE_SYSTEMS = ("ddp", "fsdp1", "fsdp2", "fxshard")
-# MemTracker and CommCounter watch the dispatcher; Inductor's generated code
-# allocates and calls collectives below it, so these columns would read low.
+# MemTracker and CommCounter are dispatch modes, and torch.compile runs a frame
+# eagerly under one (the backend refuses that run: its stand-ins are not the
+# model), so neither can watch the backend's compiled steps.
 NOT_VISIBLE = {"fxshard_inductor": ("peak_bytes", "comm_bytes", "comm_by_kind")}
 
 
@@ -288,16 +290,18 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
     if timer is not None:
         timer.on = False
     x, y = batches[-2]
-    peak = peak_memory(lambda: step(x, y), model, opt, x, y)
+    watched = system not in NOT_VISIBLE
+    peak = peak_memory(lambda: step(x, y), model, opt, x, y) if watched else None
     x, y = batches[-1]
-    with CommCounter() as counter:
+    with CommCounter() if watched else contextlib.nullcontext() as counter:
         step(x, y)
     result = {
         "system": system, "model": model_name, "rank": rank,
         "step_s": statistics.median(times), "warmup_s": warmup_s, "peak_bytes": peak,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "comm_bytes": counter.total, "comm_by_kind": dict(counter.bytes),
-        "comm_uncounted": dict(counter.uncounted), "losses": losses,
+        "comm_bytes": counter.total if watched else None,
+        "comm_by_kind": dict(counter.bytes) if watched else None,
+        "comm_uncounted": dict(counter.uncounted) if watched else None, "losses": losses,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "built_on_meta": system not in BUILT_WHOLE and model_name == "large",
         "memory_limit_bytes": memory_limit,
@@ -489,8 +493,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             notes.append(f"{', '.join(before_meta)}†: measured before the benchmark built it on the meta "
                          "device: every system built it whole, then sharded it.")
     if any(r["system"] in NOT_VISIBLE for r in results):
-        notes.append("n/v: not visible to the tracker. Inductor's generated code allocates and calls "
-                     "collectives below the dispatcher that MemTracker and CommCounter watch.")
+        notes.append("n/v: not measured. MemTracker and CommCounter are dispatch modes, and "
+                     "torch.compile runs a frame eagerly under one (fxshard's backend refuses that "
+                     "run), so they cannot watch the torch.compile backend's compiled steps.")
     limits = {r["model"]: r.get("memory_limit_bytes") for r in results if r.get("memory_limit_bytes")}
     for model, limit in limits.items():
         params = meta.get("params", {}).get(model)

@@ -14,7 +14,13 @@ import logging
 
 from fxshard import policies
 from fxshard.api import ShardedModule, compile
-from fxshard.backend import FxShardBackend, backend, parameters
+from fxshard.backend import (
+    FxShardBackend,
+    backend,
+    no_sync,
+    parameters,
+    set_requires_gradient_sync,
+)
 from fxshard.driver.report import Report
 from fxshard.explain import Explanation, explain
 from fxshard.ir import meta as meta
@@ -55,7 +61,9 @@ __all__ = [
     "compile",
     "explain",
     "make_plan",
+    "no_sync",
     "parameters",
     "policies",
+    "set_requires_gradient_sync",
     "verify",
 ]

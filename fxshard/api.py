@@ -24,6 +24,7 @@ from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
+from fxshard.passes.context import REDUCE
 
 log = logging.getLogger("fxshard")
 
@@ -162,7 +163,7 @@ class ShardedModule(nn.Module):
                                          model_name=type(self._skeleton).__name__,
                                          buffer_bytes=buffer_bytes,
                                          grad_sync=self._driver.grad_sync() if torch.is_grad_enabled()
-                                         else "reduce")
+                                         else REDUCE)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -187,12 +188,8 @@ class ShardedModule(nn.Module):
         after the block reduces that sum together with its own gradient, so the
         shards' gradients equal DDP's after the same ``no_sync`` loop.
         """
-        previous = self._driver.requires_gradient_sync
-        self._driver.set_requires_gradient_sync(False)
-        try:
+        with self._driver.no_sync():
             yield
-        finally:
-            self._driver.set_requires_gradient_sync(previous)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's name for the same switch: False until the step whose backward should reduce."""

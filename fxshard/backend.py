@@ -25,14 +25,16 @@ Misuse fails loudly:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxshard.api import ShardedModule
 from fxshard.driver.compiler import CompiledStep, Driver
 from fxshard.driver.trace import TracedStep, flatten_outputs, parameter_views
 from fxshard.ir.config import CompileConfig
@@ -41,6 +43,7 @@ from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
 from fxshard.ir.precision import MixedPrecision
 from fxshard.passes import build_pipelines
+from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
 
@@ -54,16 +57,31 @@ class _Sharding:
 
 
 class _CompiledGraph:
-    """The callable handed back to Dynamo for one captured graph."""
+    """The callable handed back to Dynamo for one captured graph.
 
-    def __init__(self, driver: Driver, step: CompiledStep, param_positions: set[int]):
+    Dynamo's guards do not see ``no_sync``, so the graph is compiled once per
+    kind of training step it runs as (reduce, accumulate, reduce the sums), on
+    the first call of that kind, with that call's inputs.
+    """
+
+    def __init__(self, driver: Driver, step: _GraphStep, param_positions: set[int], model_name: str):
         self.driver = driver
         self.step = step
         self.param_positions = param_positions
+        self.model_name = model_name
+        self.variants: dict[GradSync, CompiledStep] = {}
+
+    def compiled(self, inputs: Sequence[torch.Tensor]) -> CompiledStep:
+        sync = self.driver.grad_sync(self.step.groups) if torch.is_grad_enabled() else REDUCE
+        found = self.variants.get(sync)
+        if found is None:
+            found = self.variants[sync] = self.driver.compile_step(
+                self.step, inputs, model_name=self.model_name, grad_sync=sync, groups=self.step.groups)
+        return found
 
     def __call__(self, *args: Any) -> Any:
         inputs = [a for i, a in enumerate(args) if i not in self.param_positions]
-        return self.driver.run(self.step, inputs)
+        return self.driver.run(self.compiled(inputs), inputs)
 
 
 class _GraphStep(TracedStep):
@@ -136,6 +154,7 @@ class FxShardBackend:
         # Stand-ins on the parameters' device: Dynamo bakes the device of
         # tensors computed from parameters into its graphs.
         driver.strip(module, on_device=True, use="fxshard.parameters(model)")
+        _refuse_eager_runs(module)
         by_name = dict(module.named_parameters(remove_duplicate=False))
         slots = {}
         for group in plan.groups:
@@ -178,11 +197,12 @@ class FxShardBackend:
                           len(example_inputs), _input_casts(placeholders, example_inputs, param_inputs,
                                                             self.config.mixed_precision))
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
-        compiled = driver.compile_step(
-            step, user_inputs, model_name=f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")
+        graph = _CompiledGraph(driver, step, set(param_inputs),
+                               f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")
+        graph.compiled(user_inputs)  # now, so that errors surface at compile time
         log.info("fxshard backend: compiled a graph with %d parameter inputs over %d flat groups",
                  len(param_inputs), len(groups))
-        return _CompiledGraph(driver, compiled, set(param_inputs))
+        return graph
 
     def steps(self) -> list[CompiledStep]:
         """The compiled step of every graph Dynamo captured, in compile order."""
@@ -196,6 +216,34 @@ class FxShardBackend:
         if not self._modules:
             raise FxShardError("nothing sharded yet: call fxshard.parameters(model) first")
         return self._modules[-1].driver.plan
+
+
+def _refuse_eager_runs(module: nn.Module) -> None:
+    """Make a forward that Dynamo did not compile an error, not a silent run on the stand-ins.
+
+    Dynamo runs a frame eagerly when it will not compile it: under an active
+    ``TorchDispatchMode``, past its recompile limit, under ``torch._dynamo.disable``
+    or ``torch.compiler.set_stance("force_eager")``. The stand-ins then act as
+    zero weights and the model trains on nothing. Dynamo inlines module hooks
+    into its graphs, where ``is_compiling()`` is a constant True, so the hook
+    costs nothing in compiled code.
+    """
+
+    def check(mod: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            raise FxShardError(
+                f"{type(mod).__name__}.forward ran eagerly, outside the graphs fxshard compiled: "
+                "its parameters are fxshard's stand-ins here, and the shards hold the model. "
+                "torch.compile runs a frame eagerly when a TorchDispatchMode is active (a memory "
+                "or FLOP counter around the forward), past torch._dynamo.config.recompile_limit, "
+                "or under torch._dynamo.disable / set_stance('force_eager'). Run the forward "
+                "without those (a dispatch mode around backward alone is fine), or use "
+                "fxshard.compile, which needs no Dynamo."
+            )
+
+    for mod in module.modules():
+        if any(True for _ in mod.parameters(recurse=False)):
+            mod.register_forward_pre_hook(check)
 
 
 def _input_casts(placeholders: list[fx.Node], example_inputs: Sequence[Any], params: dict[int, str],
@@ -243,6 +291,33 @@ def parameters(model: nn.Module) -> list[nn.Parameter]:
     """Shard a ``torch.compile``-d model now; returns this rank's flat shards for the optimizer."""
     found, module = _find_backend(model)
     return found.shard(module)
+
+
+def _driver_of(model: nn.Module) -> Driver:
+    if isinstance(model, ShardedModule):
+        return model._driver
+    found, module = _find_backend(model)
+    params = {id(p) for p in module.parameters()}
+    for sharding in found._modules:
+        if params & sharding.slots.keys():
+            return sharding.driver
+    raise FxShardError("this model is not sharded yet: call fxshard.parameters(model) first, and "
+                       "build the optimizer over what it returns")
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """FSDP2's switch, for a ``torch.compile``-d model (or a ``ShardedModule``): with False,
+    backward adds each unit's gradient to an unsharded sum and communicates nothing, until
+    a backward with True reduces the sums with its own gradients."""
+    _driver_of(model).set_requires_gradient_sync(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """``with fxshard.no_sync(model):`` DDP's ``no_sync`` for a ``torch.compile``-d model
+    (or a ``ShardedModule``, the same as ``sharded.no_sync()``)."""
+    with _driver_of(model).no_sync():
+        yield
 
 
 # torch.compile(model, backend="fxshard"): default options (everything in one unit).

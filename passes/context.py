@@ -13,10 +13,37 @@ from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
 
 GraphKind = Literal["joint", "forward", "backward", "inference"]
-# What a training step does with each unit's gradient: reduce it (the default),
-# add it to an unsharded accumulator without communicating (inside no_sync), or
-# reduce it together with the accumulated sum (the first synced step after).
-GradSync = Literal["reduce", "accumulate", "flush"]
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """What a training step does with each flat group's gradient.
+
+    By default it reduces it. Inside ``no_sync`` (``accumulate``) it adds it to
+    the group's unsharded accumulator and communicates nothing. The groups in
+    ``flush`` have an accumulated sum waiting: the step reduces gradient + sum
+    and releases the accumulator (the first synced step after ``no_sync``).
+    """
+
+    accumulate: bool = False
+    flush: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.accumulate and self.flush:
+            raise ValueError("a step either accumulates or flushes accumulated gradients")
+
+    @property
+    def reduces(self) -> bool:
+        """Does this step reduce gradients at all (anything but ``no_sync``)?"""
+        return not self.accumulate
+
+    def __repr__(self) -> str:
+        if self.accumulate:
+            return "GradSync(accumulate)"
+        return f"GradSync(flush={sorted(self.flush)})" if self.flush else "GradSync(reduce)"
+
+
+REDUCE = GradSync()
 
 
 @dataclass(frozen=True)
@@ -35,7 +62,7 @@ class PassContext:
     # Names of the process groups of the in-flight slots, when collectives in
     # flight together must go on different groups (assign_groups_pass).
     inflight_groups: tuple[str, ...] = ()
-    grad_sync: GradSync = "reduce"
+    grad_sync: GradSync = REDUCE
     # Flat group -> its unsharded gradient accumulator (no_sync), owned by the driver.
     accumulators: Mapping[int, torch.Tensor] = field(default_factory=dict, compare=False)
 

@@ -15,10 +15,11 @@ shard's gradient.
 A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
 ``div -> all_reduce(.., "sum") -> wait_tensor``.
 
-Inside ``no_sync`` (``ctx.grad_sync``) the gradient is instead added to its
-group's unsharded accumulator (a ``get_attr`` of the driver's buffer) and the
-shard gets no gradient; the first synced step after reduces gradient +
-accumulator and frees the accumulator::
+Inside ``no_sync`` (``ctx.grad_sync.accumulate``) the gradient is instead
+added to its group's unsharded accumulator (a ``get_attr`` of the driver's
+buffer) and the shard gets no gradient; the first synced step after reduces
+gradient + accumulator and frees the accumulator, for the groups in
+``ctx.grad_sync.flush`` (the ones with a sum waiting)::
 
     accumulate:  cat -> add_(accumulated_g, cat)                      (shard.grad: None)
     flush:       cat -> add(cat, accumulated_g); free(accumulated_g) -> div -> reduce_scatter ...
@@ -70,15 +71,16 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             raise GraphInvariantError(f"{marker.name}: malformed fxshard.reduce_grad {marker.args}")
         unit = ctx.unit_of(group)
         grad = cast(gm, grad, reduce_dtype, marker, group, unit)
-        if ctx.grad_sync != "reduce":
+        sync = ctx.grad_sync
+        if sync.accumulate or group in sync.flush:
             with gm.graph.inserting_before(marker):
                 acc = attribute(gm, f"fxshard_accumulated_{group}", ctx.accumulators[group], grad)
-                if ctx.grad_sync == "accumulate":  # no_sync: add up unsharded, no collective
+                if sync.accumulate:  # no_sync: add up unsharded, no collective
                     call(gm.graph, aten.add_.Tensor, (acc, grad))
                 else:  # the first synced step after: reduce the sum, release the accumulator
                     grad = call(gm.graph, aten.add.Tensor, (grad, acc))
                     call(gm.graph, FREE, (acc,))
-            if ctx.grad_sync == "accumulate":
+            if sync.accumulate:
                 _no_gradient(marker)
                 gm.graph.erase_node(marker)
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from functools import cache
@@ -77,12 +78,58 @@ def _train(name: str, rank: int, compute: str = "eager") -> dict[str, Any]:
     }
 
 
+def _no_sync(name: str, rank: int, fsdp2_name: bool) -> dict[str, Any]:
+    """Three micro-batches per step, the first two inside no_sync, against DDP's no_sync."""
+    from fxshard.measure import CommCounter
+
+    case = CASES["mlp" if name == "broken" else name]
+    torch.manual_seed(0)
+    model = Broken() if name == "broken" else case.make()
+    ddp = DDP(copy.deepcopy(model), broadcast_buffers=False)
+    be = fxshard.backend(policy=by_class(nn.Sequential) if name == "broken" else case.policies[0])
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    opt = torch.optim.Adam(fxshard.parameters(compiled), lr=1e-3)
+    ref_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    losses, ref_losses, inside = [], [], []
+    for _ in range(2):
+        for i in range(3):
+            x, y = case.inputs(gen)
+            last = i == 2
+            if fsdp2_name:
+                fxshard.set_requires_gradient_sync(compiled, last)
+                context: Any = contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext() if last else fxshard.no_sync(compiled)
+            with context:
+                loss = case.loss(compiled(x), y)
+                with CommCounter() as counter:  # around backward only: Dynamo runs a frame
+                    loss.backward()             # under a dispatch mode eagerly (refused)
+            if not last:
+                inside.append(counter.calls["reduce_scatter"] + counter.calls["all_reduce"])
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                ref_loss = case.loss(ddp(x), y)
+                ref_loss.backward()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    driver = be._modules[0].driver
+    return {"losses": losses, "ref_losses": ref_losses, "inside": inside,
+            "full": full_parameters(driver.shards, driver.plan, driver.world, 60),
+            "ref": {k: v.detach() for k, v in ddp.module.named_parameters()}}
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("gpt", "mlp", "broken"):
         torch._dynamo.reset()
         out[name] = _train(name, rank)
-    if world_size == 2:  # Inductor compute, in the same spawn
+    if world_size == 2:  # no_sync and Inductor compute, in the same spawn
+        for name, fsdp2_name in (("gpt", False), ("broken", True)):
+            torch._dynamo.reset()
+            out[f"no_sync_{name}"] = _no_sync(name, rank, fsdp2_name)
         torch._dynamo.reset()
         out["inductor"] = _train("gpt", rank, compute="inductor")
         out["inductor_dropout"] = _inductor_dropout(rank)
@@ -109,6 +156,18 @@ def test_graph_break_gives_two_sharded_graphs() -> None:
     r = results(2)[0]["broken"]
     assert r["n_graphs"] == 2
     assert all(g >= 1 for g in r["gathers"])  # each graph gathers the units it reads
+
+
+@pytest.mark.parametrize("name", ["gpt", "broken"])
+def test_no_sync_matches_ddp_and_communicates_no_gradient(name: str) -> None:
+    # broken: a unit read by both of Dynamo's graphs; its sum is reduced once,
+    # by the first graph to run after no_sync (fxshard.set_requires_gradient_sync).
+    for r in (res[f"no_sync_{name}"] for res in results(2)):
+        assert r["inside"] == [0, 0, 0, 0]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        for k, v in r["ref"].items():
+            torch.testing.assert_close(r["full"][k], v, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_inductor_compute_matches_ddp() -> None:
@@ -182,6 +241,22 @@ def test_requires_grad_changed_after_sharding_is_refused() -> None:
 def test_broadcast_buffers_is_refused_with_the_reason() -> None:
     with pytest.raises(TypeError, match="does not take \\['broadcast_buffers'\\].*not the module's forward"):
         fxshard.backend(broadcast_buffers=True)
+
+
+def test_a_forward_dynamo_did_not_compile_is_refused() -> None:
+    # Under a dispatch mode Dynamo runs the frame eagerly: the stand-ins acted as
+    # zero weights and the loss came out as log(vocab) with no error.
+    from fxshard.measure import CommCounter
+
+    torch._dynamo.reset()
+    compiled = torch.compile(TinyGPT(), backend=fxshard.backend(), dynamic=False)
+    fxshard.parameters(compiled)
+    x = torch.randint(0, 61, (2, 16))
+    compiled(x)
+    with CommCounter(), pytest.raises(FxShardError, match="ran eagerly, outside the graphs"):
+        compiled(x)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(FxShardError, match="ran eagerly"):
+        compiled(x)
 
 
 def test_calling_before_sharding_is_refused() -> None:

@@ -81,7 +81,7 @@ def test_table_shows_out_of_memory_and_what_the_tracker_cannot_see() -> None:
     table = run.markdown(results, {"machine": "m", "torch": "t", "world_size": 2,
                                    "params": {"large": 720_000_000}})
     assert "| large | ddp | failed: out of memory: you tried to allocate 50331648 bytes |" in table
-    assert "| n/v |" in table and "n/v: not visible to the tracker" in table
+    assert "| n/v |" in table and "n/v: not measured" in table
     assert "large: 0.72B parameters; each rank's data memory capped at 9.0 GiB" in table
 
 

@@ -26,7 +26,7 @@ from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
-from fxshard.passes.context import GradSync
+from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
 
@@ -44,7 +44,7 @@ class GraphCompiler:
                  config: CompileConfig, pipelines: Mapping[str, Sequence[PassSpec]],
                  on_pass: PassHook | None = None,
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
-                 grad_sync: GradSync = "reduce",
+                 grad_sync: GradSync = REDUCE,
                  accumulators: Mapping[int, torch.Tensor] | None = None):
         self.plan = plan
         self.world = world
@@ -54,7 +54,7 @@ class GraphCompiler:
         self.pipelines = pipelines
         self.on_pass = on_pass
         self.finish = finish
-        self.grad_sync: GradSync = grad_sync
+        self.grad_sync = grad_sync
         self.accumulators = accumulators or {}
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}

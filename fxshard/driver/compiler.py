@@ -19,9 +19,10 @@ captured, ``explain`` a meta copy of the module on a fake process group (with
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.passes import PassSpec, build_pipelines
-from fxshard.passes.context import GradSync
+from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
 
@@ -76,7 +77,8 @@ class CompiledStep:
     # phase ("forward", "backward") -> (graph, its collectives, their fingerprint),
     # what the ranks agree on before running the phase; computed once.
     phases: dict[str, tuple[str, list[Collective], bytes]] = field(default_factory=dict)
-    grad_sync: GradSync = "reduce"  # what its backward does with gradients (no_sync)
+    grad_sync: GradSync = REDUCE  # what its backward does with gradients (no_sync)
+    groups: frozenset[int] = frozenset()  # the flat groups it reads
 
     def __post_init__(self) -> None:
         for phase in ("forward", "backward") if self.trains else ("forward",):
@@ -129,10 +131,10 @@ class Driver:
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
         # no_sync: whether backward reduces gradients; each flat group's unsharded
-        # gradient sum while it does not; whether a sum is waiting to be reduced.
+        # gradient sum while it does not; the groups whose sum waits to be reduced.
         self.requires_gradient_sync = True
         self.accumulators: dict[int, torch.Tensor] = {}
-        self.accumulated = False
+        self.pending: set[int] = set()
         # (what to call it, tensor, requires_grad when planned): checked before every step.
         self._requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         self._module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
@@ -209,11 +211,17 @@ class Driver:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def grad_sync(self) -> GradSync:
-        """What a training step compiled now does with its gradients (``no_sync``)."""
+    def grad_sync(self, groups: Iterable[int] | None = None) -> GradSync:
+        """What a training step run now does with the gradients of ``groups`` (default: all):
+        add them up inside ``no_sync``, else reduce them, with the sums still waiting.
+
+        A group read by several graphs (the backend, with graph breaks) is flushed by
+        the first of them to run: ``run`` takes it out of ``pending``.
+        """
         if not self.requires_gradient_sync:
-            return "accumulate"
-        return "flush" if self.accumulated else "reduce"
+            return GradSync(accumulate=True)
+        pending = self.pending if groups is None else self.pending.intersection(groups)
+        return GradSync(flush=frozenset(pending))
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         if not requires and self.config.compute == "inductor":
@@ -223,6 +231,15 @@ class Driver:
                 "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
             )
         self.requires_gradient_sync = requires
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
 
     def _accumulators(self) -> dict[int, torch.Tensor]:
         """One unsharded gradient sum per flat group with a gradient, made on first need."""
@@ -235,7 +252,8 @@ class Driver:
         return self.accumulators
 
     def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
-                     buffer_bytes: int = 0, grad_sync: GradSync = "reduce") -> CompiledStep:
+                     buffer_bytes: int = 0, grad_sync: GradSync = REDUCE,
+                     groups: Iterable[int] | None = None) -> CompiledStep:
         """Trace ``step`` on ``inputs`` and run every graph's passes; nothing runs yet."""
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
@@ -243,7 +261,7 @@ class Driver:
                                  on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync,
-                                 accumulators=self._accumulators() if grad_sync != "reduce" else None)
+                                 accumulators=self._accumulators() if grad_sync != REDUCE else None)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -260,7 +278,8 @@ class Driver:
         compiled = CompiledStep(
             fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
-            recorder.log, grad_sync=grad_sync if "backward" in graphs else "reduce",
+            recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
+            groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
         )
         self.steps.append(compiled)
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
@@ -278,12 +297,8 @@ class Driver:
         if buffers:
             broadcast_buffers(buffers, self.world)
         self._broadcast_next = torch.is_grad_enabled()
-        if step.grad_sync == "accumulate" and not self.accumulated:
-            for acc in self.accumulators.values():  # released by the last flush: a fresh sum
-                acc.untyped_storage().resize_(acc.numel() * acc.element_size())
-                acc.zero_()
-        if step.grad_sync != "reduce" and torch.is_grad_enabled():
-            self.accumulated = step.grad_sync == "accumulate"
+        if torch.is_grad_enabled() and step.trains:
+            self._track_accumulation(step)
         try:
             flat = step.fn(*inputs)
         except RuntimeError as e:
@@ -297,6 +312,20 @@ class Driver:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self._agree(step, "backward", inputs), mode="any")
         return step.output_spec.unflatten(flat)
+
+    def _track_accumulation(self, step: CompiledStep) -> None:
+        """Before a training step runs: a fresh zero sum for each group it starts
+        accumulating, and which sums it reduces (they are released by its backward)."""
+        if step.grad_sync.accumulate:
+            for g in sorted(step.groups - self.pending):
+                acc = self.accumulators.get(g)
+                if acc is None:
+                    continue  # no gradient: nothing to add up
+                acc.untyped_storage().resize_(acc.numel() * acc.element_size())
+                acc.zero_()
+                self.pending.add(g)
+        else:
+            self.pending -= step.grad_sync.flush
 
     def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
                broadcast: bool = False) -> None:
@@ -328,7 +357,7 @@ class Driver:
                             step.num_user_outputs, agreement, broadcast,
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.accumulators.values())
-                            if step.grad_sync != "reduce" else 0)
+                            if step.grad_sync != REDUCE else 0)
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""
