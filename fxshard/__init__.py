@@ -12,7 +12,7 @@ Layers, each importing only the ones before it (docs/architecture.md):
 
 import logging
 
-from fxshard import policies
+from fxshard import checkpoint, policies
 from fxshard.api import ShardedModule, compile
 from fxshard.backend import (
     FxShardBackend,
@@ -20,6 +20,14 @@ from fxshard.backend import (
     no_sync,
     parameters,
     set_requires_gradient_sync,
+)
+from fxshard.checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
 )
 from fxshard.driver.report import Report
 from fxshard.explain import Explanation, explain
@@ -58,12 +66,19 @@ __all__ = [
     "ShardedModule",
     "TraceError",
     "backend",
+    "checkpoint",
     "compile",
     "explain",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "make_plan",
     "no_sync",
     "parameters",
     "policies",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "set_requires_gradient_sync",
+    "set_state_dict",
     "verify",
 ]

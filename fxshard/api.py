@@ -13,11 +13,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.nn.utils.stateless import _reparametrize_module
 
+from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.report import Report
-from fxshard.driver.runtime import full_parameters, load_shards
 from fxshard.driver.trace import StepFunction
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -207,20 +206,7 @@ class ShardedModule(nn.Module):
         instead of hanging. With ``rank0_only`` other ranks still take part and
         get an empty dict. The values are copies: training on does not change them.
         """
-        full = full_parameters(list(self.flat_params), self.plan, self._driver.world, timeout)
-        if rank0_only and self.rank != 0:
-            return {}
-        with self._materialised(full):
-            state = self._skeleton.state_dict()
-        meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
-        if meta:
-            raise FxShardError(
-                f"full_state_dict: the module's state_dict() returned meta tensors for {meta}: "
-                "a state-dict hook or _save_to_state_dict reads tensors other than the module's "
-                "parameters and buffers, which fxshard cannot gather. Compute them from the "
-                "parameters in the hook."
-            )
-        return dict(state)
+        return state.full_model_state(self._skeleton, self._driver, rank0_only, timeout)
 
     def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                              timeout: float = 300.0) -> _IncompatibleKeys:
@@ -233,37 +219,7 @@ class ShardedModule(nn.Module):
         skipped, as ``nn.Module.load_state_dict`` does; it gathers the current
         parameters first, so then it is a collective.
         """
-        full: dict[str, torch.Tensor] = {}
-        if strict:  # every parameter will be written, or the load fails
-            for group in self.plan.groups:
-                for slot in group.params:
-                    value = torch.empty(slot.shape, dtype=group.dtype, device=self._driver.device)
-                    full.update(dict.fromkeys(slot.names, value))  # ties stay one tensor
-        else:
-            full = full_parameters(list(self.flat_params), self.plan, self._driver.world, timeout)
-        with self._materialised(full) as buffers:
-            try:
-                result = self._skeleton.load_state_dict(dict(state_dict), strict=strict)
-            except RuntimeError as e:
-                raise FxShardError(
-                    f"load_full_state_dict: the state dict does not match the model, nothing was "
-                    f"loaded. {str(e).strip()} Pass a dict from full_state_dict(), or the original "
-                    "module's state_dict()."
-                ) from None
-        load_shards(list(self.flat_params), self.plan, full, self.rank)
-        with torch.no_grad():
-            for name, buffer in self._skeleton.named_buffers(remove_duplicate=False):
-                buffer.copy_(buffers[name])
-        return result
-
-    @contextlib.contextmanager
-    def _materialised(self, params: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        """The skeleton with ``params`` (every name) as its parameters and copies of its buffers,
-        for the module's own state-dict code to run on; yields the buffer copies."""
-        buffers = {name: b.detach().clone()
-                   for name, b in self._skeleton.named_buffers(remove_duplicate=False)}
-        with _reparametrize_module(self._skeleton, {**params, **buffers}):
-            yield buffers
+        return state.load_full_model_state(self._skeleton, self._driver, state_dict, strict, timeout)
 
     # -- the standard nn.Module API, made safe -------------------------------------------------
 

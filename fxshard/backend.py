@@ -275,9 +275,11 @@ def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
 
     if not isinstance(model, OptimizedModule):
         raise FxShardError(
-            "fxshard.parameters takes the module torch.compile returned, e.g. "
+            f"expected a sharded model, got a plain {type(model).__name__}: fxshard.parameters "
+            "takes the module torch.compile returned, e.g. "
             "model = torch.compile(model, backend=fxshard.backend(...)); "
-            "fxshard.parameters(model). For fxshard without torch.compile use fxshard.compile."
+            "fxshard.parameters(model). For fxshard without torch.compile use fxshard.compile, "
+            "whose ShardedModule the state-dict functions and no_sync also take."
         )
     callback: Any = model.dynamo_ctx.callback
     fn: Any = innermost_backend(callback)
@@ -293,16 +295,22 @@ def parameters(model: nn.Module) -> list[nn.Parameter]:
     return found.shard(module)
 
 
-def _driver_of(model: nn.Module) -> Driver:
+def sharding_of(model: nn.Module) -> tuple[nn.Module, Driver]:
+    """The module (skeleton) and the driver of a ``ShardedModule`` or a model compiled with
+    the fxshard backend and sharded by ``fxshard.parameters``."""
     if isinstance(model, ShardedModule):
-        return model._driver
+        return model.module, model._driver
     found, module = _find_backend(model)
     params = {id(p) for p in module.parameters()}
     for sharding in found._modules:
         if params & sharding.slots.keys():
-            return sharding.driver
+            return module, sharding.driver
     raise FxShardError("this model is not sharded yet: call fxshard.parameters(model) first, and "
                        "build the optimizer over what it returns")
+
+
+def _driver_of(model: nn.Module) -> Driver:
+    return sharding_of(model)[1]
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

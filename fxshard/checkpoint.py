@@ -1,0 +1,136 @@
+"""State dicts for ``torch.distributed.checkpoint``, with torch's names and signatures.
+
+``get_state_dict`` / ``set_state_dict`` (and their model and optimizer halves)
+mirror ``torch.distributed.checkpoint.state_dict`` and take its
+``StateDictOptions``; they work on a ``ShardedModule`` and on a model compiled
+with the fxshard backend. The default is sharded: every rank holds only its
+pieces (``fxshard.driver.state``), which DCP saves in parallel and loads at any
+world size or policy::
+
+    msd, osd = fxshard.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    ...
+    msd, osd = fxshard.get_state_dict(model, opt)          # the layout to load into
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    fxshard.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+``StateDictOptions(full_state_dict=True)`` gives full tensors (a collective),
+with ``cpu_offload=True`` on rank 0 only, as torch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fxshard.backend import sharding_of
+from fxshard.driver import state
+from fxshard.driver.state import StateDictError
+from fxshard.ir.errors import FxShardError
+
+__all__ = [
+    "StateDictError",
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+]
+
+_UNSUPPORTED = ("ignore_frozen_params", "broadcast_from_rank0", "flatten_optimizer_state_dict")
+
+
+def _options(options: StateDictOptions | None) -> StateDictOptions:
+    options = options or StateDictOptions()
+    for name in _UNSUPPORTED:
+        if getattr(options, name, False):
+            raise FxShardError(f"StateDictOptions({name}=True) is not supported by fxshard yet")
+    return options
+
+
+def _optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    return list(optimizers)
+
+
+def _offload(values: dict[str, Any], options: StateDictOptions, rank: int) -> dict[str, Any]:
+    """Full values on the CPU, on rank 0 only (torch's ``cpu_offload`` with ``full_state_dict``)."""
+    if not options.cpu_offload:
+        return values
+    if rank != 0:
+        return {}
+
+    def cpu(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.cpu()
+        if isinstance(v, dict):
+            return {k: cpu(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [cpu(x) for x in v]
+        return v
+
+    return cpu(values)
+
+
+def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """The model's state dict under its original names: sharded values by default."""
+    options = _options(options)
+    module, driver = sharding_of(model)
+    if options.full_state_dict:
+        return _offload(state.full_model_state(module, driver), options, driver.world.rank)
+    return state.model_state(module, driver)
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             *, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """The optimizers' state keyed by the model's parameter names (torch's format)."""
+    options = _options(options)
+    _, driver = sharding_of(model)
+    result = state.optimizer_state(driver, _optimizers(optimizers), full=options.full_state_dict)
+    return _offload(result, options, driver.world.rank) if options.full_state_dict else result
+
+
+def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                   *, options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model_state_dict, optim_state_dict)``, as ``torch.distributed.checkpoint.state_dict``."""
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizers, options=options))
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
+                         options: StateDictOptions | None = None) -> _IncompatibleKeys:
+    """Load sharded or full values into this rank's shards. Every rank checks names,
+    shapes and dtypes first; on any problem every rank raises and nothing changes."""
+    options = _options(options)
+    module, driver = sharding_of(model)
+    return state.load_model_state(module, driver, model_state_dict, strict=options.strict)
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             optim_state_dict: dict[str, Any], *,
+                             options: StateDictOptions | None = None) -> None:
+    """Load the optimizers' state (sharded or full values); checked on every rank first."""
+    _options(options)
+    _, driver = sharding_of(model)
+    state.load_optimizer_state(driver, _optimizers(optimizers), optim_state_dict)
+
+
+def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
+                   model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any],
+                   options: StateDictOptions | None = None) -> _IncompatibleKeys:
+    """Load both halves. Both are checked before either changes anything."""
+    options = _options(options)
+    module, driver = sharding_of(model)
+    opts = _optimizers(optimizers)
+    model_load = state.prepare_model_state(module, driver, model_state_dict, strict=options.strict)
+    optimizer_load = state.prepare_optimizer_state(driver, opts, optim_state_dict)
+    state.commit_optimizer_state(optimizer_load)
+    return state.commit_model_state(model_load)

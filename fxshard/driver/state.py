@@ -1,0 +1,497 @@
+"""State dicts of a sharded module and its optimizer under the original module's names.
+
+Sharded (the default): each rank holds, for every parameter, the range of its
+flattened elements that falls in this rank's range of the parameter's flat
+group. A range of a row-major tensor is a union of at most 2·(ndim−1)+1
+boxes, each one contiguous run of the flat shard::
+
+    shape (4, 3), elements [2, 10):  row 0 cols 2..3 | rows 1..2 | row 3 col 0
+                                     box (0,2)+(1,1)   (1,0)+(2,3)  (3,0)+(1,1)
+
+So a parameter's piece is a ``ShardedTensor`` whose local shards are those
+boxes, with global metadata listing every rank's boxes, computed from the plan
+without communicating. ``torch.distributed.checkpoint`` (DCP) saves those
+boxes without gathering anything and reads any saved boxes into any requested
+ones: a checkpoint loads at another world size, or under another policy.
+Optimizer state of the shard's shape is described the same way; scalars
+("step") are repeated per parameter, as torch's ``get_optimizer_state_dict``
+does. Values are copies: a failed ``dcp.load`` into them changes nothing, and
+``load_model_state`` / ``load_optimizer_state`` check everything on every rank
+before anything changes.
+
+Full: the module's own ``state_dict()`` on the skeleton with gathered
+parameters (its state-dict hooks run); optimizer state gathered per flat group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.utils.stateless import _reparametrize_module
+
+from fxshard.driver.compiler import Driver
+from fxshard.driver.runtime import full_parameters, gather_full, load_shards, slot_overlap
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import FlatGroup, ParamSlot
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+
+
+class StateDictError(FxShardError):
+    """A state dict that does not fit the model or optimizer; nothing was changed."""
+
+
+def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` of a row-major tensor of ``shape``, as boxes in order."""
+    if start >= stop:
+        return []
+    shape = tuple(shape)
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    rest = (0,) * (len(shape) - 1)
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
+
+    def row(r: int, lo: int, hi: int) -> list[Box]:
+        return [((r, *o), (1, *s)) for o, s in boxes(shape[1:], lo, hi)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = []
+    if c0:
+        out += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *rest), (r1 - r0, *shape[1:])))
+    if c1:
+        out += row(r1, 0, c1)
+    return out
+
+
+def _pieces(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
+    """The boxes of ``slot`` that ``rank`` holds. A rank holding none of it gets one empty
+    box past the end of dim 0: DCP's load planner drops a ShardedTensor with no local
+    shards from the request, and then fails on the checkpoint's extra key."""
+    span = slot_overlap(group, slot.offset, slot.numel, rank)
+    if span is None:
+        return [((slot.shape[0], *(0,) * (len(slot.shape) - 1)), (0, *slot.shape[1:]))]
+    return boxes(slot.shape, span[0] - slot.offset, span[1] - slot.offset)
+
+
+def _distributed(driver: Driver, group: FlatGroup) -> bool:
+    world = driver.world
+    return not group.replicated and world.group is not None and world.size > 1
+
+
+def sharded_value(flat: torch.Tensor, group: FlatGroup, slot: ParamSlot, driver: Driver) -> torch.Tensor:
+    """The piece of ``slot`` in ``flat`` (this rank's shard-shaped tensor of ``group``): a
+    ``ShardedTensor`` of views of ``flat``, or the whole parameter where it is not sharded."""
+    if not _distributed(driver, group):
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    world = driver.world
+    pg = world.group
+    assert pg is not None
+    device = str(flat.device)
+
+    def metadata(rank: int, box: Box) -> ShardMetadata:
+        global_rank = dist.get_global_rank(pg, rank)
+        return ShardMetadata(list(box[0]), list(box[1]), f"rank:{global_rank}/{device}")
+
+    everyone = [metadata(r, b) for r in range(world.size) for b in _pieces(group, slot, r)]
+    local = []
+    span = slot_overlap(group, slot.offset, slot.numel, world.rank)
+    start = span[0] - group.shard_range(world.rank)[0] if span is not None else 0
+    for box in _pieces(group, slot, world.rank):
+        n = math.prod(box[1])
+        local.append(Shard(flat[start:start + n].view(box[1]), metadata(world.rank, box)))
+        start += n
+    properties = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(everyone, torch.Size(slot.shape), properties),
+        process_group=world.group)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, ShardedTensor):  # its metadata: tensor attributes warn of deprecation
+        return tuple(value.metadata().size)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if isinstance(value, ShardedTensor):
+        return value.metadata().tensor_properties.dtype
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _local_piece(value: Any, group: FlatGroup, slot: ParamSlot, driver: Driver, what: str,
+                 problems: list[str]) -> torch.Tensor | None:
+    """This rank's elements of ``slot`` from ``value`` (a sharded value of this layout, or the
+    full tensor), flattened; None where this rank holds none of it or ``value`` is wrong."""
+    shape = _shape(value)
+    if shape != slot.shape:
+        problems.append(f"{what}: shape {shape if shape is not None else type(value).__name__} "
+                        f"where the model has {slot.shape}")
+        return None
+    span = slot_overlap(group, slot.offset, slot.numel, driver.world.rank)
+    if isinstance(value, ShardedTensor):
+        shards = sorted(value.local_shards(), key=lambda s: tuple(s.metadata.shard_offsets))
+        got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in shards]
+        want = _pieces(group, slot, driver.world.rank) if _distributed(driver, group) else \
+            [((0,) * len(slot.shape), slot.shape)]
+        if got != want:
+            problems.append(f"{what}: its local shards {got} are not this rank's pieces {want}: "
+                            "the dict was made for another plan or world size. Load checkpoints "
+                            "into the dict fxshard.get_state_dict returns for this model")
+            return None
+        return torch.cat([s.tensor.reshape(-1) for s in shards]) if span is not None else None
+    if span is None:
+        return None
+    return value.detach().reshape(-1)[span[0] - slot.offset:span[1] - slot.offset]
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` saves, by name."""
+    result = {}
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            result[name] = buffer
+    return result
+
+
+def _agree_on(problems: list[str], driver: Driver, what: str) -> None:
+    """Raise on every rank when any rank found a problem (a collective when sharded)."""
+    world = driver.world
+    found = [problems]
+    if world.group is not None and world.size > 1 and dist.get_backend(world.group) != "fake":
+        found = [[] for _ in range(world.size)]
+        dist.all_gather_object(found, problems, group=world.group)
+    lines = [f"rank {r}: {p}" if world.size > 1 else p for r, ps in enumerate(found) for p in ps]
+    if lines:
+        shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
+        raise StateDictError(f"{what}: the state dict does not fit, nothing was changed:\n  {shown}")
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+def model_state(module: nn.Module, driver: Driver) -> dict[str, torch.Tensor]:
+    """Sharded: every parameter under each of its names, and the persistent buffers (copies)."""
+    result: dict[str, torch.Tensor] = {}
+    for group, shard in zip(driver.plan.groups, driver.shards):
+        copy_ = shard.detach().clone()
+        for slot in group.params:
+            value = sharded_value(copy_, group, slot, driver)
+            for name in slot.names:
+                result[name] = value
+    for name, buffer in persistent_buffers(module).items():
+        result[name] = buffer.detach().clone()
+    return result
+
+
+ModelLoad = tuple[list[tuple[nn.Parameter, slice, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]],
+                  _IncompatibleKeys]
+
+
+def load_model_state(module: nn.Module, driver: Driver, state: Mapping[str, Any],
+                     strict: bool = True) -> _IncompatibleKeys:
+    """Inverse of :func:`model_state` (full tensors are accepted too). Checks names, shapes
+    and dtypes on every rank first; on any problem every rank raises and nothing changes."""
+    return commit_model_state(prepare_model_state(module, driver, state, strict))
+
+
+def commit_model_state(load: ModelLoad) -> _IncompatibleKeys:
+    updates, buffers, result = load
+    with torch.no_grad():
+        for shard, where, piece in updates:
+            shard[where].copy_(piece)
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    return result
+
+
+def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, Any],
+                        strict: bool = True) -> ModelLoad:
+    """What loading ``state`` writes where, checked on every rank; nothing is changed."""
+    problems: list[str] = []
+    plan = driver.plan
+    updates: list[tuple[nn.Parameter, slice, torch.Tensor]] = []
+    expected: set[str] = set()
+    for group, shard in zip(plan.groups, driver.shards):
+        lo = group.shard_range(driver.world.rank)[0]
+        for slot in group.params:
+            expected.update(slot.names)
+            name = next((n for n in slot.names if n in state), None)
+            if name is None:
+                if strict:
+                    problems.append(f"missing parameter {slot.name!r}")
+                continue
+            value = state[name]
+            if _dtype(value) not in (None, group.dtype):
+                problems.append(f"{name!r}: dtype {_dtype(value)} where the model's shards are "
+                                f"{group.dtype}; convert the state dict (or the model) first")
+                continue
+            piece = _local_piece(value, group, slot, driver, repr(name), problems)
+            span = slot_overlap(group, slot.offset, slot.numel, driver.world.rank)
+            if piece is not None and span is not None:
+                updates.append((shard, slice(span[0] - lo, span[1] - lo), piece))
+    buffers = persistent_buffers(module)
+    expected.update(buffers)
+    for name, buffer in buffers.items():
+        if name not in state:
+            if strict:
+                problems.append(f"missing buffer {name!r}")
+            continue
+        value = state[name]
+        if not isinstance(value, torch.Tensor) or value.shape != buffer.shape:
+            problems.append(f"buffer {name!r}: shape {getattr(value, 'shape', type(value).__name__)} "
+                            f"where the model has {tuple(buffer.shape)}")
+        elif value.dtype != buffer.dtype:
+            problems.append(f"buffer {name!r}: dtype {value.dtype} where the model has {buffer.dtype}")
+    unexpected = sorted(k for k in state if k not in expected)
+    missing = sorted(k for k in expected if k not in state)
+    if strict and unexpected:
+        problems.append(f"unexpected keys (not in this model): {unexpected}")
+    _agree_on(problems, driver, "loading the model state")
+    return (updates, [(b, state[name]) for name, b in buffers.items() if name in state],
+            _IncompatibleKeys(missing, unexpected))
+
+
+@contextlib.contextmanager
+def materialised(module: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """The skeleton with ``params`` (every name) as its parameters and copies of its buffers,
+    for the module's own state-dict code to run on; yields the buffer copies."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers(remove_duplicate=False)}
+    with _reparametrize_module(module, {**params, **buffers}):
+        yield buffers
+
+
+def full_model_state(module: nn.Module, driver: Driver, rank0_only: bool = False,
+                     timeout: float = 300.0) -> dict[str, torch.Tensor]:
+    """What the unsharded module's own ``state_dict()`` returns (a collective)."""
+    full = full_parameters(list(driver.shards), driver.plan, driver.world, timeout)
+    if rank0_only and driver.world.rank != 0:
+        return {}
+    with materialised(module, full):
+        state = module.state_dict()
+    meta = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if meta:
+        raise FxShardError(
+            f"full_state_dict: the module's state_dict() returned meta tensors for {meta}: "
+            "a state-dict hook or _save_to_state_dict reads tensors other than the module's "
+            "parameters and buffers, which fxshard cannot gather. Compute them from the "
+            "parameters in the hook."
+        )
+    return dict(state)
+
+
+def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping[str, Any],
+                          strict: bool = True, timeout: float = 300.0) -> _IncompatibleKeys:
+    """Inverse of :func:`full_model_state`, through the module's own ``load_state_dict`` (its
+    load hooks run). Checked before anything changes."""
+    plan = driver.plan
+    full: dict[str, torch.Tensor] = {}
+    if strict:  # every parameter will be written, or the load fails
+        for group in plan.groups:
+            for slot in group.params:
+                value = torch.empty(slot.shape, dtype=group.dtype, device=driver.device)
+                full.update(dict.fromkeys(slot.names, value))  # ties stay one tensor
+    else:
+        full = full_parameters(list(driver.shards), plan, driver.world, timeout)
+    with materialised(module, full) as buffers:
+        try:
+            result = module.load_state_dict(dict(state_dict), strict=strict)
+        except RuntimeError as e:
+            raise FxShardError(
+                f"load_full_state_dict: the state dict does not match the model, nothing was "
+                f"loaded. {str(e).strip()} Pass a dict from full_state_dict(), or the original "
+                "module's state_dict()."
+            ) from None
+    load_shards(list(driver.shards), plan, full, driver.world.rank)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers(remove_duplicate=False):
+            buffer.copy_(buffers[name])
+    return result
+
+
+# -- the optimizer ----------------------------------------------------------------------------
+
+
+def _group_of_shard(driver: Driver, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(flat shard) -> flat group index, for every parameter ``optimizer`` steps."""
+    index = {id(s): i for i, s in enumerate(driver.shards)}
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            if id(p) not in index:
+                raise FxShardError(
+                    f"{type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} that "
+                    "is not one of this model's flat shards: build it over sharded.parameters() "
+                    "(fxshard.parameters(model) for the torch.compile backend)"
+                )
+    return index
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state exist (torch's way: a step with zero gradients, lr 0)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer], full: bool = False,
+                    timeout: float = 300.0) -> dict[str, Any]:
+    """torch's FQN-keyed format: ``{"state": {name: {key: value}}, "param_groups": [{..,
+    "params": [names]}]}``; sharded values as in :func:`model_state`, or gathered with ``full``."""
+    plan = driver.plan
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for optimizer in optimizers:
+        index = _group_of_shard(driver, optimizer)
+        _init_state(optimizer)
+        for pg in optimizer.param_groups:
+            names = []
+            for p in pg["params"]:
+                group = plan.groups[index[id(p)]]
+                entries: dict[str, dict[str, Any]] = {slot.name: {} for slot in group.params}
+                for key, value in optimizer.state.get(p, {}).items():
+                    per_element = isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
+                    if per_element and full:
+                        whole = gather_full(value, group, driver.world, timeout)
+                        for slot in group.params:
+                            entries[slot.name][key] = \
+                                whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                    elif per_element:
+                        copied = value.detach().clone()
+                        for slot in group.params:
+                            entries[slot.name][key] = sharded_value(copied, group, slot, driver)
+                    elif isinstance(value, torch.Tensor) and value.numel() <= 1:
+                        for slot in group.params:
+                            entries[slot.name][key] = value.detach().clone()
+                    elif not isinstance(value, torch.Tensor):
+                        for slot in group.params:
+                            entries[slot.name][key] = copy.deepcopy(value)
+                    else:
+                        raise FxShardError(
+                            f"optimizer state {key!r} of flat group {group.index} has shape "
+                            f"{tuple(value.shape)}, neither the shard's {tuple(p.shape)} nor a scalar: "
+                            f"fxshard cannot name its parts by parameter ({type(optimizer).__name__})"
+                        )
+                state.update(entries)
+                names += [slot.name for slot in group.params]
+            groups.append({**{k: copy.deepcopy(v) for k, v in pg.items() if k != "params"},
+                           "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+OptimizerLoad = list[tuple[torch.optim.Optimizer, dict[str, Any]]]
+
+
+def load_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
+                         state_dict: Mapping[str, Any]) -> None:
+    """Inverse of :func:`optimizer_state` (sharded or full values). Checked on every rank
+    before anything changes; the optimizers' own ``load_state_dict`` then takes it."""
+    commit_optimizer_state(prepare_optimizer_state(driver, optimizers, state_dict))
+
+
+def commit_optimizer_state(loads: OptimizerLoad) -> None:
+    for optimizer, sd in loads:
+        optimizer.load_state_dict(sd)
+
+
+def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
+                            state_dict: Mapping[str, Any]) -> OptimizerLoad:
+    """Each optimizer's own state dict, assembled from ``state_dict`` and checked on every
+    rank (every rank raises on a problem anywhere); nothing is changed."""
+    problems: list[str] = []
+    plan = driver.plan
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        problems.append("an optimizer state dict has 'state' and 'param_groups' (from "
+                        "fxshard.get_optimizer_state_dict / get_state_dict)")
+        _agree_on(problems, driver, "loading the optimizer state")
+    saved: Mapping[str, Any] = state_dict["state"]
+    hyper: dict[str, dict[str, Any]] = {}
+    for pg in state_dict["param_groups"]:
+        for name in pg.get("params", ()):
+            hyper[name] = {k: v for k, v in pg.items() if k != "params"}
+    loads: OptimizerLoad = []
+    for optimizer in optimizers:
+        index = _group_of_shard(driver, optimizer)
+        new_state: dict[int, dict[str, Any]] = {}
+        new_groups: list[dict[str, Any]] = []
+        position = 0
+        for pg in optimizer.param_groups:
+            positions, found = [], None
+            for p in pg["params"]:
+                group = plan.groups[index[id(p)]]
+                flat = _flat_state(group, p, saved, driver, problems)
+                if flat:
+                    new_state[position] = flat
+                positions.append(position)
+                position += 1
+                found = found or next((hyper[s.name] for s in group.params if s.name in hyper), None)
+            if found is None:
+                problems.append(f"no saved param_group holds the parameters of {type(optimizer).__name__}'s "
+                                f"group {len(new_groups)}")
+                found = {}
+            new_groups.append({**found, "params": positions})
+        loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
+    _agree_on(problems, driver, "loading the optimizer state")
+    return loads
+
+
+def _flat_state(group: FlatGroup, shard: torch.Tensor, saved: Mapping[str, Any], driver: Driver,
+                problems: list[str]) -> dict[str, Any]:
+    """One flat shard's optimizer state, assembled from its parameters' saved state."""
+    entries = {}
+    for slot in group.params:
+        entry = saved.get(slot.name)
+        if entry is None:
+            problems.append(f"missing optimizer state for parameter {slot.name!r}")
+        else:
+            entries[slot.name] = entry
+    if len(entries) < len(group.params):
+        return {}
+    keys = {name: sorted(e) for name, e in entries.items()}
+    first = group.params[0].name
+    differing = [n for n, k in keys.items() if k != keys[first]]
+    if differing:
+        problems.append(f"optimizer state keys differ between {first!r} {keys[first]} and {differing[0]!r} "
+                        f"{keys[differing[0]]}, which share flat group {group.index}")
+        return {}
+    result: dict[str, Any] = {}
+    rank = driver.world.rank
+    lo = group.shard_range(rank)[0]
+    for key in keys[first]:
+        values = [entries[s.name][key] for s in group.params]
+        if any(len(_shape(v) or ()) > 0 for v in values):
+            flat = torch.zeros_like(shard, dtype=_dtype(values[0]))
+            for slot, value in zip(group.params, values):
+                piece = _local_piece(value, group, slot, driver, f"{slot.name!r} state {key!r}", problems)
+                span = slot_overlap(group, slot.offset, slot.numel, rank)
+                if piece is not None and span is not None:
+                    flat[span[0] - lo:span[1] - lo] = piece
+            result[key] = flat
+        else:
+            distinct = {float(v) if isinstance(v, torch.Tensor) else repr(v) for v in values}
+            if len(distinct) > 1:
+                problems.append(f"optimizer state {key!r} differs between the parameters of flat "
+                                f"group {group.index} ({sorted(map(str, distinct))}); they are stepped "
+                                "as one tensor")
+            v = values[0]
+            result[key] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+    return result

@@ -1,0 +1,252 @@
+"""Sharded checkpoints through torch.distributed.checkpoint: save, resume at any world size and
+policy, and bad input that changes nothing, on real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+import fxshard
+from fxshard.driver.state import boxes
+from fxshard.policies import by_class, by_size
+
+from dist_utils import run_ranks
+from models import Block, TinyGPT
+
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks: every world size trains on the same global batch
+POLICIES = {"block": dict(policy=by_class(Block)),
+            "size_zero2": dict(policy=by_size(2000), reshard_after_forward=False)}
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 61, (GLOBAL_BATCH, 17), generator=gen) for _ in range(n)]
+
+
+def _step(sharded: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One step on this rank's rows of the global batch; returns the global mean loss."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    rows = batch[rank * GLOBAL_BATCH // ws:(rank + 1) * GLOBAL_BATCH // ws]
+    logits = sharded(rows[:, :-1])
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / ws
+
+
+def _build(policy: str, seed: int = 0) -> tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    sharded = fxshard.compile(TinyGPT(), **POLICIES[policy])
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+
+
+def _save(sharded: Any, opt: torch.optim.Optimizer, path: str) -> None:
+    msd, osd = fxshard.get_state_dict(sharded, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load(sharded: Any, opt: torch.optim.Optimizer, path: str) -> None:
+    msd, osd = fxshard.get_state_dict(sharded, opt)  # this layout: what to read into
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    fxshard.set_state_dict(sharded, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def save_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    sharded, opt = _build("block")
+    batches = _batches(4)
+    for b in batches[:2]:
+        _step(sharded, opt, b)
+    _save(sharded, opt, os.path.join(root, "ckpt2"))
+    saved = sharded.full_state_dict()
+    return {"saved": saved, "ref": [_step(sharded, opt, b) for b in batches[2:]]}
+
+
+def _resume(source: str, policy: str, save_to: str | None = None) -> dict[str, Any]:
+    sharded, opt = _build(policy, seed=1)  # other weights: the load must replace them
+    _load(sharded, opt, source)
+    loaded = sharded.full_state_dict()
+    if save_to is not None:
+        _save(sharded, opt, save_to)
+    return {"loaded": loaded, "losses": [_step(sharded, opt, b) for b in _batches(4)[2:]]}
+
+
+def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, str, str | None]]
+                  ) -> dict[str, Any]:
+    return {f"{source}-{policy}": _resume(os.path.join(root, source), policy,
+                                          os.path.join(root, save_to) if save_to else None)
+            for source, policy, save_to in cases}
+
+
+@cache
+def runs() -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="fxshard-ckpt-")
+    try:
+        out: dict[str, Any] = {"save": run_ranks(save_worker, 2, root)[0]}
+        out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
+        out[2] = run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
+                                                    ("ckpt3", "block", None)])[0]
+        out[1] = run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _assert_equal_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("world_size,case", [(2, "ckpt2-block"), (2, "ckpt2-size_zero2"),
+                                             (3, "ckpt2-block"), (1, "ckpt2-block"), (2, "ckpt3-block")])
+def test_resume_loads_the_saved_parameters_bitwise(world_size: int, case: str) -> None:
+    _assert_equal_state(runs()[world_size][case]["loaded"], runs()["save"]["saved"])
+
+
+@pytest.mark.parametrize("world_size,case", [(2, "ckpt2-block"), (2, "ckpt2-size_zero2"), (2, "ckpt3-block")])
+def test_resume_at_two_ranks_continues_bitwise(world_size: int, case: str) -> None:
+    # Same world size, another plan (other units, ZeRO-2), or a checkpoint written by 3 ranks:
+    # the next steps are the uninterrupted run's, bit for bit.
+    assert runs()[world_size][case]["losses"] == runs()["save"]["ref"]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resume_at_another_world_size_continues(world_size: int) -> None:
+    # Gradients are averaged over another number of ranks: the same sum, other rounding.
+    assert runs()[world_size]["ckpt2-block"]["losses"] == pytest.approx(runs()["save"]["ref"], rel=1e-5)
+
+
+@pytest.mark.parametrize("shape,start,stop", [((4, 3), 2, 10), ((4, 3), 0, 12), ((4, 3), 3, 9),
+                                              ((2, 3, 4), 5, 19), ((7,), 2, 5), ((2, 3, 4), 1, 2)])
+def test_boxes_tile_a_flat_range_in_order(shape: tuple[int, ...], start: int, stop: int) -> None:
+    ids = torch.arange(torch.Size(shape).numel()).view(shape)
+    pieces = [ids[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+              for off, size in boxes(shape, start, stop)]
+    assert torch.equal(torch.cat(pieces), torch.arange(start, stop))
+    assert len(pieces) <= 2 * (len(shape) - 1) + 1
+
+
+# -- bad input: every rank raises, nothing changes ---------------------------------------------
+
+
+def _unchanged(sharded: Any, opt: torch.optim.Optimizer, before: tuple[Any, Any]) -> bool:
+    full, optim = before
+    now = sharded.full_state_dict()
+    state = opt.state_dict()["state"]
+    return all(torch.equal(now[k], v) for k, v in full.items()) and all(
+        torch.equal(state[i][k], v) for i, s in optim.items() for k, v in s.items())
+
+
+def _snapshot(sharded: Any, opt: torch.optim.Optimizer) -> tuple[Any, Any]:
+    return sharded.full_state_dict(), {i: {k: v.clone() for k, v in s.items()}
+                                       for i, s in opt.state_dict()["state"].items()}
+
+
+def bad_input_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    sharded, opt = _build("block")
+    _step(sharded, opt, _batches(1)[0])
+    good = os.path.join(root, "good")
+    _save(sharded, opt, good)
+    before = _snapshot(sharded, opt)
+    errors: dict[str, str] = {}
+    unchanged: dict[str, bool] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            errors[name] = ""
+        except BaseException as e:  # DCP raises CheckpointException, a BaseException
+            errors[name] = f"{type(e).__name__}: {e}"
+        unchanged[name] = _unchanged(sharded, opt, before)
+
+    def wrong_model() -> None:  # names and shapes differ: another width, one more layer
+        torch.manual_seed(0)
+        other = fxshard.compile(TinyGPT(dim=16, layers=3), policy=by_class(Block))
+        o2 = torch.optim.AdamW(other.parameters())
+        msd, osd = fxshard.get_state_dict(other, o2)
+        fxshard.set_state_dict(sharded, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    def one_rank_missing_a_key() -> None:
+        msd, osd = fxshard.get_state_dict(sharded, opt)
+        if rank == 1:
+            del msd["blocks.1.mlp.0.weight"]
+        fxshard.set_state_dict(sharded, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    def missing_optimizer_state() -> None:
+        msd, osd = fxshard.get_state_dict(sharded, opt)
+        msd["pos.weight"] = msd["pos.weight"]  # the model half is fine
+        del osd["state"]["blocks.0.attn.qkv.weight"]
+        fxshard.set_state_dict(sharded, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    def mixed_dtypes() -> None:
+        full = sharded.full_state_dict()
+        full["ln_f.weight"] = full["ln_f.weight"].to(torch.bfloat16)
+        fxshard.set_model_state_dict(sharded, full)
+
+    def truncated_file() -> None:
+        broken = os.path.join(root, "broken")
+        if rank == 0:
+            shutil.copytree(good, broken)
+            shard = sorted(Path(broken).glob("*.distcp"))[-1]
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        dist.barrier()
+        _load(sharded, opt, broken)
+
+    def checkpoint_of_another_model() -> None:
+        other_dir = os.path.join(root, "other")
+        torch.manual_seed(0)
+        other = fxshard.compile(TinyGPT(dim=16), policy=by_class(Block))
+        _save(other, torch.optim.AdamW(other.parameters()), other_dir)
+        _load(sharded, opt, other_dir)
+
+    for name, fn in [("wrong_model", wrong_model), ("one_rank_missing_a_key", one_rank_missing_a_key),
+                     ("missing_optimizer_state", missing_optimizer_state), ("mixed_dtypes", mixed_dtypes),
+                     ("truncated_file", truncated_file),
+                     ("checkpoint_of_another_model", checkpoint_of_another_model)]:
+        attempt(name, fn)
+    _load(sharded, opt, good)  # still loads after all that
+    return {"errors": errors, "unchanged": unchanged, "after": _unchanged(sharded, opt, before)}
+
+
+@cache
+def bad_input_results() -> list[dict[str, Any]]:
+    root = tempfile.mkdtemp(prefix="fxshard-ckpt-bad-")
+    try:
+        return run_ranks(bad_input_worker, 2, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+BAD = {
+    "wrong_model": r"StateDictError: .*nothing was changed.*'blocks.0.attn.qkv.weight': shape \(48, 16\) where "
+                   r"the model has \(96, 32\).*unexpected keys \(not in this model\): \['blocks.2",
+    "one_rank_missing_a_key": r"StateDictError: .*rank 1: missing parameter 'blocks.1.mlp.0.weight'",
+    "missing_optimizer_state": r"StateDictError: loading the optimizer state.*missing optimizer state for "
+                               r"parameter 'blocks.0.attn.qkv.weight'",
+    "mixed_dtypes": r"StateDictError: .*'ln_f.weight': dtype torch.bfloat16 where the model's shards are torch.float32",
+    "truncated_file": r"CheckpointException",
+    "checkpoint_of_another_model": r"CheckpointException.*[Ss]ize mismatch|CheckpointException.*shape",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises_on_every_rank_and_changes_nothing(name: str) -> None:
+    for r in bad_input_results():
+        assert r["errors"][name], f"{name}: no error"
+        assert re.search(BAD[name], r["errors"][name], re.DOTALL), r["errors"][name]
+        assert r["unchanged"][name], f"{name}: the model or optimizer changed"
+        assert r["after"]
