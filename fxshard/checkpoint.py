@@ -16,15 +16,30 @@ world size or policy::
 
 ``StateDictOptions(full_state_dict=True)`` gives full tensors (a collective),
 with ``cpu_offload=True`` on rank 0 only, as torch does.
+
+``save(path, model, optimizers)`` and ``load(path, model, optimizers)`` do the
+above with two guarantees plain DCP calls lack: a save is atomic (written
+next to ``path``, renamed into place when every rank is done, so a crash
+leaves the previous checkpoint at ``path`` whole), and a load compares the
+checkpoint's names, shapes and dtypes with the model's first and lists every
+difference, on every rank, before anything is read.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
@@ -39,6 +54,8 @@ __all__ = [
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
+    "load",
+    "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
@@ -134,3 +151,90 @@ def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
     optimizer_load = state.prepare_optimizer_state(driver, opts, optim_state_dict)
     state.commit_optimizer_state(optimizer_load)
     return state.commit_model_state(model_load)
+
+
+# -- save and load with DCP ----------------------------------------------------------------------
+
+
+def _barrier(model: nn.Module) -> None:
+    world = sharding_of(model)[1].world
+    if world.group is not None and world.size > 1:
+        dist.barrier(group=world.group)
+
+
+def save(path: str | os.PathLike[str], model: nn.Module,
+         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> None:
+    """Save a sharded checkpoint of ``model`` (and ``optimizers``) with DCP, atomically.
+
+    Every rank writes its own pieces into ``PATH.partial``; once all are done,
+    rank 0 renames it to ``path`` (a previous checkpoint there is replaced only
+    then). A collective: every rank calls it.
+    """
+    _, driver = sharding_of(model)
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    if driver.world.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
+    _barrier(model)
+    msd, osd = get_state_dict(model, optimizers)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial))
+    _barrier(model)  # every rank's files are written (DCP writes .metadata last, on rank 0)
+    if driver.world.rank == 0:
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.rename(old)
+        partial.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(model)
+
+
+def _differences(expected: dict[str, Any], path: Path) -> list[str]:
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the same answer
+        return [f"{path} is not a readable DCP checkpoint ({type(e).__name__}: {e})"]
+    saved = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(expected)
+    problems = []
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        md = saved.get(key)
+        if md is None:
+            problems.append(f"{key}: not in the checkpoint")
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key}: the checkpoint holds a non-tensor there")
+            continue
+        shape = tuple(value.metadata().size) if isinstance(value, ShardedTensor) else tuple(value.shape)
+        dtype = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else value.dtype
+        if tuple(md.size) != shape:
+            problems.append(f"{key}: shape {tuple(md.size)} in the checkpoint, {shape} in the model")
+        elif md.properties.dtype != dtype:
+            problems.append(f"{key}: dtype {md.properties.dtype} in the checkpoint, {dtype} in the model")
+    extra = sorted(k for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and k not in flat)
+    if extra:
+        problems.append(f"in the checkpoint but not in the model: {extra}")
+    return problems
+
+
+def load(path: str | os.PathLike[str], model: nn.Module,
+         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> None:
+    """Load a checkpoint written by :func:`save` (or by ``dcp.save`` of ``get_state_dict``'s
+    values under "model" and "optim"), at any world size or policy.
+
+    Every rank first compares the checkpoint's names, shapes and dtypes with the
+    model's and raises a ``StateDictError`` listing all differences; the values
+    are read into copies, so a read that fails (a truncated file) changes nothing.
+    """
+    _, driver = sharding_of(model)
+    opts = _optimizers(optimizers)
+    msd, osd = get_state_dict(model, opts)
+    requested: dict[str, Any] = {"model": msd, "optim": osd} if opts else {"model": msd}
+    state.agree_on(_differences(requested, Path(path)), driver, f"loading checkpoint {path}")
+    dcp.load(requested, checkpoint_id=str(path))
+    if opts:
+        set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
+    else:
+        set_model_state_dict(model, msd)

@@ -213,12 +213,39 @@ def bad_input_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         _save(other, torch.optim.AdamW(other.parameters()), other_dir)
         _load(sharded, opt, other_dir)
 
+    def listed_by_fxshard_load() -> None:
+        fxshard.checkpoint.load(os.path.join(root, "other"), sharded, opt)
+
+    def save_that_fails_on_one_rank() -> None:
+        atomic = os.path.join(root, "atomic")
+        fxshard.checkpoint.save(atomic, sharded, opt)
+        _step(sharded, opt, _batches(2)[1])  # new state, which the failed save must not leave
+        write = dcp.FileSystemWriter.write_data
+
+        def fail(self: Any, plan: Any, planner: Any) -> Any:
+            if rank == 1:
+                raise OSError("disk full (simulated)")
+            return write(self, plan, planner)
+
+        dcp.FileSystemWriter.write_data = fail  # type: ignore[method-assign]
+        try:
+            fxshard.checkpoint.save(atomic, sharded, opt)
+        finally:
+            dcp.FileSystemWriter.write_data = write  # type: ignore[method-assign]
+
+    def load_after_failed_save() -> None:
+        fxshard.checkpoint.load(os.path.join(root, "atomic"), sharded, opt)  # the first save's state
+        raise RuntimeError("loaded")  # to record the state after it
+
     for name, fn in [("wrong_model", wrong_model), ("one_rank_missing_a_key", one_rank_missing_a_key),
                      ("missing_optimizer_state", missing_optimizer_state), ("mixed_dtypes", mixed_dtypes),
                      ("truncated_file", truncated_file),
-                     ("checkpoint_of_another_model", checkpoint_of_another_model)]:
+                     ("checkpoint_of_another_model", checkpoint_of_another_model),
+                     ("listed_by_fxshard_load", listed_by_fxshard_load)]:
         attempt(name, fn)
-    _load(sharded, opt, good)  # still loads after all that
+    attempt("save_that_fails_on_one_rank", save_that_fails_on_one_rank)
+    attempt("load_after_failed_save", load_after_failed_save)  # unchanged: the state of `good`
+    fxshard.checkpoint.load(good, sharded, opt)  # still loads after all that
     return {"errors": errors, "unchanged": unchanged, "after": _unchanged(sharded, opt, before)}
 
 
@@ -239,7 +266,12 @@ BAD = {
                                r"parameter 'blocks.0.attn.qkv.weight'",
     "mixed_dtypes": r"StateDictError: .*'ln_f.weight': dtype torch.bfloat16 where the model's shards are torch.float32",
     "truncated_file": r"CheckpointException",
-    "checkpoint_of_another_model": r"CheckpointException.*[Ss]ize mismatch|CheckpointException.*shape",
+    "checkpoint_of_another_model": r"CheckpointException.*Size mismatch",
+    "listed_by_fxshard_load": r"StateDictError: loading checkpoint .*nothing was changed.*"
+                              r"model.tok.weight: shape \(61, 16\) in the checkpoint, \(61, 32\) in the model.*"
+                              r"model.pos.weight: shape \(16, 16\) in the checkpoint, \(16, 32\)",
+    "save_that_fails_on_one_rank": r"CheckpointException.*disk full \(simulated\)",
+    "load_after_failed_save": r"RuntimeError: loaded",
 }
 
 
@@ -248,5 +280,8 @@ def test_bad_input_raises_on_every_rank_and_changes_nothing(name: str) -> None:
     for r in bad_input_results():
         assert r["errors"][name], f"{name}: no error"
         assert re.search(BAD[name], r["errors"][name], re.DOTALL), r["errors"][name]
-        assert r["unchanged"][name], f"{name}: the model or optimizer changed"
+        # The failing save's test trains a step first; load_after_failed_save then checks
+        # that the checkpoint the failed save would have replaced still holds the old state.
+        assert r["unchanged"][name] or name == "save_that_fails_on_one_rank", \
+            f"{name}: the model or optimizer changed"
         assert r["after"]

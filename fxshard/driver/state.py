@@ -174,14 +174,17 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def _agree_on(problems: list[str], driver: Driver, what: str) -> None:
+def agree_on(problems: list[str], driver: Driver, what: str) -> None:
     """Raise on every rank when any rank found a problem (a collective when sharded)."""
     world = driver.world
     found = [problems]
     if world.group is not None and world.size > 1 and dist.get_backend(world.group) != "fake":
         found = [[] for _ in range(world.size)]
         dist.all_gather_object(found, problems, group=world.group)
-    lines = [f"rank {r}: {p}" if world.size > 1 else p for r, ps in enumerate(found) for p in ps]
+    if all(ps == found[0] for ps in found):  # the same on every rank: say it once
+        lines = list(found[0])
+    else:
+        lines = [f"rank {r}: {p}" for r, ps in enumerate(found) for p in ps]
     if lines:
         shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
         raise StateDictError(f"{what}: the state dict does not fit, nothing was changed:\n  {shown}")
@@ -267,7 +270,7 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
     missing = sorted(k for k in expected if k not in state)
     if strict and unexpected:
         problems.append(f"unexpected keys (not in this model): {unexpected}")
-    _agree_on(problems, driver, "loading the model state")
+    agree_on(problems, driver, "loading the model state")
     return (updates, [(b, state[name]) for name, b in buffers.items() if name in state],
             _IncompatibleKeys(missing, unexpected))
 
@@ -422,7 +425,7 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         problems.append("an optimizer state dict has 'state' and 'param_groups' (from "
                         "fxshard.get_optimizer_state_dict / get_state_dict)")
-        _agree_on(problems, driver, "loading the optimizer state")
+        agree_on(problems, driver, "loading the optimizer state")
     saved: Mapping[str, Any] = state_dict["state"]
     hyper: dict[str, dict[str, Any]] = {}
     for pg in state_dict["param_groups"]:
@@ -450,7 +453,7 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
                 found = {}
             new_groups.append({**found, "params": positions})
         loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
-    _agree_on(problems, driver, "loading the optimizer state")
+    agree_on(problems, driver, "loading the optimizer state")
     return loads
 
 
