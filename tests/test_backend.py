@@ -121,12 +121,34 @@ def _no_sync(name: str, rank: int, fsdp2_name: bool) -> dict[str, Any]:
             "ref": {k: v.detach() for k, v in ddp.module.named_parameters()}}
 
 
+def _state_dicts(rank: int) -> dict[str, Any]:
+    """fxshard's state-dict functions on a backend-compiled model: full and sharded, get and set."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    full = StateDictOptions(full_state_dict=True)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model).state_dict()
+    other = TinyGPT().state_dict()  # other weights (the generator moved on)
+    compiled = torch.compile(model, backend=fxshard.backend(policy=by_class(nn.Linear)), dynamic=False)
+    fxshard.parameters(compiled)
+    sharded = fxshard.get_model_state_dict(compiled)  # copies of this rank's pieces
+    first = fxshard.get_model_state_dict(compiled, options=full)
+    fxshard.set_model_state_dict(compiled, other)  # full tensors are accepted too
+    after_other = fxshard.get_model_state_dict(compiled, options=full)
+    fxshard.set_model_state_dict(compiled, sharded)
+    return {"reference": reference, "other": other, "first": first, "after_other": after_other,
+            "restored": fxshard.get_model_state_dict(compiled, options=full)}
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("gpt", "mlp", "broken"):
         torch._dynamo.reset()
         out[name] = _train(name, rank)
     if world_size == 2:  # no_sync and Inductor compute, in the same spawn
+        torch._dynamo.reset()
+        out["state_dicts"] = _state_dicts(rank)
         for name, fsdp2_name in (("gpt", False), ("broken", True)):
             torch._dynamo.reset()
             out[f"no_sync_{name}"] = _no_sync(name, rank, fsdp2_name)
@@ -168,6 +190,16 @@ def test_no_sync_matches_ddp_and_communicates_no_gradient(name: str) -> None:
                                    rtol=1e-5, atol=1e-6)
         for k, v in r["ref"].items():
             torch.testing.assert_close(r["full"][k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_state_dicts_of_a_backend_compiled_model() -> None:
+    for r in (res["state_dicts"] for res in results(2)):
+        for key in ("first", "restored"):
+            assert r[key].keys() == r["reference"].keys()
+            for k, v in r["reference"].items():
+                assert torch.equal(r[key][k], v), (key, k)
+        for k, v in r["other"].items():
+            assert torch.equal(r["after_other"][k], v), k
 
 
 def test_inductor_compute_matches_ddp() -> None:
