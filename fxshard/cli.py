@@ -163,9 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
     ps = sub.add_parser("passes", help="the pass list of every graph, and why each pass is where it is")
     ps.add_argument("--option", action="append", default=[], help="option key=value, as for explain")
+    co = sub.add_parser("consolidate", help="a sharded checkpoint to one file of full weights")
+    co.add_argument("checkpoint", help="a DCP checkpoint directory (fxshard.checkpoint.save)")
+    co.add_argument("out", help="the file to write: the model's full state dict, original names")
+    co.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    co.add_argument("--optimizer", action="store_true", help="also write the optimizer state to OUT.optim")
     args = parser.parse_args(argv)
     if args.command == "passes":
         return _passes(args.option)
+    if args.command == "consolidate":
+        from fxshard.consolidate import consolidate
+
+        try:
+            written = consolidate(args.checkpoint, args.out, format=args.format, optimizer=args.optimizer)
+        except FxShardError as e:
+            print(f"fxshard consolidate: error: {e}", file=sys.stderr)
+            return 2
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
     try:
         module, factory = load_factory(args.factory)
         if args.no_meta:

@@ -3,6 +3,7 @@ policy, and bad input that changes nothing, on real gloo ranks."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -94,15 +95,13 @@ def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, 
 @cache
 def runs() -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fxshard-ckpt-")
-    try:
-        out: dict[str, Any] = {"save": run_ranks(save_worker, 2, root)[0]}
-        out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
-        out[2] = run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
-                                                    ("ckpt3", "block", None)])[0]
-        out[1] = run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
-        return out
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # the consolidation tests read ckpt2
+    out: dict[str, Any] = {"save": run_ranks(save_worker, 2, root)[0], "root": root}
+    out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
+    out[2] = run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
+                                                ("ckpt3", "block", None)])[0]
+    out[1] = run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
+    return out
 
 
 def _assert_equal_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -128,6 +127,35 @@ def test_resume_at_two_ranks_continues_bitwise(world_size: int, case: str) -> No
 def test_resume_at_another_world_size_continues(world_size: int) -> None:
     # Gradients are averaged over another number of ranks: the same sum, other rounding.
     assert runs()[world_size]["ckpt2-block"]["losses"] == pytest.approx(runs()["save"]["ref"], rel=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_consolidate_writes_the_full_model_that_loads_strictly(fmt: str, tmp_path: Path) -> None:
+    from fxshard.cli import main
+
+    out = tmp_path / f"model.{fmt}"
+    ckpt = os.path.join(runs()["root"], "ckpt2")
+    assert main(["consolidate", ckpt, str(out), "--format", fmt, "--optimizer"]) == 0
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    else:
+        state = torch.load(out, weights_only=True)
+    plain = TinyGPT()
+    plain.load_state_dict(state, strict=True)
+    _assert_equal_state(plain.state_dict(), runs()["save"]["saved"])
+    optim = torch.load(f"{out}.optim", weights_only=True)
+    assert optim["param_groups"][0]["lr"] == 1e-2
+    assert optim["state"]["blocks.0.attn.qkv.weight"]["exp_avg"].shape == (96, 32)
+    assert set(optim["state"]) == {n for n, _ in TinyGPT().named_parameters()}
+
+
+def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path: Path, capsys: Any) -> None:
+    from fxshard.cli import main
+
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")]) == 2
+    assert "is not a readable DCP checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shape,start,stop", [((4, 3), 2, 10), ((4, 3), 0, 12), ((4, 3), 3, 9),
@@ -285,3 +313,38 @@ def test_bad_input_raises_on_every_rank_and_changes_nothing(name: str) -> None:
         assert r["unchanged"][name] or name == "save_that_fails_on_one_rank", \
             f"{name}: the model or optimizer changed"
         assert r["after"]
+
+
+_RSS_SCRIPT = """
+import sys, torch
+import torch.distributed.checkpoint as dcp
+from fxshard.consolidate import consolidate
+dcp.FileSystemReader(sys.argv[1]).read_metadata()
+with open("/proc/self/status") as f:
+    before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+with open("/proc/self/clear_refs", "w") as f:  # the peak from here on, not the imports'
+    f.write("5")
+consolidate(sys.argv[1], sys.argv[2], format="safetensors")
+with open("/proc/self/status") as f:
+    print(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - before)
+"""
+
+
+def test_consolidate_streams_one_tensor_at_a_time(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # 32 tensors of 4 MiB: the consolidation's peak grows with the largest tensor (DCP reads
+    # an item whole, then copies it into place: a few of them), not with the 128 MiB of all.
+    state = {f"layer{i}.weight": torch.full((1024, 1024), float(i)) for i in range(32)}
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    del state
+    done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(ckpt), str(tmp_path / "out")],
+                          capture_output=True, text=True, check=True)
+    growth = int(done.stdout.split()[-1])
+    assert growth < 32 * 1024 * 1024 * 4 / 3, growth
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "out")
+    assert all(torch.equal(out[f"layer{i}.weight"], torch.full((1024, 1024), float(i))) for i in range(32))

@@ -1,0 +1,148 @@
+"""``fxshard consolidate CKPT_DIR OUT``: a sharded DCP checkpoint to one file of ordinary weights.
+
+The model's full state dict under the original names, as ``torch.save`` writes
+it (default) or as a ``safetensors`` file; with ``--optimizer`` also the
+optimizer state (torch's FQN-keyed format) in ``OUT.optim``. One process, no
+process group.
+
+Streaming: the checkpoint's metadata gives every tensor's name, shape and
+dtype up front, so the output's layout is known before anything is read.
+Each tensor is then read alone (``dcp.load`` of that one key, which reads and
+assembles its pieces from every rank's file) straight into its place:
+
+- safetensors: the header is written first, then each tensor's bytes at its
+  offset; one tensor is in memory at a time.
+- torch.save: every tensor is a view of one file-backed buffer
+  (``torch.from_file(shared=True)``), so what has been read lives in the page
+  cache, which the kernel writes back and drops as it needs to, not in the
+  process's own memory; ``torch.save`` then copies the buffer into the archive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+from fxshard.ir.errors import FxShardError
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_ALIGN = 64  # bytes: every tensor in the torch.save buffer starts aligned for its dtype
+
+
+def _tensors(metadata: Any, prefix: str) -> list[tuple[str, TensorStorageMetadata]]:
+    return [(key, md) for key, md in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+
+
+def _read_into(reader_dir: str, key: str, out: torch.Tensor) -> None:
+    """Read one tensor of the checkpoint (all its pieces) into ``out``, in place."""
+    dcp.load({key: out}, storage_reader=dcp.FileSystemReader(reader_dir), no_dist=True)
+
+
+def _write_safetensors(directory: str, entries: list[tuple[str, str, TensorStorageMetadata]],
+                       out: Path) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "fxshard consolidate"}}
+    offset = 0
+    for name, _, md in entries:
+        if md.properties.dtype not in _SAFETENSORS_DTYPES:
+            raise FxShardError(f"{name}: dtype {md.properties.dtype} has no safetensors name; "
+                               "use --format torch")
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for _, key, md in entries:
+            tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            _read_into(directory, key, tensor)
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy
+            del tensor
+
+
+def _file_backed(entries: list[tuple[str, str, TensorStorageMetadata]], backing: Path
+                 ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """One view per entry into a file-backed buffer (created at ``backing``)."""
+    spans = []
+    offset = 0
+    for name, key, md in entries:
+        offset += -offset % _ALIGN
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        spans.append((name, key, md, offset, nbytes))
+        offset += nbytes
+    buffer = torch.from_file(str(backing), shared=True, size=max(offset, 1), dtype=torch.uint8)
+    for name, key, md, start, nbytes in spans:
+        yield name, key, buffer[start:start + nbytes].view(md.properties.dtype).view(tuple(md.size))
+
+
+def _set_path(root: dict[str, Any], path: list[str], value: Any) -> None:
+    node = root
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+
+
+def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                format: str = "torch", optimizer: bool = False) -> list[Path]:
+    """Write the model's full state dict from a sharded checkpoint; returns the files written."""
+    directory = str(checkpoint)
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the same answer
+        raise FxShardError(f"{directory} is not a readable DCP checkpoint "
+                           f"({type(e).__name__}: {e})") from None
+    model = [(key[len("model."):], key, md) for key, md in _tensors(metadata, "model.")]
+    if not model:
+        raise FxShardError(f"{directory} has no tensors under 'model.': write checkpoints with "
+                           "fxshard.checkpoint.save, or dcp.save({'model': msd, ...})")
+    target = Path(out)
+    written = [target]
+    if format == "safetensors":
+        _write_safetensors(directory, model, target)
+    elif format == "torch":
+        _save_file_backed(directory, model, target, nested=False)
+    else:
+        raise FxShardError(f"unknown format {format!r}: 'torch' or 'safetensors'")
+    if optimizer:
+        optim = [(key[len("optim."):], key, md) for key, md in _tensors(metadata, "optim.")]
+        if not optim:
+            raise FxShardError(f"{directory} has no optimizer state (no 'optim.' keys)")
+        extra = target.with_name(target.name + ".optim")
+        groups = _load_state_dict_from_keys(
+            {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
+            checkpoint_id=directory)
+        _save_file_backed(directory, optim, extra, nested=True, planner_data=metadata.planner_data,
+                          extra=groups.get("optim", {}))
+        written.append(extra)
+    return written
+
+
+def _save_file_backed(directory: str, entries: list[tuple[str, str, TensorStorageMetadata]], out: Path,
+                      nested: bool, planner_data: Any = None, extra: dict[str, Any] | None = None) -> None:
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        result: dict[str, Any] = dict(extra or {})
+        for name, key, view in _file_backed(entries, Path(scratch) / "buffer"):
+            _read_into(directory, key, view)
+            if nested and planner_data and key in planner_data:  # the path DCP flattened
+                _set_path(result, [str(p) for p in planner_data[key][1:]], view)
+            else:
+                result[name] = view
+        torch.save(result, out)
