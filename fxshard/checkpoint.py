@@ -45,6 +45,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fxshard.backend import sharding_of
 from fxshard.driver import state
+from fxshard.driver.runtime import slot_overlap
 from fxshard.driver.state import StateDictError
 from fxshard.ir.errors import FxShardError
 
@@ -55,6 +56,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_state_dict",
     "load",
+    "load_safetensors",
     "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
@@ -238,3 +240,85 @@ def load(path: str | os.PathLike[str], model: nn.Module,
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
     else:
         set_model_state_dict(model, msd)
+
+
+# -- pretrained weights -------------------------------------------------------------------------
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FxShardError(f"{path} holds no *.safetensors files")
+        return files
+    if not path.exists():
+        raise FxShardError(f"{path} does not exist: pass a .safetensors file or a directory of them")
+    return [path]
+
+
+def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> _IncompatibleKeys:
+    """Load pretrained weights from a ``.safetensors`` file, or a directory of shards (a Hugging
+    Face checkpoint), reading only this rank's pieces of each parameter.
+
+    For a model built on the meta device and sharded by ``fxshard.compile`` (or
+    ``fxshard.parameters``): no rank ever holds more than its shards and one
+    piece being read. Names are the module's; a tied parameter may appear under
+    any of its names (Hugging Face saves one). Values are cast to the shards'
+    dtype, as ``load_state_dict`` does. Names and shapes are checked on every rank
+    before anything changes.
+    """
+    from safetensors import safe_open
+
+    module, driver = sharding_of(model)
+    files = _safetensors_files(Path(path))
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    problems: list[str] = []
+    plan, rank = driver.plan, driver.world.rank
+    reads: list[tuple[int, int, int, str, list[state.Box]]] = []  # group, start in shard, slot, name, boxes
+    expected: set[str] = set()
+    missing: list[str] = []
+    for group in plan.groups:
+        lo = group.shard_range(rank)[0]
+        for i, slot in enumerate(group.params):
+            expected.update(slot.names)
+            name = next((n for n in slot.names if n in where), None)
+            if name is None:
+                missing.append(slot.name)
+                if strict:
+                    problems.append(f"missing parameter {slot.name!r}")
+                continue
+            shape = tuple(where[name].get_slice(name).get_shape())
+            if shape != slot.shape:
+                problems.append(f"{name!r}: shape {shape} in the file, {slot.shape} in the model")
+                continue
+            span = slot_overlap(group, slot.offset, slot.numel, rank)
+            if span is not None:
+                reads.append((group.index, span[0] - lo, i, name,
+                              state.boxes(slot.shape, span[0] - slot.offset, span[1] - slot.offset)))
+    buffers = state.persistent_buffers(module)
+    expected.update(buffers)
+    for name, buffer in buffers.items():
+        if name in where and tuple(where[name].get_slice(name).get_shape()) != tuple(buffer.shape):
+            problems.append(f"buffer {name!r}: shape {tuple(where[name].get_slice(name).get_shape())} "
+                            f"in the file, {tuple(buffer.shape)} in the model")
+        elif name not in where:
+            missing.append(name)
+            if strict:
+                problems.append(f"missing buffer {name!r}")
+    unexpected = sorted(n for n in where if n not in expected)
+    if strict and unexpected:
+        problems.append(f"in the file but not in the model: {unexpected}")
+    state.agree_on(problems, driver, f"loading {path}")
+    with torch.no_grad():
+        for index, start, _, name, pieces in reads:
+            shard = driver.shards[index]
+            for offsets, sizes in pieces:
+                piece = where[name].get_slice(name)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                n = piece.numel()
+                shard[start:start + n].copy_(piece.reshape(-1))
+                start += n
+        for name, buffer in buffers.items():
+            if name in where:
+                buffer.copy_(where[name].get_tensor(name))
+    return _IncompatibleKeys(sorted(missing), unexpected)

@@ -348,3 +348,78 @@ def test_consolidate_streams_one_tensor_at_a_time(tmp_path: Path) -> None:
 
     out = load_file(tmp_path / "out")
     assert all(torch.equal(out[f"layer{i}.weight"], torch.full((1024, 1024), float(i))) for i in range(32))
+
+
+# -- pretrained safetensors into a meta-built model ------------------------------------------------
+
+
+def _write_hf_style(model: nn.Module, directory: Path) -> None:
+    """Two shard files, the tied output embedding saved once (as Hugging Face does)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    names = sorted(state)
+    directory.mkdir()
+    save_file({k: state[k] for k in names[::2]}, str(directory / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in names[1::2]}, str(directory / "model-00002-of-00002.safetensors"))
+
+
+def safetensors_worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    import safetensors
+
+    read = [0]
+    opened = safetensors.safe_open
+
+    class Counting:  # counts the elements this rank reads
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = opened(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def get_slice(self, name: str) -> Any:
+            inner = self.inner.get_slice(name)
+
+            class Slice:
+                def get_shape(self) -> Any:
+                    return inner.get_shape()
+
+                def __getitem__(self, index: Any) -> torch.Tensor:
+                    piece = inner[index]
+                    read[0] += piece.numel()
+                    return piece
+
+            return Slice()
+
+    safetensors.safe_open = Counting  # type: ignore[misc,assignment]
+    with torch.device("meta"):
+        model = TinyGPT()
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    result = fxshard.checkpoint.load_safetensors(sharded, directory)
+    return {"full": sharded.full_state_dict(), "read": read[0], "missing": result.missing_keys,
+            "shard_numel": sum(s.numel() for s in sharded.parameters())}
+
+
+def test_pretrained_safetensors_load_into_a_meta_model_reading_only_this_ranks_pieces(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    reference = TinyGPT()
+    _write_hf_style(reference, tmp_path / "hf")
+    results = run_ranks(safetensors_worker, 2, str(tmp_path / "hf"))
+    total = sum(p.numel() for p in reference.parameters())
+    for r in results:
+        _assert_equal_state(r["full"], reference.state_dict())
+        assert r["missing"] == []
+        assert 0 < r["read"] <= r["shard_numel"] < total  # its own pieces, never a whole tensor set
+    assert sum(r["read"] for r in results) == total
+
+
+def test_pretrained_safetensors_of_another_model_are_refused_by_name(tmp_path: Path) -> None:
+    _write_hf_style(TinyGPT(dim=16), tmp_path / "hf")
+    sharded = fxshard.compile(TinyGPT(), policy=by_class(Block))
+    before = sharded.full_state_dict()
+    with pytest.raises(fxshard.checkpoint.StateDictError,
+                       match=r"(?s)'pos.weight': shape \(16, 16\) in the file, \(16, 32\) in the model"):
+        fxshard.checkpoint.load_safetensors(sharded, tmp_path / "hf")
+    _assert_equal_state(sharded.full_state_dict(), before)
+    with pytest.raises(fxshard.FxShardError, match="does not exist"):
+        fxshard.checkpoint.load_safetensors(sharded, tmp_path / "nothing")
