@@ -423,3 +423,37 @@ def test_pretrained_safetensors_of_another_model_are_refused_by_name(tmp_path: P
     _assert_equal_state(sharded.full_state_dict(), before)
     with pytest.raises(fxshard.FxShardError, match="does not exist"):
         fxshard.checkpoint.load_safetensors(sharded, tmp_path / "nothing")
+
+
+# -- a save killed on one rank ---------------------------------------------------------------------
+
+
+def killed_save_worker(rank: int, world_size: int, path: str) -> None:
+    sharded, opt = _build("block")
+    _step(sharded, opt, _batches(1)[0])
+    fxshard.checkpoint.save(path, sharded, opt)
+    torch.save(sharded.full_state_dict(), f"{path}-expected-{rank}.pt")
+    _step(sharded, opt, _batches(2)[1])
+    write = dcp.FileSystemWriter.write_data
+
+    def die(self: Any, plan: Any, planner: Any) -> Any:
+        if rank == 1:
+            os._exit(1)  # the process is killed mid-save
+        return write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = die  # type: ignore[method-assign]
+    fxshard.checkpoint.save(path, sharded, opt)
+
+
+def load_worker(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    sharded, opt = _build("size_zero2", seed=1)
+    fxshard.checkpoint.load(path, sharded, opt)
+    return sharded.full_state_dict()
+
+
+def test_a_save_killed_on_one_rank_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(Exception, match="process 1 terminated with exit code 1"):
+        run_ranks(killed_save_worker, 2, path)
+    assert os.path.exists(path + ".partial")  # the killed save's files, never renamed into place
+    _assert_equal_state(run_ranks(load_worker, 2, path)[0], torch.load(f"{path}-expected-0.pt"))
