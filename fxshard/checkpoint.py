@@ -52,6 +52,7 @@ from fxshard.ir.errors import FxShardError
 __all__ = [
     "StateDictError",
     "StateDictOptions",
+    "StagedCopies",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
@@ -156,6 +157,26 @@ def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
 
 
 # -- save and load with DCP ----------------------------------------------------------------------
+
+
+class StagedCopies:
+    """``dcp.async_save(..., async_stager=fxshard.checkpoint.StagedCopies(),
+    process_group=dist.new_group(backend="gloo"))``: the values of fxshard's state dicts are
+    copies already, so there is nothing to stage (DCP's default stager cannot copy a
+    ShardedTensor) and training may go on while they are written. The save needs a process
+    group of its own: its collectives run on a thread while training's run on the main one."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 
 def _barrier(model: nn.Module) -> None:
