@@ -2,6 +2,8 @@
 
     python examples/gpt.py                        # 2 CPU ranks, spawned here
     torchrun --nproc_per_node=2 examples/gpt.py   # one process per rank
+    python examples/gpt.py --checkpoint ckpt      # save a sharded checkpoint every 50 steps
+    python examples/gpt.py --checkpoint ckpt --resume --nproc 3   # go on, at any world size
 
 Prints a tqdm progress bar, tokens per second, the plan and fxshard's report
 (predicted peak memory and bytes communicated per step), and a sample.
@@ -83,7 +85,13 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         windows = torch.stack([data[s:s + args.seq + 1] for s in starts])
         return windows[:, :-1], windows[:, 1:]
 
-    steps = tqdm(range(args.steps), disable=rank != 0, desc="training")
+    first = 0
+    if args.resume:
+        extra = fxshard.checkpoint.load(args.checkpoint, sharded, opt)
+        first = extra["step"] if extra else 0
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {first} on {world_size} ranks")
+    steps = tqdm(range(first, args.steps), disable=rank != 0, desc="training")
     start, tokens = time.perf_counter(), 0
     for step in steps:
         x, y = batch()
@@ -92,9 +100,11 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         tokens += x.numel() * world_size
-        if step == 0:
+        if step == first:
             start, tokens = time.perf_counter(), 0  # the first step traces; time the rest
         steps.set_postfix(loss=f"{loss.item():.3f}")
+        if args.checkpoint and (step + 1 == args.steps or (step + 1) % args.save_every == 0):
+            fxshard.checkpoint.save(args.checkpoint, sharded, opt, extra={"step": step + 1})
     elapsed = time.perf_counter() - start
     if rank == 0:
         rate = tokens / elapsed if elapsed > 0 else math.nan
@@ -126,7 +136,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--sample", type=int, default=60, help="characters to generate (0: none)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--checkpoint", default=None, help="directory of the sharded checkpoint to save")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="load --checkpoint first and go on from its step")
     args = p.parse_args()
+    if args.resume and not args.checkpoint:
+        p.error("--resume needs --checkpoint DIR")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return

@@ -27,6 +27,8 @@ difference, on every rank, before anything is read.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -186,12 +188,15 @@ def _barrier(model: nn.Module) -> None:
 
 
 def save(path: str | os.PathLike[str], model: nn.Module,
-         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> None:
+         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
+         extra: dict[str, Any] | None = None) -> None:
     """Save a sharded checkpoint of ``model`` (and ``optimizers``) with DCP, atomically.
 
     Every rank writes its own pieces into ``PATH.partial``; once all are done,
     rank 0 renames it to ``path`` (a previous checkpoint there is replaced only
-    then). A collective: every rank calls it.
+    then). ``extra`` (the step, a data loader's position: anything JSON can hold,
+    rank 0's) is saved with it and returned by :func:`load`. A collective: every
+    rank calls it.
     """
     _, driver = sharding_of(model)
     target = Path(path)
@@ -200,7 +205,10 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
     _barrier(model)
     msd, osd = get_state_dict(model, optimizers)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial))
+    content: dict[str, Any] = {"model": msd, "optim": osd}
+    if extra is not None:
+        content["extra"] = io.BytesIO(json.dumps(extra).encode())  # DCP stores it as bytes
+    dcp.save(content, checkpoint_id=str(partial))
     _barrier(model)  # every rank's files are written (DCP writes .metadata last, on rank 0)
     if driver.world.rank == 0:
         old = target.with_name(target.name + ".old")
@@ -243,24 +251,29 @@ def _differences(expected: dict[str, Any], path: Path) -> list[str]:
 
 
 def load(path: str | os.PathLike[str], model: nn.Module,
-         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> None:
+         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> dict[str, Any] | None:
     """Load a checkpoint written by :func:`save` (or by ``dcp.save`` of ``get_state_dict``'s
     values under "model" and "optim"), at any world size or policy.
 
     Every rank first compares the checkpoint's names, shapes and dtypes with the
     model's and raises a ``StateDictError`` listing all differences; the values
     are read into copies, so a read that fails (a truncated file) changes nothing.
+    Returns the ``extra`` saved with it (None if none was).
     """
     _, driver = sharding_of(model)
     opts = _optimizers(optimizers)
     msd, osd = get_state_dict(model, opts)
     requested: dict[str, Any] = {"model": msd, "optim": osd} if opts else {"model": msd}
     state.agree_on(_differences(requested, Path(path)), driver, f"loading checkpoint {path}")
+    has_extra = "extra" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if has_extra:
+        requested["extra"] = io.BytesIO()
     dcp.load(requested, checkpoint_id=str(path))
     if opts:
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
     else:
         set_model_state_dict(model, msd)
+    return json.loads(requested["extra"].getvalue()) if has_extra else None
 
 
 # -- pretrained weights -------------------------------------------------------------------------
