@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
@@ -250,6 +251,13 @@ def _differences(expected: dict[str, Any], path: Path) -> list[str]:
     return problems
 
 
+def _last_line(failure: Any) -> str:
+    """What went wrong on one rank, from DCP's (exception, traceback) pair."""
+    error = failure[0] if isinstance(failure, tuple) else failure
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
 def load(path: str | os.PathLike[str], model: nn.Module,
          optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = ()) -> dict[str, Any] | None:
     """Load a checkpoint written by :func:`save` (or by ``dcp.save`` of ``get_state_dict``'s
@@ -268,7 +276,14 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     has_extra = "extra" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if has_extra:
         requested["extra"] = io.BytesIO()
-    dcp.load(requested, checkpoint_id=str(path))
+    try:
+        dcp.load(requested, checkpoint_id=str(path))
+    except CheckpointException as e:  # a BaseException: turned into an error callers catch
+        failures = "\n  ".join(f"rank {r}: {_last_line(f)}" for r, f in sorted(e.failures.items()))
+        raise StateDictError(
+            f"loading checkpoint {path}: reading it failed, nothing was changed:\n  {failures}\n"
+            "A file of the checkpoint is truncated or corrupted: load an earlier checkpoint."
+        ) from e
     if opts:
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
     else:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import fxshard
 from fxshard.driver.state import boxes
@@ -234,6 +235,9 @@ def bad_input_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         dist.barrier()
         _load(sharded, opt, broken)
 
+    def truncated_file_by_fxshard_load() -> None:
+        fxshard.checkpoint.load(os.path.join(root, "broken"), sharded, opt)
+
     def checkpoint_of_another_model() -> None:
         other_dir = os.path.join(root, "other")
         torch.manual_seed(0)
@@ -268,13 +272,18 @@ def bad_input_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for name, fn in [("wrong_model", wrong_model), ("one_rank_missing_a_key", one_rank_missing_a_key),
                      ("missing_optimizer_state", missing_optimizer_state), ("mixed_dtypes", mixed_dtypes),
                      ("truncated_file", truncated_file),
+                     ("truncated_file_by_fxshard_load", truncated_file_by_fxshard_load),
                      ("checkpoint_of_another_model", checkpoint_of_another_model),
                      ("listed_by_fxshard_load", listed_by_fxshard_load)]:
         attempt(name, fn)
     attempt("save_that_fails_on_one_rank", save_that_fails_on_one_rank)
     attempt("load_after_failed_save", load_after_failed_save)  # unchanged: the state of `good`
     fxshard.checkpoint.load(good, sharded, opt)  # still loads after all that
-    return {"errors": errors, "unchanged": unchanged, "after": _unchanged(sharded, opt, before)}
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"errors": errors, "unchanged": unchanged, "after": _unchanged(sharded, opt, before),
+            "full_model": fxshard.get_model_state_dict(sharded, options=full),
+            "full_optim": fxshard.get_optimizer_state_dict(sharded, opt, options=full),
+            "expected": before[0]}
 
 
 @cache
@@ -294,6 +303,8 @@ BAD = {
                                r"parameter 'blocks.0.attn.qkv.weight'",
     "mixed_dtypes": r"StateDictError: .*'ln_f.weight': dtype torch.bfloat16 where the model's shards are torch.float32",
     "truncated_file": r"CheckpointException",
+    "truncated_file_by_fxshard_load": r"StateDictError: loading checkpoint .*broken: reading it failed, "
+                                      r"nothing was changed:.*rank 1: .*corrupted",
     "checkpoint_of_another_model": r"CheckpointException.*Size mismatch",
     "listed_by_fxshard_load": r"StateDictError: loading checkpoint .*nothing was changed.*"
                               r"model.tok.weight: shape \(61, 16\) in the checkpoint, \(61, 32\) in the model.*"
@@ -480,3 +491,12 @@ def test_async_save_with_fxshards_copies(tmp_path: Path) -> None:
     # DCP's default stager cannot copy a ShardedTensor (it asks for data_ptr); the values are
     # copies already, so StagedCopies hands them over as they are.
     assert run_ranks(async_worker, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def test_full_state_dicts_offloaded_to_rank0() -> None:
+    rank0, rank1 = bad_input_results()
+    assert rank1["full_model"] == {} and rank1["full_optim"] == {}  # torch's cpu_offload: rank 0 only
+    _assert_equal_state(rank0["full_model"], rank0["expected"])
+    state = rank0["full_optim"]["state"]
+    assert state["blocks.0.attn.qkv.weight"]["exp_avg"].shape == (96, 32)
+    assert state["tok.weight"]["exp_avg"].device.type == "cpu"

@@ -317,20 +317,26 @@ def _gpt_inputs(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 61, (2, 16), generator=gen), torch.randint(0, 61, (2, 16), generator=gen)
 
 
-def _bf16_against_fsdp2(rank: int, name: str) -> dict[str, Any]:
+def _fsdp2_bf16(model: nn.Module, unit: type[nn.Module]) -> nn.Module:
+    """A copy of ``model`` under FSDP2 with bf16 compute and fp32 reduction, one unit per ``unit``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fxshard.measure import CommCounter
-
-    torch.manual_seed(0)
-    model: nn.Module = TinyGPT() if name == "gpt" else Net(dropout=False)
-    unit = Block if name == "gpt" else nn.Linear
     reference = copy.deepcopy(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for m in reference.modules():
         if isinstance(m, unit):
             fully_shard(m, mp_policy=policy)
     fully_shard(reference, mp_policy=policy)
+    return reference
+
+
+def _bf16_against_fsdp2(rank: int, name: str) -> dict[str, Any]:
+    from fxshard.measure import CommCounter
+
+    torch.manual_seed(0)
+    model: nn.Module = TinyGPT() if name == "gpt" else Net(dropout=False)
+    unit = Block if name == "gpt" else nn.Linear
+    reference = _fsdp2_bf16(model, unit)
     sharded = fxshard.compile(model, policy=by_class(unit), mixed_precision=BF16)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -387,11 +393,43 @@ def _fp16_scaler(rank: int) -> dict[str, Any]:
     return {"skipped": skipped, "unchanged_after_inf": unchanged, "scale": scaler.get_scale()}
 
 
+def _bf16_backend_against_fsdp2(rank: int) -> dict[str, Any]:
+    """The torch.compile backend with MixedPrecision, against FSDP2 with the same policy."""
+    from fxshard.driver.runtime import full_parameters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = _fsdp2_bf16(model, Block)
+    be = fxshard.backend(policy=by_class(Block), mixed_precision=BF16)
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    opt = torch.optim.AdamW(fxshard.parameters(compiled), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        x, y = _gpt_inputs(gen)
+        for m, o, out in ((compiled, opt, losses), (reference, ref_opt, ref_losses)):
+            loss = F.cross_entropy(m(x).flatten(0, -2).float(), y.flatten())
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    driver = be._modules[0].driver
+    collectives = [c for step in be.steps() for c in step.collectives]
+    return {"losses": losses, "ref_losses": ref_losses,
+            "state": full_parameters(driver.shards, driver.plan, driver.world, 60),
+            "ref_state": {k: v.full_tensor() for k, v in reference.named_parameters()},
+            "gathered": {c.dtype for c in collectives if c.kind == "all_gather"},
+            "reduced": {c.dtype for c in collectives if c.kind == "reduce_scatter"}}
+
+
 def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
     if world_size == 2:
         results["net"] = _bf16_against_fsdp2(rank, "net")
         results["fp16"] = _fp16_scaler(rank)
+        results["backend"] = _bf16_backend_against_fsdp2(rank)
     return results
 
 
@@ -418,6 +456,15 @@ def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
             # Never more bytes than FSDP2 (plus the ranks' 16-byte agreement).
             assert r["bytes"] <= r["ref_bytes"] + 16, (name, r["bytes"], r["ref_bytes"])
             assert r["report_bytes"]["total"] == r["bytes"]
+
+
+def test_bf16_through_the_backend_matches_fsdp2_mixed_precision() -> None:
+    for r in (res["backend"] for res in precision_results(2)):
+        assert r["gathered"] == {torch.bfloat16} and r["reduced"] == {torch.float32}
+        # Dynamo's graph of the same model: the same bf16 arithmetic, within bf16 rounding.
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-3)
+        for k, v in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-2, atol=1e-3, msg=k)
 
 
 def test_fp16_grad_scaler_skips_an_overflow_on_every_rank() -> None:
