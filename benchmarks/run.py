@@ -508,10 +508,10 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def overheads(results: list[dict[str, Any]]) -> str:
     """fxshard's safety features as ratios within the run: the agreement, and per-slot gloo groups."""
     rows = [r for r in results if r["system"].startswith("fxshard") and "failed" not in r
-            and "earlier_run" not in r and ("agreement_share" in r or "step_s_vs_fxshard" in r)]
+            and ("agreement_share" in r or "step_s_vs_fxshard" in r)]
     if not rows:
         return ""
-    lines = ["", "Overheads of fxshard's safety features, this run:", "",
+    lines = ["", "Overheads of fxshard's safety features (†: rows from the earlier run):", "",
              "| model | system | agreement ms/step | agreement ÷ step, rank 0 (each rank) | step ÷ fxshard |",
              "|---|---|---:|---:|---:|"]
     for r in rows:
@@ -521,7 +521,8 @@ def overheads(results: list[dict[str, Any]]) -> str:
             ms = f"{r['agreement_s'] * 1000:.1f}"
             share = f"{r['agreement_share']:.1%}" + (f" ({each})" if each else "")
         vs = r.get("step_s_vs_fxshard")
-        lines.append(f"| {r['model']} | {r['system']} | {ms} | {share} | {'–' if vs is None else f'{vs:.2f}'} |")
+        model = r["model"] + ("†" if "earlier_run" in r else "")
+        lines.append(f"| {model} | {r['system']} | {ms} | {share} | {'–' if vs is None else f'{vs:.2f}'} |")
     lines += ["", "Agreement: wall time inside `fxshard.driver.compiler.agree` (two 8-byte all_gathers per "
               "step) over the measured steps, as a share of those steps' time; it includes any wait for "
               "the slower rank, which the step's first collective would wait otherwise. "
