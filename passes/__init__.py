@@ -7,6 +7,7 @@ from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
+from .limit_prefetch import limit_prefetch_pass
 from .pipeline import (
     GRAPH_KINDS,
     PassSpec,
@@ -37,6 +38,7 @@ __all__ = [
     "insert_all_gather_pass",
     "insert_free_pass",
     "insert_reduce_scatter_pass",
+    "limit_prefetch_pass",
     "place_gathers_pass",
     "prefetch_gathers_pass",
     "rematerialize_params_pass",

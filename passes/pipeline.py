@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
+from fxshard.ir.options import ShardingOptions
 
 from .accumulate_in_place import accumulate_in_place_pass
 from .assign_groups import assign_groups_pass
@@ -30,6 +31,7 @@ from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
+from .limit_prefetch import limit_prefetch_pass
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
@@ -92,6 +94,7 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                               "after the gathers are placed: frees follow the final position of "
                               "every use",
                               needs=("insert_all_gather_pass",)))
+    specs += _limit(config, graph)
     specs += _separate(config)
     return specs
 
@@ -103,6 +106,15 @@ def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                      "after just-in-time placement: a prefetch moves a placed gather earlier, "
                      "as far as the in-flight limit allows",
                      needs=("place_gathers_pass",))]
+
+
+def _limit(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
+    if config.options.prefetch_mode(graph) is None or not config.options.prefetch_within_peak:
+        return []
+    return [PassSpec(limit_prefetch_pass,
+                     "after every allocation, free and reduction is placed: reads the final "
+                     "liveness; before assigning groups, which reads the final gather positions",
+                     needs=("prefetch_gathers_pass",))]
 
 
 def _separate(config: CompileConfig) -> list[PassSpec]:
@@ -145,13 +157,14 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                           "after every collective is placed: moves only compute that reads no "
                           "gathered buffer and no collective result, so no gather window, free "
                           "or reduction changes"))
+    specs += _limit(config, "backward")
     specs += _separate(config)
     return specs
 
 
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
-    everything = CompileConfig(inflight_groups=True)
+    everything = CompileConfig(inflight_groups=True, options=ShardingOptions(prefetch_within_peak=True))
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):

@@ -535,6 +535,8 @@ def _no_sync(rank: int, world_size: int, fsdp2_name: bool) -> dict[str, Any]:
                 loss.backward()
             if not last:
                 inside.append(counter.calls["reduce_scatter"])
+            else:
+                assert sharded.report().predicted_peak_bytes > 0  # a step that reduces the sums
             with contextlib.nullcontext() if last else ddp.no_sync():
                 ref_loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
                 ref_loss.backward()

@@ -10,7 +10,7 @@ alive into backward, where they die after their last use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -76,6 +76,7 @@ class Timeline:
     end: int
     peak_at: str
     curve: list[int]  # live bytes after each node, in graph order
+    highs: list[int] = field(default_factory=list)  # live bytes at each node, before its frees
 
 
 def simulate(
@@ -124,12 +125,14 @@ def simulate(
     peak, peak_at = live, "start"
     freed: set[fx.Node] = set()
     curve: list[int] = []
+    highs: list[int] = []
     for i, cur in enumerate(nodes):
         if cur.op == "call_function" and storage.get(cur, None) == cur:
             live += size.get(cur, 0)
+        highs.append(live)
         if live > peak:
             peak, peak_at = live, cur.name
-        if P.is_free(cur):
+        if P.is_free(cur) and cur.args[0] in storage:  # not a get_attr (a no_sync accumulator)
             owner = storage[cur.args[0]]
             if owner not in freed:
                 live -= size[owner]
@@ -141,4 +144,28 @@ def simulate(
         curve.append(live)
     outs = {a.name: (storage[a].name, size[storage[a]]) for a in output.all_input_nodes
             if a in storage and storage[a] not in freed and storage[a].op != "placeholder"}
-    return Timeline(peak, live, peak_at, curve), outs
+    return Timeline(peak, live, peak_at, curve, highs), outs
+
+
+def graph_timeline(gm: fx.GraphModule, persistent: set[fx.Node]) -> Timeline:
+    """Live bytes over ``gm`` alone: its placeholders in ``persistent`` outlive it and are not
+    counted; every other one is counted and dies after its last use (a backward's saved
+    tensors and tangents, in the boxed calling convention). Placeholders that are views of
+    one storage (their values share it) count once."""
+    first_of: dict[int, str] = {}
+    live: dict[str, int] = {}
+    shared: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node in persistent:
+            continue
+        val = node.meta.get("val")
+        try:  # the StorageImpl's address: the same for views of one storage
+            key = val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else id(node)
+        except (NotImplementedError, RuntimeError):
+            key = id(node)
+        if key in first_of:
+            shared[node.name] = first_of[key]
+        else:
+            first_of[key] = node.name
+            live[node.name] = storage_nbytes(val)
+    return simulate(gm, live, {n.name for n in persistent}, shared=shared)[0]

@@ -29,6 +29,10 @@ class ShardingOptions:
     max_inflight_gathers: int = 2
     # Optional cap on the bytes of those buffers.
     max_inflight_bytes: int | None = None
+    # No prefetched gather holds its buffer across its graph's predicted peak
+    # (limit_prefetch_pass delays it past the peak). Opt-in until the sweep
+    # against FSDP2 is in the benchmark (issue 13).
+    prefetch_within_peak: bool = False
     # Merge runs of adjacent units smaller than this many bytes into one unit
     # (one collective each way). 0: off. Shown in the plan.
     bucket_bytes: int = 0
