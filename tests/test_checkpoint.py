@@ -283,13 +283,22 @@ def bad_input_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {"errors": errors, "unchanged": unchanged, "after": _unchanged(sharded, opt, before),
             "full_model": fxshard.get_model_state_dict(sharded, options=full),
             "full_optim": fxshard.get_optimizer_state_dict(sharded, opt, options=full),
-            "expected": before[0]}
+            "expected": before[0],
+            # In the same spawn, to spare the suite two more:
+            "async": async_worker(rank, world_size, os.path.join(root, "async")),
+            "safetensors": safetensors_worker(rank, world_size, os.path.join(root, "hf"))}
+
+
+def _pretrained() -> nn.Module:
+    torch.manual_seed(3)
+    return TinyGPT()
 
 
 @cache
 def bad_input_results() -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix="fxshard-ckpt-bad-")
     try:
+        _write_hf_style(_pretrained(), Path(root) / "hf")
         return run_ranks(bad_input_worker, 2, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -411,11 +420,9 @@ def safetensors_worker(rank: int, world_size: int, directory: str) -> dict[str, 
             "shard_numel": sum(s.numel() for s in sharded.parameters())}
 
 
-def test_pretrained_safetensors_load_into_a_meta_model_reading_only_this_ranks_pieces(tmp_path: Path) -> None:
-    torch.manual_seed(3)
-    reference = TinyGPT()
-    _write_hf_style(reference, tmp_path / "hf")
-    results = run_ranks(safetensors_worker, 2, str(tmp_path / "hf"))
+def test_pretrained_safetensors_load_into_a_meta_model_reading_only_this_ranks_pieces() -> None:
+    reference = _pretrained()
+    results = [r["safetensors"] for r in bad_input_results()]
     total = sum(p.numel() for p in reference.parameters())
     for r in results:
         _assert_equal_state(r["full"], reference.state_dict())
@@ -487,10 +494,10 @@ def async_worker(rank: int, world_size: int, path: str) -> bool:
     return all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
-def test_async_save_with_fxshards_copies(tmp_path: Path) -> None:
+def test_async_save_with_fxshards_copies() -> None:
     # DCP's default stager cannot copy a ShardedTensor (it asks for data_ptr); the values are
     # copies already, so StagedCopies hands them over as they are.
-    assert run_ranks(async_worker, 2, str(tmp_path / "ckpt")) == [True, True]
+    assert [r["async"] for r in bad_input_results()] == [True, True]
 
 
 def test_full_state_dicts_offloaded_to_rank0() -> None:

@@ -4,6 +4,7 @@ group, 2 ranks, through fxshard.explain)."""
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import pytest
@@ -17,17 +18,23 @@ from fxshard.policies import by_class
 from models import Block, TinyGPT
 
 # (dim, layers, vocab, batch): issue 13's sweep, at sequence length 16.
-SHAPES = {"1": (128, 6, 512, 4), "2": (256, 6, 512, 4), "4": (128, 6, 512, 16),
-          "5": (256, 12, 1024, 8), "6": (64, 4, 4096, 4)}
+# Shape 5 (256 / 12 / 1024 / 8) is measured in docs/scheduling.md, not here: it takes longest
+# to trace.
+SHAPES = {"1": (128, 6, 512, 4), "2": (256, 6, 512, 4), "4": (128, 6, 512, 16), "6": (64, 4, 4096, 4)}
 NO_PREFETCH = dict(forward_prefetch=False, backward_prefetch=None)
 
 
 def _explain(shape: str, **options: Any) -> fxshard.Explanation:
+    return _explained(shape, tuple(sorted(options.items())))
+
+
+@cache
+def _explained(shape: str, options: tuple[tuple[str, Any], ...]) -> fxshard.Explanation:
     dim, layers, vocab, batch = SHAPES[shape]
     with torch.device("meta"):
         model = TinyGPT(vocab=vocab, dim=dim, heads=4, layers=layers, seq=16)
     return fxshard.explain(model, torch.zeros(batch, 16, dtype=torch.long), policy=by_class(Block),
-                           world_size=2, **options)
+                           world_size=2, **dict(options))
 
 
 def _prefetched(gm: fx.GraphModule) -> int:
