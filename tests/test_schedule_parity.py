@@ -37,6 +37,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "replicate_small": dict(replicate_below=100),
 }
 REGROUPING = {"bucketed", "replicate_small"}
+# At 3 ranks, the options whose plan or flat layout depends on the world size (padding,
+# merged or replicated groups, what stays gathered); the pure reorderings (prefetch modes and
+# limits) move the same collectives at any world size and run at 2 ranks only, to keep the
+# suite within its time.
+AT_THREE = ("default", "full_reshard", "zero2", "bucketed", "replicate_small")
 MODELS = ("gpt", "batchnorm", "shared_use", "frozen")
 STEPS = 4
 
@@ -81,7 +86,8 @@ def worker(rank: int, world_size: int) -> dict[Any, Any]:
     for name in MODELS:
         out[(name, "ddp")] = ddp_losses(name, rank)
         for label, options in OPTIONS.items():
-            out[(name, label)] = train(name, options, rank)
+            if world_size == 2 or label in AT_THREE:
+                out[(name, label)] = train(name, options, rank)
     return out
 
 
@@ -90,8 +96,8 @@ def results(world_size: int) -> list[dict[Any, Any]]:
     return run_ranks(worker, world_size)
 
 
-@pytest.mark.parametrize("label", [k for k in OPTIONS if k != "default"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size,label", [(ws, k) for ws in (2, 3) for k in OPTIONS
+                                              if k != "default" and (ws == 2 or k in AT_THREE)])
 def test_option_trains_like_the_default_and_ddp(world_size: int, label: str) -> None:
     for rank, res in enumerate(results(world_size)):
         for name in MODELS:
