@@ -209,7 +209,7 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     content: dict[str, Any] = {"model": msd, "optim": osd}
     if extra is not None:
         content["extra"] = io.BytesIO(json.dumps(extra).encode())  # DCP stores it as bytes
-    dcp.save(content, checkpoint_id=str(partial))
+    dcp.save(content, checkpoint_id=str(partial), process_group=driver.world.group)
     _barrier(model)  # every rank's files are written (DCP writes .metadata last, on rank 0)
     if driver.world.rank == 0:
         old = target.with_name(target.name + ".old")
@@ -277,7 +277,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     if has_extra:
         requested["extra"] = io.BytesIO()
     try:
-        dcp.load(requested, checkpoint_id=str(path))
+        dcp.load(requested, checkpoint_id=str(path), process_group=driver.world.group)
     except CheckpointException as e:  # a BaseException: turned into an error callers catch
         failures = "\n  ".join(f"rank {r}: {_last_line(f)}" for r, f in sorted(e.failures.items()))
         raise StateDictError(

@@ -86,11 +86,14 @@ def _resume(source: str, policy: str, save_to: str | None = None) -> dict[str, A
     return {"loaded": loaded, "losses": [_step(sharded, opt, b) for b in _batches(4)[2:]]}
 
 
-def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, str, str | None]]
-                  ) -> dict[str, Any]:
-    return {f"{source}-{policy}": _resume(os.path.join(root, source), policy,
-                                          os.path.join(root, save_to) if save_to else None)
-            for source, policy, save_to in cases}
+def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, str, str | None]],
+                  killed: str | None = None) -> dict[str, Any]:
+    out = {f"{source}-{policy}": _resume(os.path.join(root, source), policy,
+                                         os.path.join(root, save_to) if save_to else None)
+           for source, policy, save_to in cases}
+    if killed is not None:
+        out["killed"] = load_worker(rank, world_size, killed)
+    return out
 
 
 @cache
@@ -99,8 +102,14 @@ def runs() -> dict[str, Any]:
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # the consolidation tests read ckpt2
     out: dict[str, Any] = {"save": run_ranks(save_worker, 2, root)[0], "root": root}
     out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
+    # A save killed on one rank (its own spawn dies), then loaded in the next spawn.
+    killed = os.path.join(root, "killed")
+    with pytest.raises(Exception, match="process 1 terminated with exit code 1"):
+        run_ranks(killed_save_worker, 2, killed)
+    out["killed_partial"] = os.path.exists(killed + ".partial")
+    out["killed_expected"] = torch.load(f"{killed}-expected-0.pt")
     out[2] = run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
-                                                ("ckpt3", "block", None)])[0]
+                                                ("ckpt3", "block", None)], killed)[0]
     out[1] = run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
     return out
 
@@ -469,12 +478,9 @@ def load_worker(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor
     return sharded.full_state_dict()
 
 
-def test_a_save_killed_on_one_rank_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    path = str(tmp_path / "ckpt")
-    with pytest.raises(Exception, match="process 1 terminated with exit code 1"):
-        run_ranks(killed_save_worker, 2, path)
-    assert os.path.exists(path + ".partial")  # the killed save's files, never renamed into place
-    _assert_equal_state(run_ranks(load_worker, 2, path)[0], torch.load(f"{path}-expected-0.pt"))
+def test_a_save_killed_on_one_rank_leaves_the_previous_checkpoint_loadable() -> None:
+    assert runs()["killed_partial"]  # the killed save's files, never renamed into place
+    _assert_equal_state(runs()[2]["killed"], runs()["killed_expected"])
 
 
 def async_worker(rank: int, world_size: int, path: str) -> bool:
