@@ -90,7 +90,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
-           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16")
+           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16", "fxshard_within_peak")
+# Issue 13's sweep of GPT shapes (width, layers, vocabulary, batch; sequence 64), run with
+# --models sweep1,...,sweep6 --systems fsdp2,fxshard,fxshard_noprefetch,fxshard_within_peak.
+SWEEP = {"sweep1": (128, 6, 512, 4), "sweep2": (256, 6, 512, 4), "sweep3": (512, 6, 512, 4),
+         "sweep4": (128, 6, 512, 16), "sweep5": (256, 12, 1024, 8), "sweep6": (64, 4, 4096, 4)}
 # Mixed precision: bf16 parameters for compute, fp32 shards, optimizer state and
 # gradient reduction (FSDP2's MixedPrecisionPolicy; fxshard.MixedPrecision, the same semantics).
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -119,8 +123,10 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
         layers, dim, seq, vocab, batch, heads = (2, 256, 32, 512, 1, 8) if quick else (14, 2048, 64, 8192, 1, 16)
     elif name == "gpt":
         layers, dim, seq, vocab, batch, heads = (2, 128, 32, 512, 2, 8) if quick else (12, 512, 64, 8192, 2, 8)
+    elif name in SWEEP:
+        (dim, layers, vocab, batch), seq, heads = SWEEP[name], 64, 4
     else:
-        raise SystemExit(f"unknown model {name!r}: choose from net, gpt, large")
+        raise SystemExit(f"unknown model {name!r}: choose from net, gpt, large, {', '.join(SWEEP)}")
 
     def make() -> nn.Module:
         return TinyGPT(vocab=vocab, dim=dim, heads=heads, layers=layers, seq=seq)
@@ -211,6 +217,8 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
+    if system == "fxshard_within_peak":  # memory-aware prefetch (issue 13), opt-in for now
+        options = dict(prefetch_within_peak=True)
     if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
         options = dict(inflight_groups=False)
     if system == "fxshard_bf16":
