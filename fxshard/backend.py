@@ -309,22 +309,18 @@ def sharding_of(model: nn.Module) -> tuple[nn.Module, Driver]:
                        "build the optimizer over what it returns")
 
 
-def _driver_of(model: nn.Module) -> Driver:
-    return sharding_of(model)[1]
-
-
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """FSDP2's switch, for a ``torch.compile``-d model (or a ``ShardedModule``): with False,
     backward adds each unit's gradient to an unsharded sum and communicates nothing, until
     a backward with True reduces the sums with its own gradients."""
-    _driver_of(model).set_requires_gradient_sync(requires_gradient_sync)
+    sharding_of(model)[1].set_requires_gradient_sync(requires_gradient_sync)
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """``with fxshard.no_sync(model):`` DDP's ``no_sync`` for a ``torch.compile``-d model
     (or a ``ShardedModule``, the same as ``sharded.no_sync()``)."""
-    with _driver_of(model).no_sync():
+    with sharding_of(model)[1].no_sync():
         yield
 
 

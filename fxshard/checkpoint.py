@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -239,8 +238,7 @@ def _differences(expected: dict[str, Any], path: Path) -> list[str]:
         if not isinstance(md, TensorStorageMetadata):
             problems.append(f"{key}: the checkpoint holds a non-tensor there")
             continue
-        shape = tuple(value.metadata().size) if isinstance(value, ShardedTensor) else tuple(value.shape)
-        dtype = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else value.dtype
+        shape, dtype = state.value_shape(value), state.value_dtype(value)
         if tuple(md.size) != shape:
             problems.append(f"{key}: shape {tuple(md.size)} in the checkpoint, {shape} in the model")
         elif md.properties.dtype != dtype:
@@ -343,8 +341,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: 
                 continue
             span = slot_overlap(group, slot.offset, slot.numel, rank)
             if span is not None:
-                reads.append((group.index, span[0] - lo, i, name,
-                              state.boxes(slot.shape, span[0] - slot.offset, span[1] - slot.offset)))
+                reads.append((group.index, span[0] - lo, i, name, state.owned_boxes(group, slot, rank)))
     buffers = state.persistent_buffers(module)
     expected.update(buffers)
     for name, buffer in buffers.items():

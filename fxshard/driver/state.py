@@ -82,14 +82,20 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     return out
 
 
-def _pieces(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
-    """The boxes of ``slot`` that ``rank`` holds. A rank holding none of it gets one empty
-    box past the end of dim 0: DCP's load planner drops a ShardedTensor with no local
-    shards from the request, and then fails on the checkpoint's extra key."""
+def owned_boxes(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
+    """The boxes of ``slot`` that ``rank`` holds, in flat order (none: empty)."""
     span = slot_overlap(group, slot.offset, slot.numel, rank)
     if span is None:
-        return [((slot.shape[0], *(0,) * (len(slot.shape) - 1)), (0, *slot.shape[1:]))]
+        return []
     return boxes(slot.shape, span[0] - slot.offset, span[1] - slot.offset)
+
+
+def _pieces(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
+    """:func:`owned_boxes`, except that a rank holding none of ``slot`` gets one empty box
+    past the end of dim 0: DCP's load planner drops a ShardedTensor with no local shards
+    from the request, and then fails on the checkpoint's extra key."""
+    return owned_boxes(group, slot, rank) or \
+        [((slot.shape[0], *(0,) * (len(slot.shape) - 1)), (0, *slot.shape[1:]))]
 
 
 def _distributed(driver: Driver, group: FlatGroup) -> bool:
@@ -126,13 +132,13 @@ def sharded_value(flat: torch.Tensor, group: FlatGroup, slot: ParamSlot, driver:
         process_group=world.group)
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
+def value_shape(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, ShardedTensor):  # its metadata: tensor attributes warn of deprecation
         return tuple(value.metadata().size)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def _dtype(value: Any) -> torch.dtype | None:
+def value_dtype(value: Any) -> torch.dtype | None:
     if isinstance(value, ShardedTensor):
         return value.metadata().tensor_properties.dtype
     return value.dtype if isinstance(value, torch.Tensor) else None
@@ -142,7 +148,7 @@ def _local_piece(value: Any, group: FlatGroup, slot: ParamSlot, driver: Driver, 
                  problems: list[str]) -> torch.Tensor | None:
     """This rank's elements of ``slot`` from ``value`` (a sharded value of this layout, or the
     full tensor), flattened; None where this rank holds none of it or ``value`` is wrong."""
-    shape = _shape(value)
+    shape = value_shape(value)
     if shape != slot.shape:
         problems.append(f"{what}: shape {shape if shape is not None else type(value).__name__} "
                         f"where the model has {slot.shape}")
@@ -245,8 +251,8 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
                     problems.append(f"missing parameter {slot.name!r}")
                 continue
             value = state[name]
-            if _dtype(value) not in (None, group.dtype):
-                problems.append(f"{name!r}: dtype {_dtype(value)} where the model's shards are "
+            if value_dtype(value) not in (None, group.dtype):
+                problems.append(f"{name!r}: dtype {value_dtype(value)} where the model's shards are "
                                 f"{group.dtype}; convert the state dict (or the model) first")
                 continue
             piece = _local_piece(value, group, slot, driver, repr(name), problems)
@@ -481,8 +487,8 @@ def _flat_state(group: FlatGroup, shard: torch.Tensor, saved: Mapping[str, Any],
     lo = group.shard_range(rank)[0]
     for key in keys[first]:
         values = [entries[s.name][key] for s in group.params]
-        if any(len(_shape(v) or ()) > 0 for v in values):
-            flat = torch.zeros_like(shard, dtype=_dtype(values[0]))
+        if any(len(value_shape(v) or ()) > 0 for v in values):
+            flat = torch.zeros_like(shard, dtype=value_dtype(values[0]))
             for slot, value in zip(group.params, values):
                 piece = _local_piece(value, group, slot, driver, f"{slot.name!r} state {key!r}", problems)
                 span = slot_overlap(group, slot.offset, slot.numel, rank)
