@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -150,7 +151,16 @@ def main() -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
-    mp.spawn(run, args=(args.nproc, args), nprocs=args.nproc, join=True)
+    mp.spawn(_spawned, args=(args.nproc, args), nprocs=args.nproc, join=True)
+
+
+def _spawned(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """A rank started here: leave without interpreter teardown once done (see mnist.py's
+    spawned: a native thread can abort the process at exit after all its work)."""
+    run(rank, world_size, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
