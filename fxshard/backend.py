@@ -110,7 +110,9 @@ class _GraphStep(TracedStep):
         args = [views[self.param_inputs[i]] if i in self.param_inputs else next(it)
                 for i in range(self.n_inputs)]
         args = [a.to(self.cast[i]) if i in self.cast else a for i, a in enumerate(args)]
-        flat, self.output_spec = flatten_outputs(self.gm(*args))
+        # Through an Interpreter: each node runs under its own metadata, so the aten nodes
+        # traced from it carry Dynamo's module stack (activation checkpointing's regions).
+        flat, self.output_spec = flatten_outputs(fx.Interpreter(self.gm).run(*args))
         return tuple(flat)
 
 

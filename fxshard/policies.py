@@ -1,19 +1,24 @@
 """Wrapping policies, under the name users import them by (``fxshard.policies``).
 
 The definitions live with the rest of the plan's data in ``fxshard.ir.policies``.
+The same values choose the regions of ``activation_checkpointing=``;
+``selective(policy)`` saves matmul and attention outputs there and recomputes the rest.
 """
 
 from fxshard.ir.policies import (
+    SAVE_BY_DEFAULT,
     AnyOf,
     ByClass,
     ByPredicate,
     BySize,
     Policy,
+    Selective,
     WrapQuery,
     by_class,
     by_predicate,
     by_size,
+    selective,
 )
 
-__all__ = ["AnyOf", "ByClass", "ByPredicate", "BySize", "Policy", "WrapQuery", "by_class",
-           "by_predicate", "by_size"]
+__all__ = ["SAVE_BY_DEFAULT", "AnyOf", "ByClass", "ByPredicate", "BySize", "Policy", "Selective",
+           "WrapQuery", "by_class", "by_predicate", "by_size", "selective"]

@@ -2,6 +2,7 @@
 
 from .accumulate_in_place import accumulate_in_place_pass
 from .assign_groups import assign_groups_pass
+from .checkpoint_activations import checkpoint_activations_pass
 from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -42,6 +43,7 @@ __all__ = [
     "place_gathers_pass",
     "prefetch_gathers_pass",
     "rematerialize_params_pass",
+    "checkpoint_activations_pass",
     "run_passes",
     "schedule_reduce_scatter_pass",
     "sink_allocations_pass",

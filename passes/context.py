@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
@@ -65,6 +66,10 @@ class PassContext:
     grad_sync: GradSync = REDUCE
     # Flat group -> its unsharded gradient accumulator (no_sync), owned by the driver.
     accumulators: Mapping[int, torch.Tensor] = field(default_factory=dict, compare=False)
+    # The regions whose activations backward recomputes (activation_checkpointing=).
+    checkpointing: Checkpointing | None = None
+    # "inductor": Inductor compiles the emitted graphs (what a pass may emit differs).
+    compute: str = "eager"
 
     def unit_of(self, group: int) -> str:
         if not 0 <= group < len(self.plan.groups):

@@ -26,6 +26,7 @@ from fxshard.ir.options import ShardingOptions
 
 from .accumulate_in_place import accumulate_in_place_pass
 from .assign_groups import assign_groups_pass
+from .checkpoint_activations import checkpoint_activations_pass
 from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
@@ -66,13 +67,20 @@ _PLACES = ("every unit would be gathered at the start of the graph, where tracin
 
 
 def _joint(config: CompileConfig) -> list[PassSpec]:
-    return [
+    specs = [
         PassSpec(rematerialize_params_pass,
                  "before partitioning: afterwards the partitioner has already decided to save "
                  "gathered parameters for backward",
                  required="the partitioner would save gathered parameters for backward, "
                           "silently turning ZeRO-3 into DDP (invariant 5)"),
     ]
+    if config.activation_checkpointing is not None:
+        specs.append(PassSpec(checkpoint_activations_pass,
+                              "after the parameter copies, whose gathers its recompute reads "
+                              "(one gather per unit serves both); before partitioning, which "
+                              "then saves only the regions' inputs",
+                              needs=("rematerialize_params_pass",)))
+    return specs
 
 
 def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:

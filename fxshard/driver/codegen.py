@@ -22,6 +22,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from fxshard.driver.runtime import World, collective_failure
 from fxshard.ir import meta, ops
+from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
@@ -45,7 +46,8 @@ class GraphCompiler:
                  on_pass: PassHook | None = None,
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
                  grad_sync: GradSync = REDUCE,
-                 accumulators: Mapping[int, torch.Tensor] | None = None):
+                 accumulators: Mapping[int, torch.Tensor] | None = None,
+                 checkpointing: Checkpointing | None = None):
         self.plan = plan
         self.world = world
         self.world_size = world.size
@@ -56,6 +58,7 @@ class GraphCompiler:
         self.finish = finish
         self.grad_sync = grad_sync
         self.accumulators = accumulators or {}
+        self.checkpointing = checkpointing
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
@@ -65,7 +68,8 @@ class GraphCompiler:
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
                            options=self.config.options,
                            inflight_groups=self.world.slot_names if self.config.inflight_groups else (),
-                           grad_sync=self.grad_sync, accumulators=self.accumulators)
+                           grad_sync=self.grad_sync, accumulators=self.accumulators,
+                           checkpointing=self.checkpointing, compute=self.config.compute)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         hook = self.on_pass

@@ -51,6 +51,7 @@ from fxshard.driver.runtime import (
 )
 from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
 from fxshard.ir.analysis import first_use_order
+from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import Collective, bus_bytes, fingerprint, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -127,6 +128,7 @@ class Driver:
         self.world: World = with_comm_groups(world, slots, config.timeout)
         self.runs = runs
         self._plan: ShardPlan | None = None
+        self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
@@ -165,6 +167,7 @@ class Driver:
                                bucket_bytes=options.bucket_bytes,
                                replicate_below=options.replicate_below,
                                mixed_precision=self.config.mixed_precision)
+        self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
         if on_meta and self.world.group is not None:  # becomes real where the group communicates
             self.device = comm_device(self.world.group)
         else:
@@ -261,7 +264,8 @@ class Driver:
                                  on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync,
-                                 accumulators=self._accumulators() if grad_sync != REDUCE else None)
+                                 accumulators=self._accumulators() if grad_sync != REDUCE else None,
+                                 checkpointing=self.checkpointing)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)

@@ -71,6 +71,10 @@ class CompileConfig:
     # (one per in-flight slot): two in flight on one gloo group corrupt its
     # heap (torch 2.13). None: on gloo only.
     inflight_groups: bool | None = None
+    # Regions whose activations backward recomputes instead of saving: a
+    # policy value (by_class(Block); selective(by_class(Block)) saves matmul
+    # and attention outputs). passes/checkpoint_activations.py.
+    activation_checkpointing: Policy | None = None
     # FSDP2's MixedPrecisionPolicy semantics (fxshard.ir.precision).
     mixed_precision: MixedPrecision | None = None
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
@@ -98,6 +102,12 @@ class CompileConfig:
                 f"policy must be built with fxshard.policies (by_size, by_class, by_predicate), "
                 f"got {self.policy!r}"
             )
+        if self.activation_checkpointing is not None and not isinstance(self.activation_checkpointing, Policy):
+            raise TypeError(
+                "activation_checkpointing takes a policy built with fxshard.policies "
+                "(by_class(Block), selective(by_class(Block)), ...), "
+                f"got {self.activation_checkpointing!r}"
+            )
         if self.compute not in ("eager", "inductor"):
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
         if self.timeout is not None and not self.timeout > 0:
@@ -117,7 +127,7 @@ class CompileConfig:
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
-        ``mixed_precision``, and
+        ``mixed_precision``, ``activation_checkpointing``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

@@ -8,11 +8,14 @@ release is mended in one place:
   ("is_forward" / "is_backward") and names the gradients of the outputs
   ``tangents_*`` (``is_backward``, ``tag_backward``, ``is_tangent``);
 - the module path of a traced node, recorded while tracing with
-  ``torch.fx.traceback.annotate``, lands in ``meta["custom"]`` (``module_path``).
+  ``torch.fx.traceback.annotate``, lands in ``meta["custom"]`` (``module_path``);
+  a graph Dynamo captured carries ``meta["nn_module_stack"]`` instead, whose
+  paths read ``L['self'].blocks.0`` (or ``L['self'].blocks[0]``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -29,6 +32,10 @@ FREE = "free"
 REMAT = "remat"  # backward copy of a parameter-only computation
 CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient around its reduction
 SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
+
+# Backward copies of forward values (rematerialized parameter chains,
+# recomputed activations) name the forward node they copy under this key.
+COPY_OF = "fxshard.copy_of"
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,36 @@ def tag_backward(node: fx.Node) -> None:
 
 
 def module_path(node: fx.Node) -> str | None:
+    """The path of the innermost module whose forward computed ``node``; "" for the root."""
     custom = node.meta.get("custom")
     if isinstance(custom, dict):
         path = custom.get(MODULE_ANNOTATION)
-        return path if isinstance(path, str) else None
+        if isinstance(path, str):
+            return path
+    stack = node.meta.get("nn_module_stack")
+    if isinstance(stack, dict) and stack:
+        entry = list(stack.values())[-1]
+        if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+            return _dynamo_path(entry[0])
     return None
+
+
+def _dynamo_path(path: str) -> str:
+    """``L['self'].blocks[0]._modules['attn']`` -> ``blocks.0.attn``."""
+    path = re.sub(r"^L\['[^']*'\]", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def mark_copy(copy: fx.Node, of: fx.Node) -> None:
+    """Record that backward node ``copy`` computes the same value as forward node ``of``."""
+    copy.meta[COPY_OF] = of.name
+
+
+def copies_in(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Forward node -> its backward copy, for every copy recorded with ``mark_copy``."""
+    by_name = {n.name: n for n in graph.nodes}
+    return {by_name[n.meta[COPY_OF]]: n for n in graph.nodes
+            if n.meta.get(COPY_OF) in by_name}

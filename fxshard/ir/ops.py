@@ -129,3 +129,50 @@ REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default
 REPLICATE = torch.ops.fxshard.replicate.default
 ALLREDUCE_GRAD = torch.ops.fxshard.allreduce_grad.default
 FREE = torch.ops.fxshard.free.default
+
+
+# -- random operators replayed in backward (activation checkpointing) -----------------------
+#
+# Plain Python functions, not operators: the random operator inside runs
+# through the dispatcher like any other, so a TorchDispatchMode active around
+# the step (MemTracker, FlopCounterMode) sees it. torch's own higher-order
+# operators of the same meaning (torch._prims.rng_prims) refuse modes that do
+# not declare support for them; Inductor, which lowers those, gets them
+# instead (checkpoint_activations_pass picks).
+
+
+def _generator_state(device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "xpu":
+        return torch.xpu.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state: Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    elif device.type == "xpu":
+        torch.xpu.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    return next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+
+
+def run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+    """``(state, op(*args))``: the generator state ``op`` draws from, and its result."""
+    return _generator_state(_device_of(args)), op(*args, **kwargs)
+
+
+def run_with_rng_state(state: Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args)`` drawing from generator ``state``; the generator is left as it was."""
+    device = _device_of(args)
+    current = _generator_state(device)
+    _set_generator_state(device, state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        _set_generator_state(device, current)

@@ -1,0 +1,85 @@
+"""Activation checkpointing: which regions of the model backward recomputes.
+
+``fxshard.compile(model, policy, activation_checkpointing=by_class(Block))``
+takes the same policy values as the sharding policy. The planner resolves
+the policy against the module tree once, into a ``Checkpointing`` value: the
+module paths of the regions (outermost only: a region inside another is
+recomputed with it), and for selective checkpointing the operators whose
+outputs are saved anyway (matmuls, attention: expensive to recompute, as
+torch's selective activation checkpointing saves them).
+
+``checkpoint_activations_pass`` (passes/) reads it; like the plan it is
+plain data, decided before any graph exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fxshard.ir.policies import Policy, Selective, WrapQuery
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    regions: tuple[str, ...]  # module paths, outermost regions only, in registration order
+    # Selective checkpointing: outputs of these operators (overload packets) are
+    # saved, everything else in a region is recomputed. Empty: recompute all.
+    saved_ops: tuple[torch._ops.OpOverloadPacket, ...] = ()
+    policy: str = ""
+
+    def region_of(self, path: str | None) -> str | None:
+        """The region a node traced in module ``path`` belongs to, if any."""
+        if path is None:
+            return None
+        for region in self.regions:
+            if path == region or path.startswith(region + "."):
+                return region
+        return None
+
+    def saves(self, target: object) -> bool:
+        packet = getattr(target, "overloadpacket", None)
+        return packet is not None and packet in self.saved_ops
+
+    def without(self, regions: set[str]) -> Checkpointing:
+        """The same checkpointing with ``regions`` left out (the budget planner's step)."""
+        return Checkpointing(tuple(r for r in self.regions if r not in regions), self.saved_ops,
+                             self.policy)
+
+    def describe(self) -> str:
+        kind = "selective" if self.saved_ops else "full"
+        return f"{kind} activation checkpointing of {len(self.regions)} regions ({self.policy})"
+
+
+def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointing | None:
+    """The regions ``policy`` selects in ``module`` (never the root), outermost first wins.
+
+    Asked like the sharding policy: bottom-up, each module with the number of
+    parameters under it that no region below it has claimed.
+    """
+    if policy is None:
+        return None
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "activation_checkpointing takes a policy built with fxshard.policies (by_class(Block), "
+            f"by_size(n), selective(...)), got {policy!r}"
+        )
+    chosen: list[str] = []
+
+    def visit(path: str, mod: nn.Module) -> int:
+        unclaimed = sum(visit(f"{path}.{name}" if path else name, child)
+                        for name, child in mod.named_children())
+        unclaimed += sum(p.numel() for p in mod.parameters(recurse=False))
+        if path and policy.wraps(WrapQuery(path, mod, unclaimed)):
+            chosen.append(path)
+            return 0
+        return unclaimed
+
+    visit("", module)
+    outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen if q != p)]
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    regions = tuple(sorted(outermost, key=order.__getitem__))
+    saved = policy.save if isinstance(policy, Selective) else ()
+    return Checkpointing(regions, tuple(saved), repr(policy))
