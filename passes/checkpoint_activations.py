@@ -26,7 +26,7 @@ higher-order operators of the same names)::
     forward:   pair = run_and_save_rng_state(native_dropout, h, p, True); state = pair[0]
     backward:  run_with_rng_state(state, native_dropout, h', p, True)
 
-Selective checkpointing (``Checkpointing.saved_ops``) stops the copying at
+Selective checkpointing (``Checkpointing.selective`` regions) stops the copying at
 the outputs of those operators (matmuls, attention): they are saved as they
 would be without checkpointing, and only the cheap operators around them are
 recomputed.
@@ -76,10 +76,11 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
 
     def recomputed(node: fx.Node) -> bool:
         """Does backward recompute ``node`` rather than read it from forward?"""
-        if (not P.is_call(node) or meta.is_backward(node) or region[node] is None
+        name = region[node]
+        if (name is None or not P.is_call(node) or meta.is_backward(node)
                 or node in copies.param_only or node in kept or P.is_marker(node)
-                or any(not meta.is_backward(u) and region[u] != region[node] for u in node.users)
-                or checkpointing.saves(node.target) or _mutates(node)):
+                or any(not meta.is_backward(u) and region[u] != name for u in node.users)
+                or checkpointing.saves(node.target, name) or _mutates(node)):
             return False
         if node.target is operator.getitem:
             source = node.args[0]

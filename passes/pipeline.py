@@ -74,7 +74,7 @@ def _joint(config: CompileConfig) -> list[PassSpec]:
                  required="the partitioner would save gathered parameters for backward, "
                           "silently turning ZeRO-3 into DDP (invariant 5)"),
     ]
-    if config.activation_checkpointing is not None:
+    if config.activation_checkpointing is not None or config.memory_budget is not None:
         specs.append(PassSpec(checkpoint_activations_pass,
                               "after the parameter copies, whose gathers its recompute reads "
                               "(one gather per unit serves both); before partitioning, which "

@@ -59,6 +59,10 @@ class GraphCompiler:
         self.grad_sync = grad_sync
         self.accumulators = accumulators or {}
         self.checkpointing = checkpointing
+        # Called with the joint graph before its passes run (the memory budget
+        # planner, which may change config, pipelines and checkpointing).
+        self.before_partition: Callable[[fx.GraphModule, Any, int, dict[str, Any]], None] | None = None
+        self.emit_only = False  # emit(): run the passes, compile nothing to run
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
@@ -90,6 +94,8 @@ class GraphCompiler:
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if self.before_partition is not None:
+            self.before_partition(joint, joint_inputs, num_fwd_outputs, kwargs)
         joint = self._run(joint, self.context("joint"))
         self.graphs["joint"] = joint
         self.num_user_outputs = num_fwd_outputs
@@ -110,6 +116,8 @@ class GraphCompiler:
         gm = self._run(gm, self.context(kind, num_user_outputs))
         gm.recompile()
         self.graphs[kind] = gm
+        if self.emit_only:
+            return gm
         if self.finish is not None:
             try:
                 return self.finish(gm, example_inputs)
@@ -133,6 +141,26 @@ class GraphCompiler:
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("inference", gm, example_inputs)
+
+    def emit(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+             partition_kwargs: dict[str, Any]) -> dict[str, fx.GraphModule]:
+        """The emitted graphs of a copy of ``joint``, as AOTAutograd's calls would make them,
+        with nothing compiled to run: a trial of this configuration (the budget planner)."""
+        self.emit_only = True
+        fw, bw = self.partition(copy_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                **partition_kwargs)
+        self.compile_forward(fw, None)
+        self.compile_backward(bw, None)
+        return dict(self.graphs)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph passes may rewrite; node names and metadata (fake
+    values included, shared: they are never changed in place) are kept."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}), type_expr=None)
+    copy = fx.GraphModule(gm, graph)
+    return copy
 
 
 def _boxed(gm: fx.GraphModule, rank: int, kind: str) -> Callable[..., Any]:

@@ -23,7 +23,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import grads
+from fxshard.driver import budget, grads
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
@@ -51,11 +51,13 @@ from fxshard.driver.runtime import (
 )
 from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
 from fxshard.ir.analysis import first_use_order
+from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import Collective, bus_bytes, fingerprint, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
+from fxshard.ir.policies import ByPredicate
 from fxshard.passes import PassSpec, build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
@@ -129,6 +131,8 @@ class Driver:
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
+        self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
+        self.budget_choice: BudgetChoice | None = None  # memory_budget: the planner's choice
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
@@ -168,6 +172,10 @@ class Driver:
                                replicate_below=options.replicate_below,
                                mixed_precision=self.config.mixed_precision)
         self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
+        if self.config.memory_budget is not None:  # the planner decides what to recompute
+            self.budget_regions = plan_checkpointing(
+                module, self.config.activation_checkpointing or _unit_modules(self._plan))
+            self.checkpointing = None
         if on_meta and self.world.group is not None:  # becomes real where the group communicates
             self.device = comm_device(self.world.group)
         else:
@@ -266,6 +274,11 @@ class Driver:
                                  grad_sync=grad_sync,
                                  accumulators=self._accumulators() if grad_sync != REDUCE else None,
                                  checkpointing=self.checkpointing)
+        input_bytes = sum(x.numel() * x.element_size() for x in inputs)
+        if self.config.memory_budget is not None and self.budget_choice is None:
+            compiler.before_partition = (
+                lambda joint, joint_inputs, n, kwargs: self._plan_budget(
+                    compiler, joint, joint_inputs, n, kwargs, buffer_bytes, input_bytes))
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -281,7 +294,7 @@ class Driver:
                 self._plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
         compiled = CompiledStep(
             fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
-            recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
+            recorder.names, input_bytes, buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
         )
@@ -291,6 +304,19 @@ class Driver:
         if self.config.dump_dir is not None:
             self.dump(compiled, self.dump_directory(len(self.steps) - 1))
         return compiled
+
+    def _plan_budget(self, compiler: GraphCompiler, joint: fx.GraphModule, joint_inputs: Any,
+                     num_fwd_outputs: int, kwargs: dict[str, Any], buffer_bytes: int,
+                     input_bytes: int) -> None:
+        """memory_budget: choose the schedule on the first training trace, before its passes
+        run, and keep it for every later trace (fxshard.ir.budget)."""
+        choice, config, checkpointing = budget.choose(
+            self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
+            num_fwd_outputs, kwargs, buffer_bytes, input_bytes)
+        log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, choice.table())
+        self.budget_choice, self.config, self.checkpointing = choice, config, checkpointing
+        self.pipelines = build_pipelines(config)
+        compiler.config, compiler.pipelines, compiler.checkpointing = config, self.pipelines, checkpointing
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step. Before its forward, and before its backward, every rank
@@ -356,12 +382,13 @@ class Driver:
         # A training step's forward starts by broadcasting (DDP's rule, steady state).
         broadcast = step.buffer_bytes if (self.config.broadcast_buffers and step.trains
                                           and self.world.size > 1) else 0
-        return build_report(self.plan, self.world.rank, step.graphs, step.collectives,
+        report = build_report(self.plan, self.world.rank, step.graphs, step.collectives,
                             list(self.shards), step.buffer_bytes, step.input_bytes,
                             step.num_user_outputs, agreement, broadcast,
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.accumulators.values())
                             if step.grad_sync != REDUCE else 0)
+        return replace(report, budget=self.budget_choice) if self.budget_choice is not None else report
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""
@@ -439,3 +466,9 @@ def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., A
     from torch._inductor.compile_fx import compile_fx_inner
 
     return compile_fx_inner(gm, example_inputs)
+
+
+def _unit_modules(plan: ShardPlan) -> ByPredicate:
+    """The regions memory_budget may recompute by default: the modules of the units."""
+    modules = frozenset(m for u in plan.units if u.name for m in u.modules)
+    return ByPredicate(lambda name, module: name in modules)

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir import meta
+from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_kind
 from fxshard.ir.memory import simulate
 from fxshard.ir.plan import ShardPlan
@@ -47,6 +48,10 @@ class Report:
     accumulator_bytes: int = 0
     # Predicted live bytes after each node of the forward, then the backward graph.
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
+    at_peak: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # memory_budget=: what the planner chose per unit, and why.
+    budget: BudgetChoice | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -67,6 +72,8 @@ class Report:
         for r in [header, *rows]:
             lines.append("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
                                           for i, (c, w) in enumerate(zip(r, widths))))
+        if self.budget is not None:
+            lines += ["  " + line for line in self.budget.table().splitlines()]
         return "\n".join(lines)
 
 
@@ -94,7 +101,7 @@ def build_report(
     assert forward is not None
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
     fw, outs = simulate(forward, {}, persistent, base)
-    peak, phase = fw.peak, f"forward: {fw.peak_at}"
+    peak, phase, at_peak = fw.peak, f"forward: {fw.peak_at}", fw.at_peak
     curves = {"forward": tuple(fw.curve)}
     if "backward" in graphs and num_user_outputs is not None:
         backward = graphs["backward"]
@@ -132,7 +139,7 @@ def build_report(
         bw, _ = simulate(backward, inputs, held, fw.end - sum(inputs[k] for k in carried), shared)
         curves["backward"] = tuple(bw.curve)
         if bw.peak > peak:
-            peak, phase = bw.peak, f"backward: {bw.peak_at}"
+            peak, phase, at_peak = bw.peak, f"backward: {bw.peak_at}", bw.at_peak
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]
@@ -146,4 +153,4 @@ def build_report(
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
                   input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
-                  accumulator_bytes=accumulator_bytes, memory_curve=curves)
+                  accumulator_bytes=accumulator_bytes, memory_curve=curves, at_peak=at_peak)

@@ -19,15 +19,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fxshard.ir.policies import Policy, Selective, WrapQuery
+from fxshard.ir.policies import SAVE_BY_DEFAULT, Policy, Selective, WrapQuery
 
 
 @dataclass(frozen=True)
 class Checkpointing:
     regions: tuple[str, ...]  # module paths, outermost regions only, in registration order
-    # Selective checkpointing: outputs of these operators (overload packets) are
-    # saved, everything else in a region is recomputed. Empty: recompute all.
-    saved_ops: tuple[torch._ops.OpOverloadPacket, ...] = ()
+    # Regions checkpointed selectively: there the outputs of ``saved_ops``
+    # (overload packets) are saved and everything else is recomputed. In the
+    # other regions everything is recomputed.
+    selective: frozenset[str] = frozenset()
+    saved_ops: tuple[torch._ops.OpOverloadPacket, ...] = SAVE_BY_DEFAULT
     policy: str = ""
 
     def region_of(self, path: str | None) -> str | None:
@@ -39,18 +41,15 @@ class Checkpointing:
                 return region
         return None
 
-    def saves(self, target: object) -> bool:
+    def saves(self, target: object, region: str) -> bool:
+        """Is the output of ``target`` in ``region`` saved rather than recomputed?"""
         packet = getattr(target, "overloadpacket", None)
-        return packet is not None and packet in self.saved_ops
+        return region in self.selective and packet is not None and packet in self.saved_ops
 
-    def without(self, regions: set[str]) -> Checkpointing:
-        """The same checkpointing with ``regions`` left out (the budget planner's step)."""
-        return Checkpointing(tuple(r for r in self.regions if r not in regions), self.saved_ops,
-                             self.policy)
-
-    def describe(self) -> str:
-        kind = "selective" if self.saved_ops else "full"
-        return f"{kind} activation checkpointing of {len(self.regions)} regions ({self.policy})"
+    def kind(self, region: str) -> str:
+        if region not in self.regions:
+            return "none"
+        return "selective" if region in self.selective else "full"
 
 
 def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointing | None:
@@ -81,5 +80,6 @@ def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointin
     outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen if q != p)]
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
     regions = tuple(sorted(outermost, key=order.__getitem__))
-    saved = policy.save if isinstance(policy, Selective) else ()
-    return Checkpointing(regions, tuple(saved), repr(policy))
+    if isinstance(policy, Selective):
+        return Checkpointing(regions, frozenset(regions), policy.save, repr(policy))
+    return Checkpointing(regions, policy=repr(policy))

@@ -75,6 +75,12 @@ class CompileConfig:
     # policy value (by_class(Block); selective(by_class(Block)) saves matmul
     # and attention outputs). passes/checkpoint_activations.py.
     activation_checkpointing: Policy | None = None
+    # Bytes the predicted peak of a training step (forward + backward, as
+    # report() counts it; optimizer state not included) must stay within. The
+    # planner (fxshard.ir.budget) picks, per unit, resharding, prefetch and
+    # recompute at the first training trace; activation_checkpointing then
+    # names the regions it may recompute (default: the units' modules).
+    memory_budget: int | None = None
     # FSDP2's MixedPrecisionPolicy semantics (fxshard.ir.precision).
     mixed_precision: MixedPrecision | None = None
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
@@ -108,6 +114,11 @@ class CompileConfig:
                 "(by_class(Block), selective(by_class(Block)), ...), "
                 f"got {self.activation_checkpointing!r}"
             )
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                                or not isinstance(self.memory_budget, int)
+                                                or self.memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes (an int), "
+                             f"got {self.memory_budget!r}")
         if self.compute not in ("eager", "inductor"):
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
         if self.timeout is not None and not self.timeout > 0:
@@ -127,7 +138,7 @@ class CompileConfig:
         Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
-        ``mixed_precision``, ``activation_checkpointing``, and
+        ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

@@ -77,6 +77,9 @@ class Timeline:
     peak_at: str
     curve: list[int]  # live bytes after each node, in graph order
     highs: list[int] = field(default_factory=list)  # live bytes at each node, before its frees
+    # At the peak: the bytes of each storage alive there, by the name of the node owning
+    # it (the part of ``base`` the graph does not see is not in it).
+    at_peak: dict[str, int] = field(default_factory=dict)
 
 
 def simulate(
@@ -121,30 +124,36 @@ def simulate(
         if owner not in kept:
             dies_at.setdefault(pos, []).append(owner)
 
-    live = base + sum(size.get(n, 0) for n in nodes if n.op == "placeholder")
+    alive = {n: size.get(n, 0) for n in nodes if n.op == "placeholder" and size.get(n, 0)}
+    live = base + sum(alive.values())
     peak, peak_at = live, "start"
+    at_peak = {n.name: b for n, b in alive.items()}
     freed: set[fx.Node] = set()
     curve: list[int] = []
     highs: list[int] = []
     for i, cur in enumerate(nodes):
         if cur.op == "call_function" and storage.get(cur, None) == cur:
             live += size.get(cur, 0)
+            alive[cur] = size.get(cur, 0)
         highs.append(live)
         if live > peak:
             peak, peak_at = live, cur.name
+            at_peak = {n.name: b for n, b in alive.items() if b}
         if P.is_free(cur) and cur.args[0] in storage:  # not a get_attr (a no_sync accumulator)
             owner = storage[cur.args[0]]
             if owner not in freed:
                 live -= size[owner]
                 freed.add(owner)
+                alive.pop(owner, None)
         for owner in dies_at.get(i, []):
             if owner not in freed:
                 live -= size[owner]
                 freed.add(owner)
+                alive.pop(owner, None)
         curve.append(live)
     outs = {a.name: (storage[a].name, size[storage[a]]) for a in output.all_input_nodes
             if a in storage and storage[a] not in freed and storage[a].op != "placeholder"}
-    return Timeline(peak, live, peak_at, curve, highs), outs
+    return Timeline(peak, live, peak_at, curve, highs, at_peak), outs
 
 
 def graph_timeline(gm: fx.GraphModule, persistent: set[fx.Node]) -> Timeline:

@@ -33,6 +33,10 @@ class ShardingOptions:
     # (limit_prefetch_pass delays it past the peak). Opt-in until the sweep
     # against FSDP2 is in the benchmark (issue 13).
     prefetch_within_peak: bool = False
+    # When set, exactly these units (names; "" the root) are resharded after
+    # forward, whatever reshard_after_forward and reshard_root say: FSDP2's
+    # per-module reshard_after_forward. The memory budget planner sets it.
+    reshard_units: frozenset[str] | None = None
     # Merge runs of adjacent units smaller than this many bytes into one unit
     # (one collective each way). 0: off. Shown in the plan.
     bucket_bytes: int = 0
@@ -69,4 +73,6 @@ class ShardingOptions:
 
     def reshards(self, unit: str) -> bool:
         """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
+        if self.reshard_units is not None:
+            return unit in self.reshard_units
         return self.reshard_root if unit == "" else self.reshard_after_forward

@@ -1,0 +1,93 @@
+"""The memory budget planner's trials: a candidate's predicted peak, nothing run.
+
+``fxshard.ir.budget.search`` walks the ladder of candidates; this module
+answers its one question, "what would this candidate's peak be?", the way
+``report()`` answers it for the schedule that runs: the candidate's passes on
+a copy of the traced joint graph (``GraphCompiler.emit``), then the liveness
+analysis of the emitted forward and backward graphs. The trace itself
+(AOTAutograd, the expensive part) happens once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxshard.driver.codegen import GraphCompiler
+from fxshard.driver.report import Report, build_report
+from fxshard.driver.runtime import World
+from fxshard.ir import meta
+from fxshard.ir.budget import MIB, BudgetChoice, Candidate, Prediction, search
+from fxshard.ir.checkpointing import Checkpointing
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.plan import ShardPlan
+from fxshard.passes import build_pipelines
+
+PARAMS = "parameter shards, buffers and inputs"
+GATHERED = "gathered parameters"
+GRADS = "gradients"
+ACTIVATIONS = "activations and temporaries"
+
+
+def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkpointing | None,
+           shards: Sequence[torch.Tensor], joint: fx.GraphModule, joint_inputs: Any,
+           num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
+           input_bytes: int) -> tuple[BudgetChoice, CompileConfig, Checkpointing | None]:
+    """The cheapest schedule within ``config.memory_budget``, and the configuration and
+    checkpointing that run it. ``regions``: the regions recomputing may use."""
+    assert config.memory_budget is not None
+    unit_bytes = {u.name: sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
+                  for u in plan.units}
+
+    def configured(c: Candidate) -> tuple[CompileConfig, Checkpointing | None]:
+        return config.with_options(options=c.options(config.options)), c.checkpointing(regions)
+
+    def evaluate(c: Candidate) -> Prediction:
+        trial_config, checkpointing = configured(c)
+        trial = GraphCompiler(plan, world, trial_config, build_pipelines(trial_config),
+                              checkpointing=checkpointing)
+        graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
+        report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
+                              num_fwd_outputs)
+        return _prediction(report, graphs, plan, unit_bytes)
+
+    choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
+                    list(regions.regions) if regions is not None else [],
+                    config.options.max_inflight_gathers, unit_bytes)
+    chosen_config, checkpointing = configured(choice.chosen)
+    return choice, chosen_config, checkpointing
+
+
+def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPlan,
+                unit_bytes: dict[str, int]) -> Prediction:
+    """The peak, and what is alive there by kind (for the error of a budget that cannot be met)."""
+    kind, _, _ = report.peak_phase.partition(":")
+    nodes = {n.name: n for n in graphs[kind].graph.nodes} if kind in graphs else {}
+    parts = {PARAMS: report.shard_bytes + report.buffer_bytes + report.input_bytes, GATHERED: 0, GRADS: 0}
+    for name, nbytes in report.at_peak.items():
+        info = meta.get_info(nodes[name]) if name in nodes else None
+        role = info.role if info is not None else None
+        if role in (meta.ALL_GATHER, meta.WAIT, meta.REMAT, meta.SAVED) and not _is_grad(nodes[name]):
+            parts[GATHERED] += nbytes
+        elif role in (meta.REDUCE_SCATTER, meta.ALL_REDUCE) or (role == meta.WAIT and _is_grad(nodes[name])):
+            parts[GRADS] += nbytes
+    parts[ACTIVATIONS] = max(0, report.predicted_peak_bytes - sum(parts.values()))
+    largest = max(plan.units, key=lambda u: unit_bytes[u.name])
+    hints = {
+        PARAMS: "no schedule lowers it: shard over more ranks, or keep the parameters in a smaller dtype",
+        GATHERED: f"the largest unit, {largest.label}, gathers {unit_bytes[largest.name] / MIB:.3f} MiB "
+                  "at once: a finer wrapping policy (smaller units) gathers less at a time",
+        GRADS: "gradients of every parameter until the optimizer step: shard over more ranks",
+        ACTIVATIONS: "use a smaller batch or sequence, or recompute finer regions "
+                     "(activation_checkpointing= a policy of smaller modules)",
+    }
+    return Prediction(report.predicted_peak_bytes, report.peak_phase, parts, hints)
+
+
+def _is_grad(node: fx.Node) -> bool:
+    first = node.args[0] if node.args else None
+    info = meta.get_info(first) if isinstance(first, fx.Node) else None
+    return info is not None and info.role in (meta.REDUCE_SCATTER, meta.ALL_REDUCE)

@@ -1,0 +1,98 @@
+"""memory_budget (issue 13): the planner's choice keeps the measured peak within the budget,
+trains like the default schedule, and a budget no schedule meets is an error before anything runs."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.ir.budget import BudgetError, Candidate, Prediction, search
+from fxshard.measure import peak_memory
+from fxshard.policies import by_class
+
+from dist_utils import run_ranks
+from models import Block, TinyGPT
+from test_checkpointing import _batch, _model, _step_holding_outputs, _train
+
+# Three budgets for _model() at 2 ranks, batch 8 x 32: the default schedule's
+# peak is about 2.4 MiB, every region fully recomputed about 1.1 MiB.
+BUDGETS = {"roomy": 2_600_000, "tight": 2_100_000, "tighter": 1_300_000}
+
+
+def worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    default = fxshard.compile(_model(), by_class(Block))
+    out["default"] = _train(default, list(default.parameters()), rank)
+    for name, budget in BUDGETS.items():
+        sharded = fxshard.compile(_model(), by_class(Block), memory_budget=budget)
+        trained = _train(sharded, list(sharded.parameters()), rank)
+        idx = _batch(rank, 9)
+        measured = peak_memory(lambda s=sharded, i=idx: _step_holding_outputs(s, i), sharded, idx)
+        report = sharded.report()
+        assert report.budget is not None
+        out[name] = dict(trained, measured=measured, predicted=report.predicted_peak_bytes,
+                         chosen=report.budget.chosen, text=str(report))
+    return out
+
+
+@cache
+def results() -> list[dict[str, Any]]:
+    return run_ranks(worker, 2)
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_the_measured_peak_stays_within_the_budget(name: str) -> None:
+    for r in results():
+        res = r[name]
+        assert res["measured"] <= BUDGETS[name], (res["measured"], res["text"])
+        assert res["predicted"] <= BUDGETS[name]
+
+
+def test_tighter_budgets_buy_memory_with_resharding_then_recompute() -> None:
+    for r in results():
+        roomy, tight, tighter = (r[n]["chosen"] for n in BUDGETS)
+        assert not roomy.resharded and not roomy.selective and not roomy.full  # ZeRO-2, no recompute
+        assert tight.selective and not tight.full
+        assert tighter.full
+        assert "after forward" in r["tight"]["text"] and "recompute" in r["tight"]["text"]
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_the_chosen_schedule_trains_like_the_default(name: str) -> None:
+    for r in results():
+        assert torch.equal(r[name]["losses"], r["default"]["losses"])
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["params"], r["default"]["params"]))
+
+
+def test_a_budget_no_schedule_meets_is_an_error_naming_the_lowest_peak() -> None:
+    model = TinyGPT(dim=64, layers=4, seq=64, dropout=0.1)
+    x = torch.randint(0, 61, (8, 64))
+    with pytest.raises(BudgetError, match=r"cannot be met: the lowest peak .* is \d+\.\d+ MiB .*largest "
+                                          r"part is activations and temporaries: use a smaller batch"):
+        fxshard.explain(copy.deepcopy(model), x, by_class(Block), world_size=4, memory_budget=1_000_000)
+
+
+def test_the_search_takes_the_cheapest_candidate_that_fits() -> None:
+    """The ladder on a made-up peak model: each resharded unit saves 10, each selective
+    region 5, each full region 8 more."""
+    def evaluate(c: Candidate) -> Prediction:
+        peak = 100 - 10 * len(c.resharded) - 5 * len(c.selective) - 13 * len(c.full)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {})
+
+    def chosen(budget: int) -> Candidate:
+        return search(budget, evaluate, ["a", "b", ""], ["a", "b"], 2, {}).chosen
+
+    assert chosen(100).resharded == ()
+    assert chosen(80).resharded == ("a", "b")  # two of three units, the root last
+    assert chosen(70).resharded == ("a", "b", "") and not chosen(70).selective
+    assert chosen(65).selective == ("a",)
+    assert chosen(55).full == ("a",) and chosen(55).selective == ("b",)
+    with pytest.raises(BudgetError, match="lowest peak of the schedules fxshard tried is 0.000 MiB"):
+        search(40, evaluate, ["a", "b", ""], ["a", "b"], 2, {})
+    with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes"):
+        fxshard.compile(_model(), by_class(Block), memory_budget=-1)
