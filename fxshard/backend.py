@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from fxshard.api import ShardedModule
 from fxshard.driver.compiler import CompiledStep, Driver
+from fxshard.driver.report import Report
 from fxshard.driver.trace import TracedStep, flatten_outputs, parameter_views
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -209,6 +210,11 @@ class FxShardBackend:
     def steps(self) -> list[CompiledStep]:
         """The compiled step of every graph Dynamo captured, in compile order."""
         return [s for m in self._modules for s in m.driver.steps]
+
+    def reports(self) -> list[Report]:
+        """``report()`` of every graph Dynamo captured, in compile order (with a memory
+        budget, the planner's choice: made at the first training graph, kept for the rest)."""
+        return [m.driver.report(s) for m in self._modules for s in m.driver.steps]
 
     def graphs(self) -> list[dict[str, fx.GraphModule]]:
         """The emitted graphs of every graph Dynamo captured, in compile order."""

@@ -1,7 +1,8 @@
 """The ``fxshard`` command line.
 
     fxshard explain MODULE:FACTORY --world-size N --policy "by_class(Block) | by_size(1e6)" \\
-        --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR]
+        --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] \\
+        [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB]
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fxshard.ir.errors import FxShardError, TraceError
-from fxshard.ir.policies import Policy, by_class, by_size
+from fxshard.ir.policies import Policy, by_class, by_size, selective
 
 _TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
 
@@ -75,6 +76,31 @@ def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
             part = by_class(*classes)
         policy = part if policy is None else policy | part
     return policy
+
+
+def parse_checkpointing(text: str | None, namespace: ModuleType) -> Policy | None:
+    """A policy as for ``--policy``, or ``selective(<policy>)``."""
+    if not text:
+        return None
+    match = re.match(r"^\s*selective\((.*)\)\s*$", text)
+    if match is None:
+        return parse_policy(text, namespace)
+    inner = parse_policy(match.group(1), namespace)
+    if inner is None:
+        raise FxShardError("selective() needs a policy inside, e.g. selective(by_class(Block))")
+    return selective(inner)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``2GiB``, ``800MiB``, ``1.5e9``, ``123456``: a number of bytes."""
+    match = re.match(r"^\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*$", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise FxShardError(f"cannot read {text!r} as a size: use bytes or a unit, e.g. 2GiB, 800MiB, 1.5e9")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _value(text: str) -> Any:
@@ -158,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                          "else float32)")
     ex.add_argument("--option", action="append", default=[], help="scheduling option key=value")
     ex.add_argument("--eval", action="store_true", help="explain an inference step")
+    ex.add_argument("--activation-checkpointing", default=None,
+                    help='regions to recompute: a policy, or "selective(by_class(Block))"')
+    ex.add_argument("--memory-budget", default=None,
+                    help="peak bytes per rank (e.g. 2GiB): shows the schedule the planner chooses")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
@@ -189,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("meta"):
                 model = factory()
         options = _options(args.option)
+        if args.activation_checkpointing:
+            options["activation_checkpointing"] = parse_checkpointing(args.activation_checkpointing, module)
+        if args.memory_budget:
+            options["memory_budget"] = parse_bytes(args.memory_budget)
         inputs = _inputs(args.input_shape, args.input_dtype)
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)

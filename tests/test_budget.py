@@ -37,6 +37,12 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
         assert report.budget is not None
         out[name] = dict(trained, measured=measured, predicted=report.predicted_peak_bytes,
                          chosen=report.budget.chosen, text=str(report))
+    backend = fxshard.backend(by_class(Block), memory_budget=BUDGETS["tight"])
+    compiled = torch.compile(_model(), backend=backend)
+    out["backend_tight"] = _train(compiled, fxshard.parameters(compiled), rank)
+    reports = backend.reports()
+    out["backend_tight"]["budgets"] = [r.budget for r in reports]
+    out["backend_tight"]["predicted"] = [r.predicted_peak_bytes for r in reports]
     return out
 
 
@@ -96,3 +102,11 @@ def test_the_search_takes_the_cheapest_candidate_that_fits() -> None:
         search(40, evaluate, ["a", "b", ""], ["a", "b"], 2, {})
     with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes"):
         fxshard.compile(_model(), by_class(Block), memory_budget=-1)
+
+
+def test_the_backend_plans_the_budget_too() -> None:
+    for r in results():
+        res = r["backend_tight"]
+        assert torch.equal(res["losses"], r["default"]["losses"])
+        assert res["budgets"] and all(b is not None and b.chosen.selective for b in res["budgets"])
+        assert all(p <= BUDGETS["tight"] for p in res["predicted"])

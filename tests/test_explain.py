@@ -169,3 +169,19 @@ def test_logging_is_silent_by_default_and_goes_through_one_logger(
     assert all(r.name == "fxshard" for r in ours), {r.name for r in ours}
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_cli_explain_shows_the_memory_budget_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    args = ["explain", str(ROOT / "tests" / "models.py") + ":TinyGPT", "--world-size", "4",
+            "--policy", "by_class(Block)", "--input-shape", "8,16", "--input-dtype", "int64",
+            "--activation-checkpointing", "selective(by_class(Block))"]
+    assert cli.main([*args, "--memory-budget", "600KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "memory budget 0.586 MiB: predicted peak" in out
+    assert "after forward" in out and "candidates tried" in out
+    assert cli.main([*args, "--memory-budget", "10KiB"]) == 2
+    assert "memory_budget 0.010 MiB cannot be met" in capsys.readouterr().err
+    assert cli.main([*args, "--memory-budget", "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
