@@ -90,7 +90,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
-           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16", "fxshard_within_peak")
+           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16", "fxshard_within_peak",
+           "fsdp2_ac", "fxshard_ac", "fxshard_sac")
+# Activation checkpointing per unit (issue 13): FSDP2 with torch's checkpoint around
+# each block (apply_activation_checkpointing, non-reentrant, as torchtitan), fxshard's
+# pass with the same regions (fxshard_ac) and selective (fxshard_sac: matmul and
+# attention outputs saved). Their ×FSDP2 ratios are against fsdp2_ac.
 # Issue 13's sweep of GPT shapes (width, layers, vocabulary, batch; sequence 64), run with
 # --models sweep1,...,sweep6 --systems fsdp2,fxshard,fxshard_noprefetch,fxshard_within_peak.
 SWEEP = {"sweep1": (128, 6, 512, 4), "sweep2": (256, 6, 512, 4), "sweep3": (512, 6, 512, 4),
@@ -143,8 +148,11 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
 
 
 def baseline(system: str) -> str:
-    """The FSDP2 row a system's ×FSDP2 ratios are against: the one at the same precision."""
-    return "fsdp2_bf16" if system.endswith("_bf16") else "fsdp2"
+    """The FSDP2 row a system's ×FSDP2 ratios are against: the one at the same precision,
+    and with activation checkpointing for the checkpointing rows."""
+    if system.endswith("_bf16"):
+        return "fsdp2_bf16"
+    return "fsdp2_ac" if system.endswith("_ac") or system.endswith("_sac") else "fsdp2"
 
 
 def build(system: str, model_name: str, spec: dict[str, Any]) -> nn.Module:
@@ -194,16 +202,30 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
         # On meta, FSDP1 materialises one wrapped unit at a time (to_empty, then each
         # module's reset_parameters()) before flattening and sharding it.
         return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    if system in ("fsdp2", "fsdp2_bf16"):
+    def is_unit(m: nn.Module) -> bool:
+        if block is not None:
+            return isinstance(m, block)
+        return m is not model and sum(p.numel() for p in m.parameters(recurse=False)) >= spec["min_params"]
+
+    if system in ("fsdp2", "fsdp2_bf16", "fsdp2_ac"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
         mp_policy = MixedPrecisionPolicy(**BF16) if system == "fsdp2_bf16" else MixedPrecisionPolicy()
-        for m in model.modules():
-            if (block is not None and isinstance(m, block)) or (block is None and m is not model and
-                                                                 sum(p.numel() for p in m.parameters(recurse=False)) >= spec["min_params"]):
-                fully_shard(m, mesh=mesh, mp_policy=mp_policy)
+        if system == "fsdp2_ac":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            apply_activation_checkpointing(model, check_fn=is_unit)
+        # With checkpointing, each unit is inside its CheckpointWrapper: shard the wrapper
+        # (as torchtitan does), so the recompute runs FSDP2's hooks around the block.
+        units = [m for m in model.modules() if is_unit(m)]
+        if system == "fsdp2_ac":
+            units = [m for m in model.modules() if is_unit(getattr(m, "_checkpoint_wrapped_module", model))]
+        for m in units:
+            fully_shard(m, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         if on_meta:
             init_fsdp2_on_meta(model)
@@ -223,6 +245,10 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
         options = dict(inflight_groups=False)
     if system == "fxshard_bf16":
         options = dict(mixed_precision=fxshard.MixedPrecision(**BF16))
+    if system == "fxshard_ac":
+        options = dict(activation_checkpointing=policy)
+    if system == "fxshard_sac":
+        options = dict(activation_checkpointing=fxshard.policies.selective(policy))
     return fxshard.compile(model, policy=policy, **options)
 
 
