@@ -16,7 +16,8 @@ full recompute of a region            backward reruns all of it, matmuls too
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
 backward, the configured prefetch, no recompute). Each step of the ladder adds
-one more change of the same kind, first units first (the unit-by-unit and
+one more change of the same kind, first units first; a step that does not
+lower the peak even when applied in full is skipped (the unit-by-unit and
 region-by-region steps are found by bisection: along a step the predicted peak
 only falls). The first candidate whose predicted peak is within the budget
 wins: the least communication and recompute that fits. ``evaluate`` predicts
@@ -157,7 +158,8 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
             continue
         full = replace(apply(current, n), step=step)
         if peak(full).peak > budget:
-            current = full
+            if peak(full).peak < peak(current).peak:  # keep a change only if it lowers the peak
+                current = full
             continue
         lo, hi = 0, n  # apply(current, lo) misses the budget, apply(current, hi) meets it
         while hi - lo > 1:
@@ -176,7 +178,7 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
     raise BudgetError(
         f"memory_budget {budget / MIB:.3f} MiB cannot be met: the lowest peak of the schedules "
         f"fxshard tried is {smallest.peak / MIB:.3f} MiB ({best.describe()}), at {smallest.where}. "
-        "There it holds " + ", ".join(f"{k} {v / MIB:.3f} MiB" for k, v in parts)
+        "There it holds " + ", ".join(f"{k} {v / MIB:.3f} MiB" for k, v in parts if v)
         + f". The largest part is {dominant}: {smallest.hints.get(dominant, '')}"
     )
 
@@ -192,13 +194,13 @@ def _choice(budget: int, chosen: Candidate, peak: int, tried: list[tuple[str, in
         recompute = kinds[0] if len(kinds) == 1 else "mixed"
         resharded = unit in chosen.resharded
         if resharded:
-            why = f"the budget needs {n_resharded} of {len(units)} units resharded (first units first)"
+            why = f"the budget needs {n_resharded} of {len(units)} units resharded, first units first"
         else:
             why = "the budget holds with it kept: no second gather of it in backward"
         if recompute == "selective":
-            why += "; every cheaper choice is taken and its matmuls stay saved"
+            why += "; recomputed but its matmuls: resharding and prefetch limits alone do not fit"
         elif recompute != "none":
-            why += "; every cheaper choice is taken, selective recompute of every region too"
+            why += "; recomputed in full: selective recompute of every region does not fit"
         rows.append(UnitChoice(unit, unit_bytes.get(unit, 0), resharded, recompute, why))
     return BudgetChoice(budget, chosen, peak, tuple(tried), tuple(rows))
 
