@@ -274,11 +274,11 @@ class Driver:
                                  grad_sync=grad_sync,
                                  accumulators=self._accumulators() if grad_sync != REDUCE else None,
                                  checkpointing=self.checkpointing)
-        input_bytes = sum(x.numel() * x.element_size() for x in inputs)
         if self.config.memory_budget is not None and self.budget_choice is None:
-            compiler.before_partition = (
+            compiler.before_partition = (  # inputs are real by then: the trace refuses symbolic sizes
                 lambda joint, joint_inputs, n, kwargs: self._plan_budget(
-                    compiler, joint, joint_inputs, n, kwargs, buffer_bytes, input_bytes))
+                    compiler, joint, joint_inputs, n, kwargs, buffer_bytes,
+                    sum(x.numel() * x.element_size() for x in inputs)))
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -294,7 +294,7 @@ class Driver:
                 self._plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
         compiled = CompiledStep(
             fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
-            recorder.names, input_bytes, buffer_bytes,
+            recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
         )
