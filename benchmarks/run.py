@@ -91,7 +91,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
            "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16", "fxshard_within_peak",
-           "fsdp2_ac", "fxshard_ac", "fxshard_sac")
+           "fsdp2_ac", "fxshard_ac", "fxshard_sac", "fxshard_limit_only")
 # Activation checkpointing per unit (issue 13): FSDP2 with torch's checkpoint around
 # each block (apply_activation_checkpointing, non-reentrant, as torchtitan), fxshard's
 # pass with the same regions (fxshard_ac) and selective (fxshard_sac: matmul and
@@ -239,8 +239,10 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
-    if system == "fxshard_within_peak":  # memory-aware prefetch (issue 13), opt-in for now
+    if system == "fxshard_within_peak":  # memory-aware prefetch (issue 13): the default since
         options = dict(prefetch_within_peak=True)
+    if system == "fxshard_limit_only":  # the in-flight limits alone, the default before issue 13
+        options = dict(prefetch_within_peak=False)
     if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
         options = dict(inflight_groups=False)
     if system == "fxshard_bf16":
@@ -326,12 +328,20 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
     x, y = batches[-2]
     watched = system not in NOT_VISIBLE
     peak = peak_memory(lambda: step(x, y), model, opt, x, y) if watched else None
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> None:
+        spec["loss"](model(x), y).backward()
+
+    # Issue 13's harness: forward + backward alone, the optimizer state not counted.
+    fb_peak = peak_memory(lambda: forward_backward(x, y), model, x, y) if watched else None
+    opt.zero_grad(set_to_none=True)
     x, y = batches[-1]
     with CommCounter() if watched else contextlib.nullcontext() as counter:
         step(x, y)
     result = {
         "system": system, "model": model_name, "rank": rank,
         "step_s": statistics.median(times), "warmup_s": warmup_s, "peak_bytes": peak,
+        "fb_peak_bytes": fb_peak,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "comm_bytes": counter.total if watched else None,
         "comm_by_kind": dict(counter.bytes) if watched else None,
@@ -402,8 +412,10 @@ def measure(system: str, model_name: str, args: Any, out_dir: str) -> dict[str, 
     ranks = [torch.load(os.path.join(out_dir, f"{system}-{model_name}-{r}.pt")) for r in range(n)]
     first = ranks[0]
     peaks = [r["peak_bytes"] for r in ranks]
+    fb_peaks = [r.get("fb_peak_bytes") for r in ranks]
     merged = {**first, "rss_bytes": max(r["rss_bytes"] for r in ranks),
               "peak_bytes": None if None in peaks else max(peaks),
+              "fb_peak_bytes": None if None in fb_peaks else max(fb_peaks),
               "load_1min": os.getloadavg()[0]}  # above world size + 1, others took CPU time
     if "agreement_share" in first:  # rank 0's, like the step time; each rank's too
         merged["agreement_share_ranks"] = [r["agreement_share"] for r in ranks]
@@ -465,8 +477,8 @@ def ratios(results: list[dict[str, Any]]) -> None:
             continue
         for base in dict.fromkeys(("fsdp2", "ddp", baseline(r["system"]))):
             ref = by.get((r["model"], base))
-            for key in ("step_s", "peak_bytes", "rss_bytes"):
-                ok = ref and ref[key] and r[key] is not None
+            for key in ("step_s", "peak_bytes", "rss_bytes", "fb_peak_bytes"):
+                ok = ref and ref.get(key) and r.get(key) is not None
                 r[f"{key}_vs_{base}"] = r[key] / ref[key] if ok else None
         # A variant of fxshard's scheduling against its defaults (bf16 computes otherwise:
         # it is against FSDP2-bf16 instead).
@@ -536,7 +548,22 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         notes.append(f"{model}: {params / 1e9:.2f}B parameters; each rank's data memory capped at "
                      f"{limit / (1 << 30):.1f} GiB (RLIMIT_DATA), 80% of RAM shared by {meta['world_size']} ranks."
                      if params else f"{model}: each rank capped at {limit / (1 << 30):.1f} GiB.")
-    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes) + overheads(results)
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes) + forward_backward(results) + overheads(results)
+
+
+def forward_backward(results: list[dict[str, Any]]) -> str:
+    """Issue 13's harness: the peak of forward + backward alone (no optimizer state counted),
+    against FSDP2 at the same precision and checkpointing."""
+    rows = [r for r in results if r.get("fb_peak_bytes") and "earlier_run" not in r]
+    if not rows:
+        return ""
+    lines = ["", "Peak of forward + backward alone (optimizer state not counted; issue 13's harness):", "",
+             "| model | system | peak MiB | ×FSDP2 |", "|---|---|---:|---:|"]
+    for r in rows:
+        vs = r.get(f"fb_peak_bytes_vs_{baseline(r['system'])}")
+        lines.append(f"| {r['model']} | {r['system']} | {r['fb_peak_bytes'] / (1 << 20):.1f} | "
+                     f"{'–' if vs is None else f'{vs:.2f}'} |")
+    return "\n".join(lines) + "\n"
 
 
 def overheads(results: list[dict[str, Any]]) -> str:

@@ -178,7 +178,9 @@ def test_pipeline_is_built_from_the_configuration() -> None:
         return [s.name for s in build_pipeline(graph, CompileConfig.build("compile", **kw))]  # type: ignore[arg-type]
 
     assert names("forward") == ["eliminate_dead_code_pass", "insert_all_gather_pass", "place_gathers_pass",
-                                "prefetch_gathers_pass", "insert_free_pass"]
+                                "prefetch_gathers_pass", "insert_free_pass", "limit_prefetch_pass"]
+    assert "limit_prefetch_pass" not in names("forward", prefetch_within_peak=False)
+    assert "limit_prefetch_pass" not in names("forward", forward_prefetch=False)
     assert "prefetch_gathers_pass" not in names("forward", forward_prefetch=False)
     assert "prefetch_gathers_pass" in names("backward", forward_prefetch=False)
     assert "prefetch_gathers_pass" not in names("backward", backward_prefetch=None)

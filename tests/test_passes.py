@@ -147,7 +147,8 @@ def three_unit_forward() -> fx.GraphModule:
 
 @pytest.mark.parametrize("limit", [1, 2, 3])
 def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) -> None:
-    options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit)
+    # The in-flight limit alone: limit_prefetch_pass would move prefetches off the peak.
+    options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit, prefetch_within_peak=False)
     c = ctx(options=options)
     gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
@@ -164,7 +165,7 @@ def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) 
 
 
 def test_post_prefetch_issues_next_gather_after_current_unit() -> None:
-    options = ShardingOptions(forward_prefetch=False, backward_prefetch="post")
+    options = ShardingOptions(forward_prefetch=False, backward_prefetch="post", prefetch_within_peak=False)
     c = ctx("backward", options=options)
     gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]

@@ -30,9 +30,9 @@ class ShardingOptions:
     # Optional cap on the bytes of those buffers.
     max_inflight_bytes: int | None = None
     # No prefetched gather holds its buffer across its graph's predicted peak
-    # (limit_prefetch_pass delays it past the peak). Opt-in until the sweep
-    # against FSDP2 is in the benchmark (issue 13).
-    prefetch_within_peak: bool = False
+    # (limit_prefetch_pass delays it past the peak); prefetches elsewhere keep
+    # their overlap. False: the in-flight limits alone decide.
+    prefetch_within_peak: bool = True
     # When set, exactly these units (names; "" the root) are resharded after
     # forward, whatever reshard_after_forward and reshard_root say: FSDP2's
     # per-module reshard_after_forward. The memory budget planner sets it.
