@@ -90,11 +90,25 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
             return recomputed(source)
         return True
 
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
     def backward_value(node: fx.Node, before: fx.Node) -> fx.Node:
         if not recomputed(node):
             return copies.parameter(node, before)  # itself, or a parameter chain's copy
-        if node.target is operator.getitem and _is_rng_pair(node.args[0]):
-            return _replay(graph, copies, node, before, backward_value, rng[1])
+        # The region's nodes ``node`` needs that have no copy yet, found without recursion
+        # (a region can be a long chain), then copied in forward order.
+        needed, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in needed or n in copies.copies or not recomputed(n):
+                continue
+            needed.add(n)
+            stack.extend(_rng_inputs(n) if _is_rng_result(n) else n.all_input_nodes)
+        for n in sorted(needed, key=position.__getitem__):
+            if _is_rng_result(n):
+                _replay(graph, copies, n, before, backward_value, rng[1])
+            else:
+                copies.copy(n, before, lambda a: backward_value(a, before))
         return copies.copy(node, before, lambda a: backward_value(a, before))
 
     changed = False
@@ -131,6 +145,17 @@ _SAVES_RNG = (_EAGER_RNG[0], _INDUCTOR_RNG[0])
 
 def _is_rng_pair(node: object) -> bool:
     return isinstance(node, fx.Node) and node.target in _SAVES_RNG
+
+
+def _is_rng_result(node: fx.Node) -> bool:
+    """``pair[1]``: a random operator's result, replayed in backward."""
+    return bool(node.target is operator.getitem and _is_rng_pair(node.args[0]) and node.args[1] == 1)
+
+
+def _rng_inputs(result: fx.Node) -> list[fx.Node]:
+    pair = result.args[0]
+    assert isinstance(pair, fx.Node)
+    return [a for a in pair.all_input_nodes]
 
 
 def _save_rng_state(graph: fx.Graph, node: fx.Node, region: str, save: Any) -> dict[fx.Node, str]:

@@ -165,3 +165,24 @@ def test_a_bad_checkpointing_value_is_refused_with_the_fix() -> None:
         fxshard.compile(_model(), by_class(Block), activation_checkpointing=True)
     with pytest.raises(TypeError, match="selective takes a policy"):
         selective(Block)  # type: ignore[arg-type]
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        for _ in range(400):  # one long chain: every sin's backward reads its input
+            x = torch.sin(x)
+        return x
+
+
+def test_a_long_region_is_copied_without_recursion() -> None:
+    """A recursive copy would go about three frames deep per operator of the chain."""
+    model = torch.nn.Sequential(_Chain(), _Chain())
+    none, full = (fxshard.explain(model, torch.randn(4, 8), by_class(_Chain), world_size=2,
+                                  activation_checkpointing=ac).report.predicted_peak_bytes
+                  for ac in (None, by_class(_Chain)))
+    assert full < 0.6 * none, (full, none)  # measured: 0.51x
