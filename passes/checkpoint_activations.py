@@ -26,10 +26,10 @@ higher-order operators of the same names)::
     forward:   pair = run_and_save_rng_state(native_dropout, h, p, True); state = pair[0]
     backward:  run_with_rng_state(state, native_dropout, h', p, True)
 
-Selective checkpointing (``Checkpointing.selective`` regions) stops the copying at
-the outputs of those operators (matmuls, attention): they are saved as they
-would be without checkpointing, and only the cheap operators around them are
-recomputed.
+In a region checkpointed selectively (``Checkpointing.selective``) the copying
+stops at the outputs of ``Checkpointing.saved_ops`` (matmuls, attention): they
+are saved as they would be without checkpointing, and only the cheap
+operators around them are recomputed.
 
 A region's outputs (values read by forward nodes outside it, or returned)
 are not recomputed: as with ``torch.utils.checkpoint``, the region saves its
