@@ -27,9 +27,9 @@ on one group complete together; docs/devices.md) and may crash a run.
 
 Measured on this 2-core CPU machine, gloo, 2 ranks, in one run of net and gpt
 with nothing else running (benchmarks/results/latest.md): the agreement took
-5.1% of fxshard's step on Net (5.7 ms of 109) and 0.4% on the GPT (5.0 ms of
-1410), 2.4-6.2% and 0.2-0.6% across the five fxshard systems; one gloo group
-instead of per-slot groups ran at 0.98x fxshard's step time on Net and 1.03x
+1.9% of fxshard's step on Net (2.2 ms of 120) and 0.6% on the GPT (5.2 ms of
+848), 1.3-4.1% and 0.3-0.6% across the six fxshard systems; one gloo group
+instead of per-slot groups ran at 0.95x fxshard's step time on Net and 1.00x
 on the GPT: the per-slot groups cost no step time measurable here.
 
 Mixed precision: ``fsdp2_bf16`` and ``fxshard_bf16`` train the same units
