@@ -35,6 +35,7 @@ from fxshard.ir import meta as meta
 from fxshard.ir import ops as ops  # registers the fxshard:: operators
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import (
+    BudgetError,
     CollectiveMismatchError,
     FxShardError,
     GraphInvariantError,
@@ -50,6 +51,7 @@ from fxshard.passes import verify
 logging.getLogger("fxshard").addHandler(logging.NullHandler())
 
 __all__ = [
+    "BudgetError",
     "CollectiveMismatchError",
     "CompileConfig",
     "Explanation",

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fxshard
-from fxshard.ir.budget import BudgetError, Candidate, Prediction, search
+from fxshard import BudgetError
+from fxshard.ir.budget import Candidate, Prediction, search
 from fxshard.measure import peak_memory
 from fxshard.policies import by_class
 

@@ -35,14 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fxshard.ir.checkpointing import Checkpointing
-from fxshard.ir.errors import FxShardError
+from fxshard.ir.errors import BudgetError
 from fxshard.ir.options import ShardingOptions
 
 MIB = 1 << 20
-
-
-class BudgetError(FxShardError):
-    """A memory budget no schedule fxshard can choose meets."""
 
 
 @dataclass(frozen=True)

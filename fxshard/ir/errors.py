@@ -54,3 +54,8 @@ class GraphInvariantError(FxShardError):
 
 class CollectiveMismatchError(FxShardError):
     """Ranks disagree on the collectives they are about to issue."""
+
+
+class BudgetError(FxShardError):
+    """``memory_budget``: no schedule fxshard can choose has its predicted peak within the
+    budget. Raised before anything runs; names the lowest peak found and its largest part."""
