@@ -98,9 +98,13 @@ def parse_bytes(text: str) -> int:
     """``2GiB``, ``800MiB``, ``1.5e9``, ``123456``: a number of bytes."""
     match = re.match(r"^\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*$", text)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise FxShardError(f"cannot read {text!r} as a size: use bytes or a unit, e.g. 2GiB, 800MiB, 1.5e9")
-    return int(float(match.group(1)) * _UNITS[unit])
+    try:
+        if match is None or unit not in _UNITS:
+            raise ValueError(text)
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise FxShardError(f"cannot read {text!r} as a size: use bytes or a unit, e.g. 2GiB, 800MiB, "
+                           "1.5e9") from None
 
 
 def _value(text: str) -> Any:

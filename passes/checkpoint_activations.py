@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._prims import rng_prims
 
@@ -71,7 +72,10 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
     rng = _INDUCTOR_RNG if ctx.compute == "inductor" else _EAGER_RNG
     for node in list(graph.nodes):
         name = region[node]
-        if name is not None and _is_random(node) and not meta.is_backward(node):
+        # A random operator whose output is saved anyway (attention in a selective region)
+        # or that mutates is not recomputed, so it needs no generator state.
+        if (name is not None and _is_random(node) and not meta.is_backward(node)
+                and not checkpointing.saves(node.target, name) and not _mutates(node)):
             region.update(_save_rng_state(graph, node, name, rng[0]))
 
     def recomputed(node: fx.Node) -> bool:
@@ -162,11 +166,12 @@ def _save_rng_state(graph: fx.Graph, node: fx.Node, region: str, save: Any) -> d
     """Forward random ``node`` becomes ``run_and_save_rng_state(op, ...)``: its result is
     ``pair[1]``, the generator state it drew from ``pair[0]``. Returns the new nodes' regions."""
     value = node.meta["val"]
-    tensors = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    mode = detect_fake_mode(tensors)
-    if mode is None or not tensors:
-        raise GraphInvariantError(f"{node.name}: random operator without fake tensor inputs")
-    state = mode.from_tensor(ops._generator_state(tensors[0].device))  # meta (explain): cpu-sized
+    results = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    mode = detect_fake_mode(results)
+    if mode is None:
+        raise GraphInvariantError(f"{node.name}: random operator without a fake tensor result")
+    # The generator of the device it draws on: its result's (torch.rand has no tensor input).
+    state = mode.from_tensor(ops._generator_state(results[0].device))  # meta (explain): cpu-sized
     provenance = {k: v for k, v in node.meta.items() if k not in (meta.KEY, "val")}
     with graph.inserting_before(node):
         op: Any = node.target
@@ -189,10 +194,11 @@ def _replay(graph: fx.Graph, copies: BackwardCopies, result: fx.Node, before: fx
     assert isinstance(pair, fx.Node)
     state = next(u for u in pair.users if u.target is operator.getitem and u.args[1] == 0)
     op, *args = pair.args
-    kwargs = dict(pair.kwargs)
 
     def make() -> fx.Node:
         mapped = [backward_value(a, before) if isinstance(a, fx.Node) else a for a in args]
+        kwargs = {k: backward_value(v, before) if isinstance(v, fx.Node) else v
+                  for k, v in pair.kwargs.items()}
         new = graph.call_function(replay, (state, op, *mapped), kwargs)
         new.meta["val"] = fake_value(op, tuple(mapped), kwargs)
         return new

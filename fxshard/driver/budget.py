@@ -10,21 +10,24 @@ analysis of the emitted forward and backward graphs. The trace itself
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.report import Report, build_report
-from fxshard.driver.runtime import World
+from fxshard.driver.runtime import World, comm_device
 from fxshard.ir import meta
 from fxshard.ir.budget import MIB, BudgetChoice, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import build_pipelines
+from fxshard.passes.context import REDUCE, GradSync
 
 PARAMS = "parameter shards, buffers and inputs"
 GATHERED = "gathered parameters"
@@ -35,9 +38,16 @@ ACTIVATIONS = "activations and temporaries"
 def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkpointing | None,
            shards: Sequence[torch.Tensor], joint: fx.GraphModule, joint_inputs: Any,
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
-           input_bytes: int) -> tuple[BudgetChoice, CompileConfig, Checkpointing | None]:
+           input_bytes: int, grad_sync: GradSync = REDUCE,
+           accumulators: Mapping[int, torch.Tensor] | None = None,
+           ) -> tuple[BudgetChoice, CompileConfig, Checkpointing | None]:
     """The cheapest schedule within ``config.memory_budget``, and the configuration and
-    checkpointing that run it. ``regions``: the regions recomputing may use."""
+    checkpointing that run it. ``regions``: the regions recomputing may use;
+    ``grad_sync`` and ``accumulators``: the traced step's (a step inside no_sync keeps
+    full-size gradient sums). Every rank takes each candidate's largest peak over the
+    ranks, so all choose the same schedule (their inputs may differ in size)."""
+    accumulator_bytes = (sum(a.numel() * a.element_size() for a in (accumulators or {}).values())
+                         if grad_sync != REDUCE else 0)
     assert config.memory_budget is not None
     unit_bytes = {u.name: sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
                   for u in plan.units}
@@ -48,11 +58,12 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
     def evaluate(c: Candidate) -> Prediction:
         trial_config, checkpointing = configured(c)
         trial = GraphCompiler(plan, world, trial_config, build_pipelines(trial_config),
-                              checkpointing=checkpointing)
+                              checkpointing=checkpointing, grad_sync=grad_sync, accumulators=accumulators)
         graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
-                              num_fwd_outputs)
-        return _prediction(report, graphs, plan, unit_bytes)
+                              num_fwd_outputs, accumulator_bytes=accumulator_bytes)
+        prediction = _prediction(report, graphs, plan, unit_bytes)
+        return replace(prediction, peak=_largest_over_ranks(world, prediction.peak))
 
     choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
                     list(regions.regions) if regions is not None else [],
@@ -85,6 +96,16 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
                      "(activation_checkpointing= a policy of smaller modules)",
     }
     return Prediction(report.predicted_peak_bytes, report.peak_phase, parts, hints)
+
+
+def _largest_over_ranks(world: World, nbytes: int) -> int:
+    """The largest of the ranks' ``nbytes`` (a MAX all_reduce on fxshard's group)."""
+    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+        return nbytes
+    group = world.comm[0] if world.comm else world.group
+    value = torch.tensor([nbytes], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value.item())
 
 
 def _is_grad(node: fx.Node) -> bool:

@@ -171,6 +171,10 @@ class Driver:
                                bucket_bytes=options.bucket_bytes,
                                replicate_below=options.replicate_below,
                                mixed_precision=self.config.mixed_precision)
+        unknown = sorted((options.reshard_units or frozenset()) - {u.name for u in self._plan.units})
+        if unknown:
+            raise FxShardError(f"reshard_units names no unit of the plan: {unknown}; the units are "
+                               f"{[u.name for u in self._plan.units]} ('' is the root)")
         self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(
@@ -312,7 +316,7 @@ class Driver:
         run, and keep it for every later trace (fxshard.ir.budget)."""
         choice, config, checkpointing = budget.choose(
             self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
-            num_fwd_outputs, kwargs, buffer_bytes, input_bytes)
+            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, compiler.grad_sync, compiler.accumulators)
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, choice.table())
         self.budget_choice, self.config, self.checkpointing = choice, config, checkpointing
         self.pipelines = build_pipelines(config)

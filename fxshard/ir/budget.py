@@ -15,7 +15,8 @@ full recompute of a region            backward reruns all of it, matmuls too
 
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
-backward, the configured prefetch, no recompute). Each step of the ladder adds
+backward, prefetch held across the peak, the configured in-flight limit, no
+recompute). Each step of the ladder adds
 one more change of the same kind, first units first; a step that does not
 lower the peak even when applied in full is skipped (the unit-by-unit and
 region-by-region steps are found by bisection: along a step the predicted peak
@@ -144,7 +145,8 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         ("recompute regions selectively",
          lambda c, k: replace(c, selective=tuple(regions[:k])), len(regions)),
         ("recompute regions fully",
-         lambda c, k: replace(c, selective=tuple(regions[k:]), full=tuple(regions[:k])), len(regions)),
+         lambda c, k: replace(c, selective=tuple(r for r in c.selective if r not in regions[:k]),
+                              full=tuple(regions[:k])), len(regions)),
     ]
     current = start
     if peak(current).peak <= budget:

@@ -158,18 +158,21 @@ def _set_generator_state(device: torch.device, state: Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def _device_of(args: tuple[Any, ...]) -> torch.device:
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """Where a random operator draws: its ``device=`` (torch.rand), else its first tensor's."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
     return next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
 
 
 def run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
     """``(state, op(*args))``: the generator state ``op`` draws from, and its result."""
-    return _generator_state(_device_of(args)), op(*args, **kwargs)
+    return _generator_state(_device_of(args, kwargs)), op(*args, **kwargs)
 
 
 def run_with_rng_state(state: Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op(*args)`` drawing from generator ``state``; the generator is left as it was."""
-    device = _device_of(args)
+    device = _device_of(args, kwargs)
     current = _generator_state(device)
     _set_generator_state(device, state)
     try:

@@ -45,6 +45,11 @@ class ShardingOptions:
     replicate_below: int = 0
 
     def __post_init__(self) -> None:
+        if self.reshard_units is not None:
+            if isinstance(self.reshard_units, str) or not all(isinstance(u, str) for u in self.reshard_units):
+                raise TypeError("reshard_units takes unit names, e.g. {'blocks.0', ''} ('' is the root), "
+                                f"got {self.reshard_units!r}")
+            object.__setattr__(self, "reshard_units", frozenset(self.reshard_units))
         if self.backward_prefetch not in ("pre", "post", None):
             raise ValueError(
                 f"backward_prefetch must be 'pre', 'post' or None, got {self.backward_prefetch!r}"
