@@ -159,8 +159,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     values included, shared: they are never changed in place) are kept."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}), type_expr=None)
-    copy = fx.GraphModule(gm, graph)
-    return copy
+    return fx.GraphModule(gm, graph)
 
 
 def _boxed(gm: fx.GraphModule, rank: int, kind: str) -> Callable[..., Any]:
