@@ -57,6 +57,9 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
 
     def evaluate(c: Candidate) -> Prediction:
         trial_config, checkpointing = configured(c)
+        # Checked once on the emitted graphs (always); after every pass only for the
+        # schedule that runs (FXSHARD_VERIFY), not for each trial.
+        trial_config = trial_config.with_options(verify=False)
         trial = GraphCompiler(plan, world, trial_config, build_pipelines(trial_config),
                               checkpointing=checkpointing, grad_sync=grad_sync, accumulators=accumulators)
         graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
