@@ -3,7 +3,7 @@ less memory, and a prediction that holds.
 
 One spawn of 2 gloo ranks trains a dropout GPT three AdamW steps without
 checkpointing, with full and with selective checkpointing (fxshard.compile),
-and without/with it through the torch.compile backend; the single-process
+and with it through the torch.compile backend; the single-process
 tests read the emitted graphs and the front ends' errors.
 """
 
@@ -84,13 +84,11 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
         out[name] = dict(trained, measured=measured, predicted=sharded.report().predicted_peak_bytes,
                          gathers=_gathers_per_group(backward), resharded=resharded,
                          saved=len(sharded.graphs["forward"].graph.output_node().args[0]))
-    for name in ("none", "full"):
-        model = _model()
-        backend = fxshard.backend(by_class(Block), activation_checkpointing=VARIANTS[name])
-        compiled = torch.compile(model, backend=backend)
-        out[f"backend_{name}"] = _train(compiled, fxshard.parameters(compiled), rank)
-        forward = backend.graphs()[0]["forward"]
-        out[f"backend_{name}"]["saved"] = len(forward.graph.output_node().args[0])
+    backend = fxshard.backend(by_class(Block), activation_checkpointing=VARIANTS["full"])
+    compiled = torch.compile(_model(), backend=backend)
+    out["backend_full"] = _train(compiled, fxshard.parameters(compiled), rank)
+    forward = backend.graphs()[0]["forward"]
+    out["backend_full"]["saved"] = len(forward.graph.output_node().args[0])
     return out
 
 
@@ -102,7 +100,7 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", ["full", "selective", "backend_full"])
 def test_checkpointing_trains_bit_for_bit_like_without(name: str) -> None:
     for r in results():
-        base = r["backend_none" if name.startswith("backend") else "none"]
+        base = r["none"]  # the backend trains like fxshard.compile (tests/test_backend.py)
         got = r[name]
         assert torch.equal(got["losses"], base["losses"]), (got["losses"], base["losses"])
         assert all(torch.equal(a, b) for a, b in zip(got["params"], base["params"]))
@@ -113,7 +111,8 @@ def test_the_backend_matches_compile() -> None:
     for r in results():
         assert torch.equal(r["backend_full"]["losses"], r["full"]["losses"])
         # ... and checkpointed: Dynamo's module stack located the regions.
-        assert r["backend_full"]["saved"] < r["backend_none"]["saved"]
+        assert r["backend_full"]["saved"] < r["none"]["saved"] / 2, (r["backend_full"]["saved"],
+                                                                    r["none"]["saved"])
 
 
 @pytest.mark.parametrize("name", ["full", "selective"])
