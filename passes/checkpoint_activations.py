@@ -90,7 +90,7 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
             source = node.args[0]
             assert isinstance(source, fx.Node)
             if _is_rng_pair(source):
-                return bool(node.args[1] == 1)  # the result; the generator state [0] is saved
+                return _is_rng_result(node)  # the result [1]; the generator state [0] is saved
             return recomputed(source)
         return True
 
@@ -107,7 +107,9 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
             if n in needed or n in copies.copies or not recomputed(n):
                 continue
             needed.add(n)
-            stack.extend(_rng_inputs(n) if _is_rng_result(n) else n.all_input_nodes)
+            pair = n.args[0] if _is_rng_result(n) else n  # a replay reads the random op's inputs
+            assert isinstance(pair, fx.Node)
+            stack.extend(pair.all_input_nodes)
         for n in sorted(needed, key=position.__getitem__):
             if _is_rng_result(n):
                 _replay(graph, copies, n, before, backward_value, rng[1])
@@ -156,12 +158,6 @@ def _is_rng_result(node: fx.Node) -> bool:
     return bool(node.target is operator.getitem and _is_rng_pair(node.args[0]) and node.args[1] == 1)
 
 
-def _rng_inputs(result: fx.Node) -> list[fx.Node]:
-    pair = result.args[0]
-    assert isinstance(pair, fx.Node)
-    return [a for a in pair.all_input_nodes]
-
-
 def _save_rng_state(graph: fx.Graph, node: fx.Node, region: str, save: Any) -> dict[fx.Node, str]:
     """Forward random ``node`` becomes ``run_and_save_rng_state(op, ...)``: its result is
     ``pair[1]``, the generator state it drew from ``pair[0]``. Returns the new nodes' regions."""
@@ -171,7 +167,7 @@ def _save_rng_state(graph: fx.Graph, node: fx.Node, region: str, save: Any) -> d
     if mode is None:
         raise GraphInvariantError(f"{node.name}: random operator without a fake tensor result")
     # The generator of the device it draws on: its result's (torch.rand has no tensor input).
-    state = mode.from_tensor(ops._generator_state(results[0].device))  # meta (explain): cpu-sized
+    state = mode.from_tensor(ops.generator_state(results[0].device))  # meta (explain): cpu-sized
     provenance = {k: v for k, v in node.meta.items() if k not in (meta.KEY, "val")}
     with graph.inserting_before(node):
         op: Any = node.target

@@ -46,11 +46,6 @@ class Checkpointing:
         packet = getattr(target, "overloadpacket", None)
         return region in self.selective and packet is not None and packet in self.saved_ops
 
-    def kind(self, region: str) -> str:
-        if region not in self.regions:
-            return "none"
-        return "selective" if region in self.selective else "full"
-
 
 def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointing | None:
     """The regions ``policy`` selects in ``module`` (never the root), outermost first wins.

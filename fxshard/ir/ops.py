@@ -141,7 +141,8 @@ FREE = torch.ops.fxshard.free.default
 # instead (checkpoint_activations_pass picks).
 
 
-def _generator_state(device: torch.device) -> Tensor:
+def generator_state(device: torch.device) -> Tensor:
+    """The state of ``device``'s default generator (a CPU uint8 tensor)."""
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     if device.type == "xpu":
@@ -167,13 +168,13 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
 
 def run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
     """``(state, op(*args))``: the generator state ``op`` draws from, and its result."""
-    return _generator_state(_device_of(args, kwargs)), op(*args, **kwargs)
+    return generator_state(_device_of(args, kwargs)), op(*args, **kwargs)
 
 
 def run_with_rng_state(state: Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op(*args)`` drawing from generator ``state``; the generator is left as it was."""
     device = _device_of(args, kwargs)
-    current = _generator_state(device)
+    current = generator_state(device)
     _set_generator_state(device, state)
     try:
         return op(*args, **kwargs)
