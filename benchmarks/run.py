@@ -90,14 +90,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
-           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16", "fxshard_within_peak",
-           "fsdp2_ac", "fxshard_ac", "fxshard_sac", "fxshard_limit_only")
+           "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16",
+           "fsdp2_ac", "fxshard_ac", "fxshard_sac")
 # Activation checkpointing per unit (issue 13): FSDP2 with torch's checkpoint around
 # each block (apply_activation_checkpointing, non-reentrant, as torchtitan), fxshard's
 # pass with the same regions (fxshard_ac) and selective (fxshard_sac: matmul and
 # attention outputs saved). Their ×FSDP2 ratios are against fsdp2_ac.
-# Issue 13's sweep of GPT shapes (width, layers, vocabulary, batch; sequence 64), run with
-# --models sweep1,...,sweep6 --systems fsdp2,fxshard,fxshard_noprefetch,fxshard_within_peak.
+# A sweep of GPT shapes (width, layers, vocabulary, batch; sequence 64), run with
+# --models sweep1,...,sweep6 --systems fsdp2,fxshard,fxshard_noprefetch.
 SWEEP = {"sweep1": (128, 6, 512, 4), "sweep2": (256, 6, 512, 4), "sweep3": (512, 6, 512, 4),
          "sweep4": (128, 6, 512, 16), "sweep5": (256, 12, 1024, 8), "sweep6": (64, 4, 4096, 4)}
 # Mixed precision: bf16 parameters for compute, fp32 shards, optimizer state and
@@ -239,10 +239,6 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
-    if system == "fxshard_within_peak":  # memory-aware prefetch (issue 13): the default since
-        options = dict(prefetch_within_peak=True)
-    if system == "fxshard_limit_only":  # the in-flight limits alone, the default before issue 13
-        options = dict(prefetch_within_peak=False)
     if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
         options = dict(inflight_groups=False)
     if system == "fxshard_bf16":
@@ -351,10 +347,17 @@ def run_system(rank: int, world_size: int, port: int, system: str, model_name: s
         "memory_limit_bytes": memory_limit,
     }
     if isinstance(model, fxshard.ShardedModule):  # what inflight_groups chose, from the emitted graphs
-        from fxshard.ir.predicates import group_name, is_collective
+        from fxshard.ir.analysis import gathers_without_overlap
+        from fxshard.ir.predicates import group_name, is_all_gather, is_collective
 
         result["comm_groups"] = len({group_name(n) for gm in model.graphs.values()
                                      for n in gm.graph.nodes if is_collective(n)})
+        # Gathers with no compute between issue and wait, per emitted graph (the first of each
+        # graph has nothing before it to hide behind).
+        result["gathers"] = {g: sum(1 for n in model.graphs[g].graph.nodes if is_all_gather(n))
+                             for g in ("forward", "backward")}
+        result["gathers_exposed"] = {g: len(gathers_without_overlap(model.graphs[g].graph))
+                                     for g in ("forward", "backward")}
     if timer is not None:
         # Per step, and as a share of the same steps' time. It includes waiting
         # for the slower rank, which the step's first collective would otherwise wait.
@@ -557,12 +560,20 @@ def forward_backward(results: list[dict[str, Any]]) -> str:
     rows = [r for r in results if r.get("fb_peak_bytes") and "earlier_run" not in r]
     if not rows:
         return ""
-    lines = ["", "Peak of forward + backward alone (optimizer state not counted; issue 13's harness):", "",
-             "| model | system | peak MiB | ×FSDP2 |", "|---|---|---:|---:|"]
+    lines = ["", "Peak of forward + backward alone (optimizer state not counted), step time, and "
+             "all_gathers with no compute between issue and wait (forward, backward; of all):", "",
+             "| model | system | peak MiB | ×FSDP2 | step ×FSDP2 | gathers exposed |",
+             "|---|---|---:|---:|---:|---|"]
     for r in rows:
         vs = r.get(f"fb_peak_bytes_vs_{baseline(r['system'])}")
+        step = r.get(f"step_s_vs_{baseline(r['system'])}")
+        exposed = r.get("gathers_exposed")
+        gathers = r.get("gathers") or {}
+        shown = ("–" if not exposed else ", ".join(f"{exposed[g]}/{gathers.get(g, '?')}"
+                                                  for g in ("forward", "backward")))
         lines.append(f"| {r['model']} | {r['system']} | {r['fb_peak_bytes'] / (1 << 20):.1f} | "
-                     f"{'–' if vs is None else f'{vs:.2f}'} |")
+                     f"{'–' if vs is None else f'{vs:.2f}'} | {'–' if step is None else f'{step:.2f}'} | "
+                     f"{shown} |")
     return "\n".join(lines) + "\n"
 
 

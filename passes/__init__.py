@@ -8,7 +8,6 @@ from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
-from .limit_prefetch import limit_prefetch_pass
 from .pipeline import (
     GRAPH_KINDS,
     PassSpec,
@@ -22,6 +21,7 @@ from .rematerialize_params import rematerialize_params_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
+from .topological_sort import topological_sort_pass
 from .verify import verify
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "insert_all_gather_pass",
     "insert_free_pass",
     "insert_reduce_scatter_pass",
-    "limit_prefetch_pass",
     "place_gathers_pass",
     "prefetch_gathers_pass",
     "rematerialize_params_pass",
@@ -47,5 +46,6 @@ __all__ = [
     "run_passes",
     "schedule_reduce_scatter_pass",
     "sink_allocations_pass",
+    "topological_sort_pass",
     "verify",
 ]

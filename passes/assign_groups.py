@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import order_of
 from fxshard.ir.errors import GraphInvariantError
 
 from .context import PassContext
@@ -33,7 +32,9 @@ def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not slots:
         raise GraphInvariantError("assign_groups_pass needs the in-flight slots' process groups "
                                   "(ctx.inflight_groups); build_pipeline leaves it out otherwise")
-    order = order_of(gm.graph)
+    # Moving a wait earlier changes no other node's relative order: positions
+    # stay valid with the moved wait given one just below the new collective's.
+    order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
     busy: list[fx.Node | None] = [None] * len(slots)  # the wait each slot's collective ends at
     for node in collectives:
         for i, wait in enumerate(busy):
@@ -44,7 +45,7 @@ def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             wait = busy[i]
             assert wait is not None
             node.prepend(wait)
-            order = order_of(gm.graph)
+            order[wait] = order[node] - 0.5
             busy[i] = None
         slot = busy.index(None)
         P.set_group_name(node, slots[slot])

@@ -32,11 +32,11 @@ from .eliminate_dead_code import eliminate_dead_code_pass
 from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
-from .limit_prefetch import limit_prefetch_pass
 from .rematerialize_params import rematerialize_params_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
+from .topological_sort import topological_sort_pass
 from .verify import verify
 
 log = logging.getLogger("fxshard")
@@ -64,6 +64,8 @@ _LOWERS_GATHERS = "the emitted graphs would keep fxshard.unshard markers, which 
 _LOWERS_GRADS = "the emitted graphs would keep fxshard.reduce_grad markers, which raise when run"
 _PLACES = ("every unit would be gathered at the start of the graph, where tracing puts the "
            "markers (the in-flight limit, invariant 8, fails)")
+_SORTS = ("the scheduling passes only record positions; without the sort every unit would be "
+          "gathered at the start of the graph (invariant 8 fails)")
 
 
 def _joint(config: CompileConfig) -> list[PassSpec]:
@@ -92,18 +94,12 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                  "lower markers early: every later pass reasons about real collectives",
                  required=_LOWERS_GATHERS),
         PassSpec(place_gathers_pass,
-                 "place gathers before freeing: a buffer's window runs from its gather to its "
-                 "last use, so free positions depend on the schedule",
+                 "first scheduling constraint: each gather just before its first reader; a "
+                 "prefetch is positioned relative to these",
                  needs=("insert_all_gather_pass",), required=_PLACES),
     ]
     specs += _prefetch(config, graph)
-    if config.compute == "eager":
-        specs.append(PassSpec(insert_free_pass,
-                              "after the gathers are placed: frees follow the final position of "
-                              "every use",
-                              needs=("insert_all_gather_pass",)))
-    specs += _limit(config, graph)
-    specs += _separate(config)
+    specs += _finish(config)
     return specs
 
 
@@ -111,18 +107,23 @@ def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
     if config.options.prefetch_mode(graph) is None:
         return []
     return [PassSpec(prefetch_gathers_pass,
-                     "after just-in-time placement: a prefetch moves a placed gather earlier, "
-                     "as far as the in-flight limit allows",
+                     "after just-in-time placement: a prefetch is positioned one unit ahead of "
+                     "the placed gather, with edges for the in-flight limit",
                      needs=("place_gathers_pass",))]
 
 
-def _limit(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
-    if config.options.prefetch_mode(graph) is None or not config.options.prefetch_within_peak:
-        return []
-    return [PassSpec(limit_prefetch_pass,
-                     "after every allocation, free and reduction is placed: reads the final "
-                     "liveness; before assigning groups, which reads the final gather positions",
-                     needs=("prefetch_gathers_pass",))]
+def _finish(config: CompileConfig) -> list[PassSpec]:
+    """The one sort, then what reads the final order: frees and in-flight group slots."""
+    specs = [PassSpec(topological_sort_pass,
+                      "after every scheduling constraint: places all the nodes they positioned "
+                      "in one stable sort",
+                      needs=("place_gathers_pass",), required=_SORTS)]
+    if config.compute == "eager":
+        specs.append(PassSpec(insert_free_pass,
+                              "after the sort: frees follow the final position of every use",
+                              needs=("insert_all_gather_pass",)))
+    specs += _separate(config)
+    return specs
 
 
 def _separate(config: CompileConfig) -> list[PassSpec]:
@@ -148,31 +149,26 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                  "lower gradient markers before scheduling, which moves the reductions",
                  required=_LOWERS_GRADS),
         PassSpec(place_gathers_pass,
-                 "gathers just in time, before any prefetch or free is decided",
+                 "first scheduling constraint: each gather just before its first reader; "
+                 "prefetches and reductions are positioned relative to these",
                  needs=("insert_all_gather_pass",), required=_PLACES),
     ]
     specs += _prefetch(config, "backward")
     specs.append(PassSpec(schedule_reduce_scatter_pass,
-                          "after the gathers are placed, before frees: moves only gradient "
-                          "layout nodes and reductions, which no gather window depends on",
+                          "after the gathers are positioned: positions each reduction after the "
+                          "last gradient it reads, and its wait before the next reduction",
                           needs=("insert_reduce_scatter_pass",)))
-    if config.compute == "eager":
-        specs.append(PassSpec(insert_free_pass,
-                              "after every move of a reader: frees follow the final position "
-                              "of every use",
-                              needs=("insert_all_gather_pass",)))
     specs.append(PassSpec(sink_allocations_pass,
-                          "after every collective is placed: moves only compute that reads no "
-                          "gathered buffer and no collective result, so no gather window, free "
-                          "or reduction changes"))
-    specs += _limit(config, "backward")
-    specs += _separate(config)
+                          "last constraint: reads the positions every collective was given and "
+                          "moves only compute that reads no gathered buffer and no collective "
+                          "result"))
+    specs += _finish(config)
     return specs
 
 
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
-    everything = CompileConfig(inflight_groups=True, options=ShardingOptions(prefetch_within_peak=True))
+    everything = CompileConfig(inflight_groups=True, options=ShardingOptions())
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):

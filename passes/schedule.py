@@ -1,80 +1,96 @@
-"""Placing gathers: just in time (place_gathers_pass), then prefetched within the
-in-flight limit (prefetch_gathers_pass).
+"""Where gathers go: just in time (place_gathers_pass), then one unit ahead (prefetch_gathers_pass).
+
+Both passes record positions and edges in the graph's ``Schedule``
+(``fxshard.ir.schedule``); ``topological_sort_pass`` moves the nodes.
 
 A gathered buffer feeds a chain of parameter-only nodes (split, getitem,
 view, and transposes or casts of a weight) before any real compute reads it.
-``place_gathers_pass`` moves each gather, its wait and that chain to just
-before the first node outside the chain that reads them (just in time)::
+``place_gathers_pass`` puts each gather, its wait and that chain just before
+the first node outside the chain that reads them (just in time)::
 
     ag0; w0; split0; view0; ag1; w1; split1; view1; mm(x, view0); mm(y, view1)
       -> ag0; w0; split0; view0; mm(x, view0); ag1; w1; split1; view1; mm(y, view1)
 
-Then ``prefetch_gathers_pass`` moves unit k+1's all_gather earlier (its wait stays)::
+``prefetch_gathers_pass`` then issues unit k+1's all_gather one unit ahead
+(its wait stays), as FSDP2's one-unit lookahead does::
 
     "pre":   ag0; w0; view0; ag1; mm(x, view0); ... ; w1; view1; mm(y, view1)
     "post":  ag0; w0; view0; mm(x, view0); [free0]; ag1; ... ; w1; view1; mm(y, view1)
 
 The mode is ``ShardingOptions.prefetch_mode(graph)``: forward uses "pre" when
 ``forward_prefetch`` is on; backward uses ``backward_prefetch``. Without a
-mode the pipeline leaves the pass out. Backward needs no reordering of units: AOTAutograd
-emits backward in reverse order of forward, so "next" is the previous unit.
+mode the pipeline leaves the pass out. Backward needs no reordering of units:
+AOTAutograd emits backward in reverse order of forward, so "next" is the
+previous unit.
 
-In-flight limit: a prefetch may not make more than ``max_inflight_gathers``
-buffers of resharded units (or more than ``max_inflight_bytes``) alive at its
-issue point. If it would, the gather is delayed to just after the earliest
-last use among the live buffers (where insert_free_pass will free it), and
-so on; a gather that cannot move stays just in time. The limit is a property
-of the schedule, so no CPU synchronisation enforces it. Buffers of units that
-are not resharded (the root, by default) are resident and do not count.
+In-flight limit: at most ``max_inflight_gathers`` buffers of resharded units
+(and at most ``max_inflight_bytes``) are alive from a prefetch's issue on. A
+prefetch that would exceed it gets an edge: it is issued after every reader
+of the buffers that must be freed first. Where those readers come after the
+gather's own reader (the model reads more units at once), the gather stays
+just in time. Buffers of units that are not resharded (the root, by default)
+are resident and do not count.
 
-Every decision reads graph order and the plan, which every rank has alike,
-so every rank emits the same collective sequence.
+Every decision reads graph order, the plan and the options, never a tensor's
+size beyond the parameters', so every rank emits the same collectives in the
+same places whatever its batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.fx as fx
 
 from fxshard.ir.analysis import (
-    Window,
+    buffer_bytes,
+    buffer_group,
     buffer_uses,
     is_gather_wait,
     issue_nodes,
     order_of,
     parameter_chain,
-    windows,
 )
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.schedule import ISSUE, POST, PREFETCH, WAIT, Schedule, schedule_of
 
 from .context import PassContext
 
 
 def place_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    moves = []
+    schedule = schedule_of(gm)
     order = order_of(gm.graph)
     for wait in [n for n in gm.graph.nodes if is_gather_wait(n)]:
         chain = parameter_chain(wait, order)
         inside = {wait, *chain}
         outside = [u for n in inside for u in n.users if u not in inside]
-        if outside:
-            moves.append((wait, chain, outside))
-    for wait, chain, outside in moves:
-        order = order_of(gm.graph)
-        first = min(outside, key=order.__getitem__)
+        if not outside:
+            continue
+        first = schedule.first(outside)
         assert isinstance(wait.args[0], fx.Node)
-        for node in (*issue_nodes(wait.args[0]), wait, *chain):
-            first.prepend(node)
-    if moves:
-        gm.recompile()
+        schedule.place(issue_nodes(wait.args[0]), first, ISSUE)
+        schedule.place([wait, *chain], first, WAIT)
     return gm
 
 
-def _fits(live: list[Window], new: Window, ctx: PassContext) -> bool:
-    counted = [w for w in live if not w.resident] + ([] if new.resident else [new])
-    if len(counted) > ctx.options.max_inflight_gathers:
-        return False
-    cap = ctx.options.max_inflight_bytes
-    return cap is None or sum(w.bytes for w in counted) <= cap
+@dataclass
+class _Window:
+    buffer: fx.Node  # the wait, or a saved-buffer placeholder
+    first: fx.Node  # first reader outside its parameter chain
+    last: fx.Node  # last reader of it or any view of it
+    bytes: int
+    resident: bool  # its unit is not resharded: it does not count as in flight
+
+
+def _windows(gm: fx.GraphModule, schedule: Schedule, ctx: PassContext) -> list[_Window]:
+    """Every gathered buffer's planned window, in the order of first compute."""
+    result = []
+    for use in buffer_uses(gm.graph):
+        if not use.outside:
+            continue
+        result.append(_Window(use.buffer, schedule.first(use.outside), schedule.last(use.readers),
+                              buffer_bytes(use.buffer), not ctx.reshards(buffer_group(use.buffer))))
+    return sorted(result, key=lambda w: schedule.position(w.first))
 
 
 def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -84,34 +100,47 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             f"prefetch_gathers_pass on the {ctx.graph} graph, whose options ask for no prefetch "
             "(build_pipeline leaves it out then)"
         )
-    reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
-    uses = buffer_uses(gm.graph)  # moving gathers changes positions, not readers
-    sequence = windows(gm.graph, reshards, uses)
-    moved = False
-    for j in range(1, len(sequence)):
-        current = windows(gm.graph, reshards, uses)  # positions after earlier moves
-        by_buffer = {w.buffer: w for w in current}
-        target, prev = by_buffer[sequence[j].buffer], by_buffer[sequence[j - 1].buffer]
-        if not is_gather_wait(target.buffer):
-            continue  # a saved buffer is already there
-        point = prev.first if mode == "pre" else prev.last + 1
-        earlier = [by_buffer[w.buffer] for w in sequence[:j]]
-        while point < target.issue:
-            live = [w for w in earlier if w.issue <= point <= w.last]
-            if _fits(live, target, ctx):
-                break
-            blocking = [w.last for w in live if not w.resident]
-            if not blocking:  # the buffer alone is over the byte cap: just in time
-                point = target.issue
-                break
-            point = min(blocking) + 1
-        if point >= target.issue:
-            continue  # stays just in time
-        anchor = list(gm.graph.nodes)[point]
-        assert isinstance(target.buffer.args[0], fx.Node)
-        for node in issue_nodes(target.buffer.args[0]):
-            anchor.prepend(node)
-        moved = True
-    if moved:
-        gm.recompile()
+    schedule = schedule_of(gm)
+    windows = _windows(gm, schedule, ctx)
+    limit, cap = ctx.options.max_inflight_gathers, ctx.options.max_inflight_bytes
+    counted: list[_Window] = []  # resharded windows so far, in order
+    done_by: list[fx.Node] = []  # done_by[i]: the last reader of counted[0..i]
+    for prev, target in zip([None, *windows], windows):
+        must_free = _must_free(target, counted, limit, cap)
+        if not target.resident:
+            counted.append(target)
+            done_by.append(schedule.last([done_by[-1], target.last]) if done_by else target.last)
+        if prev is None or not is_gather_wait(target.buffer) or must_free is None:
+            continue  # a saved buffer is already there; a buffer over the byte cap: just in time
+        blocker = done_by[must_free - 1] if must_free else None
+        if blocker is not None and schedule.position(blocker) >= schedule.position(target.buffer):
+            continue  # the model reads the blocking units after this one's first use: just in time
+        issue = target.buffer.args[0]
+        assert isinstance(issue, fx.Node)
+        nodes = issue_nodes(issue)
+        if mode == "pre":
+            schedule.place(nodes, prev.first, PREFETCH)
+        else:
+            schedule.place(nodes, prev.last, POST)
+        if blocker is not None:
+            schedule.require(nodes[0], [blocker])
     return gm
+
+
+def _must_free(target: _Window, counted: list[_Window], limit: int, cap: int | None) -> int | None:
+    """How many of the earliest resharded buffers must be freed before ``target`` is issued
+    (the newest others stay alive with it, within the count and byte limits); None when
+    ``target`` alone is over the byte cap."""
+    alive = 0 if target.resident else target.bytes
+    keep = min(len(counted), limit if target.resident else limit - 1)
+    if cap is not None:
+        if alive > cap:
+            return None
+        kept = 0
+        for w in reversed(counted[len(counted) - keep:]):
+            if alive + w.bytes > cap:
+                break
+            alive += w.bytes
+            kept += 1
+        keep = kept
+    return len(counted) - keep

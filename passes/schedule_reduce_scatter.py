@@ -1,5 +1,7 @@
 """schedule_reduce_scatter_pass: reduce each unit's gradient as soon as it is complete.
 
+Records positions in the graph's ``Schedule``; ``topological_sort_pass`` moves the nodes.
+
 AOTAutograd flattens the unit's gradients (views, zeros for the padding, cat)
 at the very end of backward, after every other gradient. This pass moves that
 flatten chain and the reduce-scatter to right after the last gradient it
@@ -9,7 +11,9 @@ as the in-flight rule allows: right before the next reduce-scatter is issued
 graph returns, never later::
 
     before:  g_a = mm(..); g_b = mm(..); ...; cat_a = cat([view(g_a)..]); rs_a; w_a; cat_b; rs_b; w_b; return
-    after:   g_a = mm(..); cat_a; div_a; rs_a; g_b = mm(..); w_a; cat_b; div_b; rs_b; ...; w_b; return
+    after:   g_a = mm(..); cat_a; div_a; rs_a; g_b = mm(..); cat_b; div_b; w_a; rs_b; ...; w_b; return
+
+Positions follow graph order, which is the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.fx as fx
 
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
+from fxshard.ir.schedule import REDUCE, WAIT, schedule_of
 
 from .context import PassContext
 from .lowering import CONVERT
@@ -49,28 +54,19 @@ def schedule_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
     reductions = [n for n in gm.graph.nodes if P.is_reduce_scatter(n) or P.is_all_reduce(n)]
     if not reductions:
         return gm
-    # Chains are disjoint and moving one keeps every other node's relative
-    # order, so positions computed once stay valid for the comparisons below.
+    schedule = schedule_of(gm)
     order = order_of(gm.graph)
     for rs in reductions:
         chain = _flatten_chain(rs, order)
         members = {*chain, rs}
         inputs = [a for n in members for a in n.all_input_nodes if a not in members]
-        if not inputs:
-            continue
-        ready = max(inputs, key=order.__getitem__)
-        for node in reversed([*chain, rs]):
-            ready.append(node)
-    order = order_of(gm.graph)
-    reductions.sort(key=order.__getitem__)
-    output = next(n for n in gm.graph.nodes if P.is_output(n))
+        if inputs:
+            schedule.place([*chain, rs], schedule.last(inputs), REDUCE)
+    reductions.sort(key=schedule.position)
+    output = next(n for n in reversed(gm.graph.nodes) if P.is_output(n))
     for rs, following in zip(reductions, [*reductions[1:], None]):
         (wait,) = rs.users
-        anchor = following or output
         # The cast of the reduced gradient to the shard's dtype (mixed precision) goes along.
         casts = [u for u in wait.users if u.target is CONVERT]
-        anchor.prepend(wait)
-        for node in casts:
-            anchor.prepend(node)
-    gm.recompile()
+        schedule.place([wait, *casts], following or output, WAIT)
     return gm

@@ -18,6 +18,12 @@ aten op that allocates; none of its inputs may alias a gathered buffer or a
 collective's result (their windows are the schedule's), and nothing between
 the two positions may write to an input it reads. Values are unchanged: the
 same op runs on the same inputs.
+
+It records positions in the graph's ``Schedule`` (reading the positions the
+passes before it planned); ``topological_sort_pass`` moves the nodes. It is
+the one scheduling pass that reads activation sizes, and it moves only compute
+that no collective reads or waits on, so the collectives' order and positions
+stay the same on every rank whatever its batch.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.fx as fx
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import is_gather_wait, is_saved_buffer
 from fxshard.ir.memory import storage_owners
+from fxshard.ir.schedule import SINK, Position, Schedule, schedule_of
 
 from .context import PassContext
 
@@ -58,40 +65,33 @@ def _written(node: fx.Node) -> list[fx.Node]:
 
 
 class _Liveness:
-    """Positions, storage owners, last uses and writes, kept current across moves.
+    """Planned positions, storage owners, last uses and writes, kept current across moves."""
 
-    Positions are floats so a move renumbers only the moved nodes: every
-    question the pass asks compares positions, never counts them.
-    """
-
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, schedule: Schedule):
         nodes = list(graph.nodes)
-        self.order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
+        self.schedule = schedule
         self.owner, self.size = storage_owners(nodes)
-        self.last_use: dict[fx.Node, float] = {}
+        self.last_use: dict[fx.Node, Position] = {}
         for node in nodes:
-            for a in node.all_input_nodes:
-                if a in self.owner:
-                    o = self.owner[a]
-                    self.last_use[o] = max(self.last_use.get(o, 0.0), self.order[node])
-        # (position, storages written) of every writing node, in order.
+            self.read(node)
+        # (position, storages written) of every writing node.
         written = {n: _written(n) for n in nodes}
-        self.writes = [(self.order[n], {self.owner[w] for w in ws if w in self.owner})
+        self.writes = [(schedule.position(n), {self.owner[w] for w in ws if w in self.owner})
                        for n, ws in written.items() if ws]
         protected = [n for n in nodes if is_gather_wait(n) or is_saved_buffer(n)
                      or P.is_collective(n) or P.is_wait(n)]
         self.protected = {self.owner[n] for n in protected if n in self.owner}
 
-    def moved(self, chain: list[fx.Node]) -> None:
-        """``chain`` now sits, in order, between two nodes whose positions are unchanged."""
-        low, high = self.order[chain[0].prev], self.order[chain[-1].next]
-        for i, member in enumerate(chain, start=1):
-            self.order[member] = low + (high - low) * i / (len(chain) + 1)
-        there = self.order[chain[0]]
-        for a in chain[0].all_input_nodes:
+    def read(self, node: fx.Node) -> None:
+        here = self.schedule.position(node)
+        for a in node.all_input_nodes:
             if a in self.owner:
                 o = self.owner[a]
-                self.last_use[o] = max(self.last_use.get(o, 0.0), there)
+                if o not in self.last_use or self.last_use[o] < here:
+                    self.last_use[o] = here
+
+    def position(self, node: fx.Node) -> Position:
+        return self.schedule.position(node)
 
 
 def _destination(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> fx.Node | None:
@@ -99,34 +99,28 @@ def _destination(node: fx.Node, chain: list[fx.Node], live: _Liveness) -> fx.Nod
     readers = list(chain[-1].users)
     if not readers or any(u.op == "output" for u in readers):
         return None
-    first = min(readers, key=live.order.__getitem__)
-    if first is chain[-1].next:
-        return None  # already there
-    here, there = live.order[node], live.order[first]
+    first = live.schedule.first(readers)
+    here, there = live.position(node), live.position(first)
     inputs = {live.owner[a] for a in node.all_input_nodes if a in live.owner}
     if inputs & live.protected or live.owner.get(node) is not node:
         return None
     if any(here < pos < there and written & inputs for pos, written in live.writes):
         return None
-    cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, 0.0) < there)
+    cost = sum(live.size.get(o, 0) for o in inputs if live.last_use.get(o, here) < there)
     return first if live.size.get(node, 0) > cost else None
 
 
 def sink_allocations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    graph = gm.graph
-    live = _Liveness(graph)
-    moved = False
-    for node in reversed(list(graph.nodes)):
+    schedule = schedule_of(gm)
+    live = _Liveness(gm.graph, schedule)
+    # Latest first; of two results sunk to one reader the earlier-made goes nearer to it.
+    for moved, node in enumerate(sorted(gm.graph.nodes, key=schedule.position, reverse=True)):
         if not P.allocates(node):
             continue
         chain = _view_chain(node)
         first = _destination(node, chain, live)
         if first is None:
             continue
-        for member in chain:
-            first.prepend(member)
-        live.moved(chain)
-        moved = True
-    if moved:
-        gm.recompile()
+        schedule.place(chain, first, SINK, rank=moved)
+        live.read(node)
     return gm

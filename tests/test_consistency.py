@@ -20,7 +20,7 @@ from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
-from models import MLP, BNNet
+from models import CASES, MLP, BNNet
 
 
 def _divergent(rank: int) -> str:
@@ -55,6 +55,36 @@ def _partial_last_batch(rank: int) -> dict[str, Any]:
     state = sharded.full_state_dict()
     return {"losses": losses, "ref_losses": ref_losses,
             "errors": [(state[k] - v).abs().max().item() for k, v in ddp.module.state_dict().items()]}
+
+
+def _batch_sizes(full: int, rank: int) -> list[int]:
+    """Every step's batch differs between the ranks, and the last is smaller on rank 1 (a
+    DataLoader without drop_last); 2 at least (BatchNorm needs two samples in training)."""
+    return [[full, 2, full - 1, full], [full - 1, full, 2, full - 1]][rank]
+
+
+def _every_model_with_varying_batches(rank: int) -> dict[str, Any]:
+    """Each model of the suite, default options: ranks with different batch sizes on every step
+    issue the same collectives (the schedule never reads a rank's activation sizes)."""
+    out = {}
+    for name, case in CASES.items():
+        torch.manual_seed(0)
+        model = case.make()
+        ddp = DDP(copy.deepcopy(model), broadcast_buffers=False)
+        sharded = fxshard.compile(model, policy=case.policies[0])
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank)
+        x0, _ = case.inputs(torch.Generator().manual_seed(0))
+        for batch in _batch_sizes(x0.shape[0], rank):
+            x, y = case.inputs(gen)
+            for m, o in ((sharded, opt), (ddp, ref_opt)):
+                case.loss(m(x[:batch]), y[:batch]).backward()
+                o.step()
+                o.zero_grad()
+        state = sharded.full_state_dict()
+        out[name] = max((state[k] - v).abs().max().item() for k, v in ddp.module.state_dict().items())
+    return out
 
 
 def _one_rank_evaluates(rank: int) -> str:
@@ -122,6 +152,7 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     # Each case leaves the process group usable: a mismatch is found by
     # collectives every rank takes part in.
     return {"divergent": _divergent(rank), "partial": _partial_last_batch(rank),
+            "varying": _every_model_with_varying_batches(rank),
             "eval": _one_rank_evaluates(rank), "skip": _one_rank_skips_backward(rank),
             "buffers": _buffers(rank)}
 
@@ -143,6 +174,13 @@ def test_partial_last_batch_trains_exactly_like_ddp() -> None:
     for r in (res["partial"] for res in results()):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
         assert max(r["errors"]) < 1e-5
+
+
+def test_every_model_trains_like_ddp_when_batch_sizes_differ_per_rank_every_step() -> None:
+    for rank, result in enumerate(results()):
+        assert result["varying"].keys() == CASES.keys()
+        for name, error in result["varying"].items():
+            assert error <= 1e-5, (rank, name, error)
 
 
 def test_broadcast_buffers_trains_and_evaluates_like_ddp() -> None:

@@ -178,9 +178,7 @@ def test_pipeline_is_built_from_the_configuration() -> None:
         return [s.name for s in build_pipeline(graph, CompileConfig.build("compile", **kw))]  # type: ignore[arg-type]
 
     assert names("forward") == ["eliminate_dead_code_pass", "insert_all_gather_pass", "place_gathers_pass",
-                                "prefetch_gathers_pass", "insert_free_pass", "limit_prefetch_pass"]
-    assert "limit_prefetch_pass" not in names("forward", prefetch_within_peak=False)
-    assert "limit_prefetch_pass" not in names("forward", forward_prefetch=False)
+                                "prefetch_gathers_pass", "topological_sort_pass", "insert_free_pass"]
     assert "prefetch_gathers_pass" not in names("forward", forward_prefetch=False)
     assert "prefetch_gathers_pass" in names("backward", forward_prefetch=False)
     assert "prefetch_gathers_pass" not in names("backward", backward_prefetch=None)
@@ -189,7 +187,7 @@ def test_pipeline_is_built_from_the_configuration() -> None:
     assert names("inference") == names("forward")
     # Every position has its reason, printable.
     text = describe(CompileConfig())
-    assert "7. schedule_reduce_scatter_pass: after the gathers are placed" in text
+    assert "7. schedule_reduce_scatter_pass: after the gathers are positioned" in text
     assert all(s.why for g in ("joint", "forward", "backward") for s in build_pipeline(g, CompileConfig()))
 
 
@@ -201,7 +199,8 @@ def test_disabling_passes_by_name() -> None:
     with pytest.raises(FxShardError, match="insert_all_gather_pass cannot be disabled.*place_gathers_pass, "
                                            "insert_free_pass need it.*fxshard.unshard markers"):
         fxshard.compile(MLP(), disable_passes=["insert_all_gather_pass"])
-    with pytest.raises(FxShardError, match="place_gathers_pass cannot be disabled.*prefetch_gathers_pass needs it"):
+    with pytest.raises(FxShardError, match="place_gathers_pass cannot be disabled.*prefetch_gathers_pass, "
+                                           "topological_sort_pass need it"):
         fxshard.backend(disable_passes=["place_gathers_pass"])
     # Without its dependent (no prefetch) the reason it is required remains.
     with pytest.raises(FxShardError, match="place_gathers_pass cannot be disabled.*in-flight limit"):
@@ -289,6 +288,6 @@ def test_cli_prints_the_pass_list_for_the_options_given(capsys: pytest.CaptureFi
 
     assert cli.main(["passes", "--option", "compute=inductor"]) == 0
     out = capsys.readouterr().out
-    assert "place_gathers_pass: place gathers before freeing" in out and "insert_free_pass" not in out
+    assert "place_gathers_pass: first scheduling constraint" in out and "insert_free_pass" not in out
     assert cli.main(["passes", "--option", "disable_passes=insert_all_gather_pass"]) == 2
     assert "insert_all_gather_pass cannot be disabled" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from fxshard.passes import (
     rematerialize_params_pass,
     run_passes,
     sink_allocations_pass,
+    topological_sort_pass,
     verify,
 )
 from fxshard.policies import by_class
@@ -120,7 +121,10 @@ def test_insert_all_gather_rejects_a_graph_traced_for_another_world_size() -> No
 
 def test_schedule_moves_each_gather_to_its_units_first_compute() -> None:
     gm = insert_all_gather_pass(two_unit_forward(), ctx())
+    before = gm.code
     gm = place_gathers_pass(gm, ctx())
+    assert gm.code == before  # a scheduling pass records positions; the sort moves nodes
+    gm = topological_sort_pass(gm, ctx())
     gm.graph.lint()
     placed = gm.code
     assert normalised_ops(gm) == [
@@ -130,7 +134,15 @@ def test_schedule_moves_each_gather_to_its_units_first_compute() -> None:
         "aten.mm",
     ]
     # Idempotent: the pass mutates gm in place, so compare with the text from before.
-    assert place_gathers_pass(gm, ctx()).code == placed
+    assert placed_gathers(gm, ctx()).code == placed
+
+
+def placed_gathers(gm: fx.GraphModule, c: PassContext) -> fx.GraphModule:
+    return topological_sort_pass(place_gathers_pass(gm, c), c)
+
+
+def sunk(gm: fx.GraphModule, c: PassContext) -> fx.GraphModule:
+    return topological_sort_pass(sink_allocations_pass(gm, c), c)
 
 
 def three_unit_forward() -> fx.GraphModule:
@@ -147,8 +159,7 @@ def three_unit_forward() -> fx.GraphModule:
 
 @pytest.mark.parametrize("limit", [1, 2, 3])
 def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) -> None:
-    # The in-flight limit alone: limit_prefetch_pass would move prefetches off the peak.
-    options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit, prefetch_within_peak=False)
+    options = ShardingOptions(forward_prefetch=True, max_inflight_gathers=limit)
     c = ctx(options=options)
     gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
@@ -165,7 +176,7 @@ def test_forward_prefetch_issues_next_gather_before_current_compute(limit: int) 
 
 
 def test_post_prefetch_issues_next_gather_after_current_unit() -> None:
-    options = ShardingOptions(forward_prefetch=False, backward_prefetch="post", prefetch_within_peak=False)
+    options = ShardingOptions(forward_prefetch=False, backward_prefetch="post")
     c = ctx("backward", options=options)
     gm = run_passes(three_unit_forward(), c, pipeline(c))
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
@@ -186,7 +197,7 @@ def test_verify_catches_a_schedule_over_the_in_flight_limit() -> None:
 
 
 def test_insert_free_after_last_use_of_any_view() -> None:
-    gm = place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx())
+    gm = placed_gathers(insert_all_gather_pass(two_unit_forward(), ctx()), ctx())
     gm = insert_free_pass(gm, ctx())
     ops_ = normalised_ops(gm)
     assert ops_ == [
@@ -251,7 +262,7 @@ def test_rematerialize_gives_backward_its_own_gather() -> None:
 
 
 def test_verify_rejects_broken_graphs() -> None:
-    good = insert_free_pass(place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    good = insert_free_pass(placed_gathers(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
     verify(good)
 
     # A collective whose result is used without a wait.
@@ -262,7 +273,7 @@ def test_verify_rejects_broken_graphs() -> None:
         verify(gm)
 
     # A use after free.
-    gm = insert_free_pass(place_gathers_pass(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
+    gm = insert_free_pass(placed_gathers(insert_all_gather_pass(two_unit_forward(), ctx()), ctx()), ctx())
     free = next(n for n in gm.graph.nodes if P.is_free(n))
     free.prev.prepend(free)  # move the free before the mm that reads the buffer
     with pytest.raises(GraphInvariantError, match="used after"):
@@ -292,7 +303,7 @@ def test_pipeline_runs_every_pass_in_order_and_verifies_each() -> None:
     c = ctx()
     gm = run_passes(two_unit_forward(), c, pipeline(c), on_pass=lambda name, g: seen.append(name))
     assert seen == ["eliminate_dead_code_pass", "insert_all_gather_pass", "place_gathers_pass",
-                    "insert_free_pass"]
+                    "topological_sort_pass", "insert_free_pass"]
     assert normalised_ops(gm).count("fxshard.free") == 2
 
 
@@ -355,7 +366,7 @@ def test_sink_moves_a_large_result_of_small_inputs_to_its_first_reader() -> None
     gm = b.done(b.op(aten.add.Tensor, view, b.op(aten.mm.default, step, h)))
     inputs = [torch.randn(64, 2), torch.randn(2, 64)]
     expected = gm(*inputs)
-    gm = sink_allocations_pass(gm, ctx("backward"))
+    gm = sunk(gm, ctx("backward"))
     names = _names(gm)
     # The mm and its view now sit right before their reader's other operand is done.
     assert names.index(big.name) > names.index(step.name)
@@ -377,11 +388,11 @@ def test_sink_leaves_results_whose_inputs_are_larger_or_rewritten() -> None:
         return gm, summed, big, later
 
     gm, summed, big, later = build(rewrite=False)
-    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    names = _names(sunk(gm, ctx("backward")))
     assert names.index(summed.name) < names.index(later.name)  # would hold x longer: stays
     assert names.index(big.name) > names.index(later.name)  # nothing rewrites its input: moves
     gm, summed, big, later = build(rewrite=True)
-    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    names = _names(sunk(gm, ctx("backward")))
     assert names.index(big.name) < names.index(later.name)  # would read the divided values: stays
 
 
@@ -398,8 +409,8 @@ def test_sink_never_moves_a_reader_of_a_gathered_buffer() -> None:
         return insert_all_gather_pass(gm, ctx("backward")), big, step
 
     plain, big, step = build(gathered=False)
-    names = _names(sink_allocations_pass(plain, ctx("backward")))
+    names = _names(sunk(plain, ctx("backward")))
     assert names.index(big.name) > names.index(step.name)  # moves when free to
     gm, big, step = build(gathered=True)
-    names = _names(sink_allocations_pass(gm, ctx("backward")))
+    names = _names(sunk(gm, ctx("backward")))
     assert names.index(big.name) < names.index(step.name)  # its window is the schedule's

@@ -20,9 +20,6 @@ ag, wait = P.is_all_gather, is_gather_wait
 
 
 def compile_with(model_cls: type[nn.Module], policy, world_size: int = 2, **options):  # type: ignore[no-untyped-def]
-    """The positions these tests read are those of the prefetch and in-flight options
-    themselves: limit_prefetch_pass (on by default) would move gathers off the peak."""
-    options.setdefault("prefetch_within_peak", False)
     torch.manual_seed(0)
     model = model_cls()
     x = torch.randint(0, 61, (2, 16)) if model_cls is TinyGPT else torch.randn(6, 12)

@@ -26,7 +26,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "just_in_time": dict(forward_prefetch=False, backward_prefetch=None),
     "post": dict(backward_prefetch="post"),
     "limit_1": dict(max_inflight_gathers=1),
-    "within_peak": dict(prefetch_within_peak=True),
     "byte_cap": dict(max_inflight_bytes=4096, max_inflight_gathers=8),
     "full_reshard": dict(reshard_root=True),
     "zero2": dict(reshard_after_forward=False),

@@ -209,3 +209,26 @@ def first_use_order(graph: fx.Graph) -> list[int]:
         if uses:
             first[group] = min(first.get(group, len(order)), min(uses))
     return sorted(first, key=first.__getitem__)
+
+
+def gathers_without_overlap(graph: fx.Graph) -> list[fx.Node]:
+    """All_gathers whose wait follows with no compute in between (nothing hides the transfer).
+
+    Compute is any call that is not a collective, a wait, a free, a view or a gather's cast.
+    """
+    nodes = list(graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    issuing = {n for w in nodes if is_gather_wait(w) and isinstance(w.args[0], fx.Node)
+               for n in issue_nodes(w.args[0])}
+
+    def compute(n: fx.Node) -> bool:
+        return (P.is_call(n) and n not in issuing and not P.is_view(n)
+                and not (P.is_collective(n) or P.is_wait(n) or P.is_free(n)))
+
+    bare = []
+    for wait in (n for n in nodes if is_gather_wait(n)):
+        gather = wait.args[0]
+        assert isinstance(gather, fx.Node)
+        if not any(compute(n) for n in nodes[where[gather] + 1:where[wait]]):
+            bare.append(gather)
+    return bare

@@ -7,7 +7,6 @@ and per region, and what each costs:
 choice                                cost
 ====================================  ==========================================
 reshard a unit after forward          one more all_gather of it per step
-no prefetched gather held at the peak less overlap of communication
 one gather in flight at most          less overlap of communication
 selective recompute of a region       backward reruns its cheap operators
 full recompute of a region            backward reruns all of it, matmuls too
@@ -15,8 +14,7 @@ full recompute of a region            backward reruns all of it, matmuls too
 
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
-backward, prefetch held across the peak, the configured in-flight limit, no
-recompute). Each step of the ladder adds
+backward, the configured in-flight limit, no recompute). Each step of the ladder adds
 one more change of the same kind, first units first; a step that does not
 lower the peak even when applied in full is skipped (the unit-by-unit and
 region-by-region steps are found by bisection: along a step the predicted peak
@@ -25,8 +23,7 @@ wins: the least communication and recompute that fits. ``evaluate`` predicts
 a candidate's peak without running anything (driver/budget.py: the passes and
 the liveness of ``report()`` on a copy of the traced graph).
 
-If even the last candidate (everything resharded, no prefetch at the peak,
-one gather in flight, every region fully recomputed) does not fit, the budget
+If even the last candidate (everything resharded, one gather in flight, every region fully recomputed) does not fit, the budget
 cannot be met: ``BudgetError`` names the smallest peak and what it is made of.
 """
 
@@ -47,14 +44,13 @@ class Candidate:
     """One schedule the planner considers."""
 
     resharded: tuple[str, ...]  # units freed after forward ("" the root)
-    within_peak: bool  # no prefetched gather held across the peak
     max_inflight: int
     selective: tuple[str, ...]  # regions recomputed except their matmuls and attention
     full: tuple[str, ...]  # regions recomputed entirely
     step: str  # the ladder step that made it
 
     def options(self, base: ShardingOptions) -> ShardingOptions:
-        return replace(base, reshard_units=frozenset(self.resharded), prefetch_within_peak=self.within_peak,
+        return replace(base, reshard_units=frozenset(self.resharded),
                        max_inflight_gathers=self.max_inflight)
 
     def checkpointing(self, base: Checkpointing | None) -> Checkpointing | None:
@@ -68,8 +64,6 @@ class Candidate:
 
     def describe(self) -> str:
         parts = [f"{len(self.resharded)} units resharded"]
-        if self.within_peak:
-            parts.append("no prefetch at the peak")
         parts.append(f"{self.max_inflight} in flight")
         if self.selective:
             parts.append(f"{len(self.selective)} regions recomputed selectively")
@@ -135,11 +129,10 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         return cache[key]
 
     resharded = [u for u in units if u != ""] + [u for u in units if u == ""]  # the root last
-    start = Candidate((), False, max_inflight, (), (), "keep every unit gathered")
+    start = Candidate((), max_inflight, (), (), "keep every unit gathered")
     ladder: list[tuple[str, Callable[[Candidate, int], Candidate], int]] = [
         ("reshard units after forward",
          lambda c, k: replace(c, resharded=tuple(resharded[:k])), len(resharded)),
-        ("no prefetch held at the peak", lambda c, k: replace(c, within_peak=bool(k)), 1),
         ("one gather in flight",
          lambda c, k: replace(c, max_inflight=1 if k else c.max_inflight), 1 if max_inflight > 1 else 0),
         ("recompute regions selectively",

@@ -10,6 +10,16 @@ from typing import Any, Literal
 
 BackwardPrefetch = Literal["pre", "post"] | None
 
+# Options that no longer exist, and what to use instead.
+REMOVED = {
+    "prefetch_within_peak": (
+        "it placed gathers by each rank's activation sizes, so ranks with different batch sizes "
+        "planned different collective schedules. The schedule now depends only on the plan, the "
+        "options and the graph's structure. To lower the peak, use memory_budget=bytes (the "
+        "planner reshards, limits prefetch and recomputes for you) or max_inflight_gathers=1."
+    ),
+}
+
 
 @dataclass(frozen=True)
 class ShardingOptions:
@@ -29,10 +39,6 @@ class ShardingOptions:
     max_inflight_gathers: int = 2
     # Optional cap on the bytes of those buffers.
     max_inflight_bytes: int | None = None
-    # No prefetched gather holds its buffer across its graph's predicted peak
-    # (limit_prefetch_pass delays it past the peak); prefetches elsewhere keep
-    # their overlap. False: the in-flight limits alone decide.
-    prefetch_within_peak: bool = True
     # When set, exactly these units (names; "" the root) are resharded after
     # forward, whatever reshard_after_forward and reshard_root say: FSDP2's
     # per-module reshard_after_forward. The memory budget planner sets it.
@@ -64,6 +70,9 @@ class ShardingOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ShardingOptions:
         known = {f.name for f in fields(cls)}
+        for name, why in REMOVED.items():
+            if name in kwargs:
+                raise TypeError(f"fxshard option {name!r} was removed: {why}")
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown fxshard option(s) {unknown}; options are {sorted(known)}")
