@@ -91,7 +91,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 SYSTEMS = ("single", "ddp", "fsdp1", "fsdp2", "fxshard", "fxshard_onegroup", "fxshard_noprefetch",
            "fxshard_inductor", "fsdp2_bf16", "fxshard_bf16",
-           "fsdp2_ac", "fxshard_ac", "fxshard_sac")
+           "fsdp2_ac", "fxshard_ac", "fxshard_sac", "fsdp2_reshard_root", "fxshard_reshard_root")
+# The root resharded after forward too: FSDP2 as torchtitan configures it
+# (fully_shard(model, reshard_after_forward=True)) against fxshard's reshard_root=True.
+# Their ×FSDP2 ratios are against fsdp2_reshard_root. Both free the root's gathered
+# parameters (a tied embedding and output head) across the user's loss, which runs
+# between the forward and backward graphs and holds the step's peak when the
+# vocabulary is large; both gather the root once more in backward.
 # Activation checkpointing per unit (issue 13): FSDP2 with torch's checkpoint around
 # each block (apply_activation_checkpointing, non-reentrant, as torchtitan), fxshard's
 # pass with the same regions (fxshard_ac) and selective (fxshard_sac: matmul and
@@ -152,6 +158,8 @@ def baseline(system: str) -> str:
     and with activation checkpointing for the checkpointing rows."""
     if system.endswith("_bf16"):
         return "fsdp2_bf16"
+    if system.endswith("_reshard_root"):
+        return "fsdp2_reshard_root"
     return "fsdp2_ac" if system.endswith("_ac") or system.endswith("_sac") else "fsdp2"
 
 
@@ -207,7 +215,7 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
             return isinstance(m, block)
         return m is not model and sum(p.numel() for p in m.parameters(recurse=False)) >= spec["min_params"]
 
-    if system in ("fsdp2", "fsdp2_bf16", "fsdp2_ac"):
+    if system in ("fsdp2", "fsdp2_bf16", "fsdp2_ac", "fsdp2_reshard_root"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -226,7 +234,8 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
             units = [m for m in model.modules() if is_unit(getattr(m, "_checkpoint_wrapped_module", model))]
         for m in units:
             fully_shard(m, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=True if system == "fsdp2_reshard_root" else None)
         if on_meta:
             init_fsdp2_on_meta(model)
         return model
@@ -239,6 +248,8 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
     options: dict[str, Any] = {}
     if system == "fxshard_noprefetch":
         options = dict(forward_prefetch=False, backward_prefetch=None)
+    if system == "fxshard_reshard_root":
+        options = dict(reshard_root=True)
     if system == "fxshard_onegroup":  # unsafe on gloo (docs/devices.md): here only to measure the cost
         options = dict(inflight_groups=False)
     if system == "fxshard_bf16":
