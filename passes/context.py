@@ -79,6 +79,17 @@ class PassContext:
             )
         return self.plan.groups[group].unit
 
+    def counts_in_flight(self, group: int) -> bool:
+        """Does this group's gathered buffer count toward ``max_inflight_gathers``?
+
+        Only units the one-unit lookahead prefetches do. A unit that is not resharded is
+        resident; the root, resharded or not, is gathered for the whole forward when the
+        model reads it at both ends (an embedding tied to the output head), and counting
+        it would leave no slot to prefetch any block (FSDP2 keeps its root out of the
+        lookahead too).
+        """
+        return self.reshards(group) and self.unit_of(group) != ""
+
     def reshards(self, group: int) -> bool:
         """Is this group's gathered buffer freed after forward and gathered again in backward?"""
         return self.options.reshards(self.unit_of(group))

@@ -28,8 +28,10 @@ In-flight limit: at most ``max_inflight_gathers`` buffers of resharded units
 prefetch that would exceed it gets an edge: it is issued after every reader
 of the buffers that must be freed first. Where those readers come after the
 gather's own reader (the model reads more units at once), the gather stays
-just in time. Buffers of units that are not resharded (the root, by default)
-are resident and do not count.
+just in time. Buffers of units that are not resharded, and the root's, do not
+count (``PassContext.counts_in_flight``): the root is often read at both ends
+of forward (a tied embedding and output head), and FSDP2 keeps it out of its
+lookahead too.
 
 Every decision reads graph order, the plan and the options, never a tensor's
 size beyond the parameters', so every rank emits the same collectives in the
@@ -79,7 +81,7 @@ class _Window:
     first: fx.Node  # first reader outside its parameter chain
     last: fx.Node  # last reader of it or any view of it
     bytes: int
-    resident: bool  # its unit is not resharded: it does not count as in flight
+    resident: bool  # not counted in flight (ctx.counts_in_flight): not resharded, or the root
 
 
 def _windows(gm: fx.GraphModule, schedule: Schedule, ctx: PassContext) -> list[_Window]:
@@ -89,7 +91,7 @@ def _windows(gm: fx.GraphModule, schedule: Schedule, ctx: PassContext) -> list[_
         if not use.outside:
             continue
         result.append(_Window(use.buffer, schedule.first(use.outside), schedule.last(use.readers),
-                              buffer_bytes(use.buffer), not ctx.reshards(buffer_group(use.buffer))))
+                              buffer_bytes(use.buffer), not ctx.counts_in_flight(buffer_group(use.buffer))))
     return sorted(result, key=lambda w: schedule.position(w.first))
 
 

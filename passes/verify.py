@@ -152,7 +152,7 @@ def _check_windows(graph: fx.Graph, ctx: PassContext) -> None:
     The limit binds prefetches only: where the model itself reads more units at
     once than the limit (overlapping windows), that many must be alive.
     """
-    reshards = {g.index: ctx.reshards(g.index) for g in ctx.plan.groups}
+    reshards = {g.index: ctx.counts_in_flight(g.index) for g in ctx.plan.groups}
     spans = windows(graph, reshards)
     order = order_of(graph)
     nodes = list(graph.nodes)

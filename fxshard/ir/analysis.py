@@ -144,7 +144,7 @@ class Window:
     first: int  # first node outside its parameter chain that reads it
     last: int  # last node that reads it or any view of it (frees excluded)
     bytes: int
-    resident: bool  # its unit is not resharded: it does not count as in flight
+    resident: bool  # does not count toward the in-flight limit (PassContext.counts_in_flight)
 
 
 @dataclass
@@ -169,7 +169,7 @@ def buffer_uses(graph: fx.Graph) -> list[BufferUses]:
     return result
 
 
-def windows(graph: fx.Graph, reshards: dict[int, bool],
+def windows(graph: fx.Graph, counted: dict[int, bool],
             uses: list[BufferUses] | None = None) -> list[Window]:
     """The window of every gathered buffer, sorted by first compute.
 
@@ -183,7 +183,7 @@ def windows(graph: fx.Graph, reshards: dict[int, bool],
         first = min((order[n] for n in u.outside), default=order[buf])
         last = max(order[n] for n in u.readers)
         result.append(Window(buf, issue, first, last, buffer_bytes(buf),
-                             not reshards.get(buffer_group(buf), True)))
+                             not counted.get(buffer_group(buf), True)))
     return sorted(result, key=lambda w: (w.first, w.issue))
 
 
