@@ -414,3 +414,115 @@ def test_sink_never_moves_a_reader_of_a_gathered_buffer() -> None:
     gm, big, step = build(gathered=True)
     names = _names(sunk(gm, ctx("backward")))
     assert names.index(big.name) < names.index(step.name)  # its window is the schedule's
+
+
+# -- the scheduling passes, each alone on a hand-built graph --------------------------------------
+
+
+def test_topological_sort_places_positioned_nodes_and_obeys_edges() -> None:
+    from fxshard.ir.schedule import PREFETCH, schedule_of
+
+    b = Builder()
+    x, s1 = b.input("x", 3, 4), b.input("s1", 12)
+    first = b.op(aten.relu.default, x)
+    second = b.op(aten.relu.default, first)
+    view = b.op(aten.view.default, s1, [3, 4])
+    gm = b.done(b.op(aten.add.Tensor, second, view))
+
+    def names() -> list[str]:
+        return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+    assert names() == ["relu_default", "relu_default_1", "view_default", "add_tensor"]
+    schedule_of(gm).place([view], first, PREFETCH)  # a position: just before the first relu
+    gm = topological_sort_pass(gm, ctx())
+    gm.graph.lint()
+    assert names() == ["view_default", "relu_default", "relu_default_1", "add_tensor"]
+    schedule = schedule_of(gm)
+    schedule.place([view], first, PREFETCH)
+    schedule.require(view, [second])  # an edge wins over a position: after the second relu
+    gm = topological_sort_pass(gm, ctx())
+    assert names() == ["relu_default", "relu_default_1", "view_default", "add_tensor"]
+    # Edges that contradict the inputs are a cycle: refused, naming the nodes.
+    schedule_of(gm).require(first, [gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)[0]])
+    with pytest.raises(GraphInvariantError, match="cycle.*relu_default"):
+        topological_sort_pass(gm, ctx())
+
+
+def two_unit_backward() -> fx.GraphModule:
+    """Unit 0's weight gradient is ready first, unit 1's last; AOTAutograd flattens both and
+    reduces them at the end."""
+    b = Builder()
+    t, x, h = (b.input("tangent", 3, 4, tag="is_backward"), b.input("x", 3, 4),
+               b.input("h", 3, 4))
+    g0 = b.op(aten.mm.default, b.op(aten.t.default, t, tag="is_backward"), x, tag="is_backward")
+    dh = b.op(aten.relu.default, t, tag="is_backward")
+    g1 = b.op(aten.mm.default, b.op(aten.t.default, dh, tag="is_backward"), h, tag="is_backward")
+    flats = [b.op(aten.view.default, g, [16], tag="is_backward") for g in (g0, g1)]
+    reduced = [b.op(ops.REDUCE_GRAD, f, i, 2, tag="is_backward") for i, f in enumerate(flats)]
+    return b.done(*reduced)
+
+
+def test_schedule_reduce_scatter_reduces_each_gradient_when_ready_one_in_flight() -> None:
+    from fxshard.passes import schedule_reduce_scatter_pass
+
+    c = ctx("backward")
+    gm = insert_reduce_scatter_pass(two_unit_backward(), c)
+    before = gm.code
+    gm = schedule_reduce_scatter_pass(gm, c)
+    assert gm.code == before  # positions only
+    gm = topological_sort_pass(gm, c)
+    gm.graph.lint()
+    ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
+    rs, w = "reduce_scatter_tensor", "wait_tensor"
+    # Unit 0 reduced right after its gradient, while unit 1's is computed; its wait right
+    # before unit 1's reduction; the last wait right before the output.
+    assert ops_ == ["t", "mm", "view", "div", rs, "relu", "t", "mm", "view", "div", w, rs, w]
+    verify(gm, c, final=True)
+
+
+def test_assign_groups_gives_collectives_in_flight_together_different_groups() -> None:
+    from fxshard.passes import assign_groups_pass
+
+    gm = insert_all_gather_pass(three_unit_forward(), ctx())
+    gathers = [n for n in gm.graph.nodes if P.is_all_gather(n)]
+    anchor = gm.graph.find_nodes(op="placeholder")[-1]
+    for g in reversed(gathers):  # all three issued before the first wait: in flight together
+        anchor.append(g)
+    slots = ctx(inflight_groups=("s0", "s1"), options=ShardingOptions(max_inflight_gathers=3))
+    gm = assign_groups_pass(gm, slots)
+    gm.graph.lint()
+    assert [P.group_name(n) for n in gathers] == ["s0", "s1", "s0"]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    (first_wait,) = gathers[0].users
+    # Both slots busy at the third gather: the one issued first is waited right before it.
+    assert order[first_wait] == order[gathers[2]] - 1
+    verify(gm, slots, final=True)  # invariant 9
+    with pytest.raises(GraphInvariantError, match="in-flight slots"):
+        assign_groups_pass(gm, ctx())
+
+
+def test_checkpoint_activations_recomputes_a_region_in_backward() -> None:
+    from fxshard.ir.checkpointing import Checkpointing
+    from fxshard.ir.meta import MODULE_ANNOTATION
+    from fxshard.passes import checkpoint_activations_pass
+
+    b = Builder()
+    x, t = b.input("x", 3, 4), b.input("tangent", 3, 4, tag="is_backward")
+    inner = b.op(aten.relu.default, x)
+    inner.meta["custom"] = {MODULE_ANNOTATION: "block"}
+    out = b.op(aten.sin.default, inner)
+    out.meta["custom"] = {MODULE_ANNOTATION: "block"}
+    grad = b.op(aten.mul.Tensor, t, b.op(aten.cos.default, inner, tag="is_backward"), tag="is_backward")
+    gm = b.done(out, grad)
+    c = ctx("joint", checkpointing=Checkpointing(("block",)))
+    n_before = len(gm.graph.nodes)
+    gm = checkpoint_activations_pass(gm, c)
+    gm.graph.lint()
+    cos = next(n for n in gm.graph.nodes if n.target is aten.cos.default)
+    copy = cos.args[0]
+    # Backward reads a backward copy of relu(x), recomputed from the region's input.
+    assert copy is not inner and copy.target is aten.relu.default and copy.args[0] is x
+    assert copy.meta["partitioner_tag"] == "is_backward"
+    assert len(gm.graph.nodes) == n_before + 1
+    # Without a region nothing changes.
+    assert checkpoint_activations_pass(gm, ctx("joint")) is gm
