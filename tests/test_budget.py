@@ -105,6 +105,50 @@ def test_the_search_takes_the_cheapest_candidate_that_fits() -> None:
         fxshard.compile(_model(), by_class(Block), memory_budget=-1)
 
 
+def test_the_search_orders_regions_by_benefit_and_scans_a_step_that_misses() -> None:
+    """A non-monotone step (as the TinyGPT case below): recomputing the last region "b" fully
+    raises the peak, recomputing "a" fully lowers it. The lowest peak an error names is never
+    above a schedule that some budget accepts."""
+    def evaluate(c: Candidate) -> Prediction:
+        peak = 100 - 10 * len(c.selective) - (20 if "a" in c.full else 0) + (12 if "b" in c.full else 0)
+        peak -= 5 * ("b" in c.full and "a" not in c.selective)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {})
+
+    def found(budget: int) -> int | None:
+        try:
+            choice = search(budget, evaluate, ["a", "b"], ["b", "a"], 1, {})
+        except BudgetError as e:
+            assert "lowest peak of the schedules fxshard tried is" in str(e)
+            return None
+        return evaluate(choice.chosen).peak
+
+    accepted = {b: found(b) for b in range(60, 101)}
+    lowest = min(p for p in accepted.values() if p is not None)
+    assert lowest == 70  # "a" full, "b" selective
+    assert accepted[75] == 70 and accepted[70] == 70  # a ladder assuming monotonicity refused these
+    for budget, peak in accepted.items():
+        assert (peak is None) == (budget < lowest), (budget, peak)
+
+
+@pytest.mark.parametrize("kib", [540, 560, 600])
+def test_a_budget_above_a_reachable_peak_is_met(kib: int) -> None:
+    """TinyGPT at 4 ranks: budgets of 540 and 560 KiB were refused naming 0.554 MiB as the lowest
+    peak, while 600 KiB found a schedule peaking at 0.521 MiB."""
+    def explain(budget: int) -> fxshard.Explanation:
+        with torch.device("meta"):
+            model = TinyGPT()
+        return fxshard.explain(model, torch.zeros(8, 16, dtype=torch.long), policy=by_class(Block),
+                               world_size=4, memory_budget=budget)
+
+    report = explain(kib * 1024).report
+    assert report.budget is not None and report.predicted_peak_bytes <= kib * 1024
+    if kib == 540:
+        with pytest.raises(BudgetError) as refused:
+            explain(100 * 1024)
+        lowest = float(str(refused.value).split("tried is ")[1].split(" MiB")[0])
+        assert lowest <= report.predicted_peak_bytes / 2**20 + 5e-4
+
+
 def test_the_backend_plans_the_budget_too() -> None:
     for r in results():
         res = r["backend_roomy"]

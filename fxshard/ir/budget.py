@@ -14,14 +14,19 @@ full recompute of a region            backward reruns all of it, matmuls too
 
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
-backward, the configured in-flight limit, no recompute). Each step of the ladder adds
-one more change of the same kind, first units first; a step that does not
-lower the peak even when applied in full is skipped (the unit-by-unit and
-region-by-region steps are found by bisection: along a step the predicted peak
-only falls). The first candidate whose predicted peak is within the budget
-wins: the least communication and recompute that fits. ``evaluate`` predicts
-a candidate's peak without running anything (driver/budget.py: the passes and
-the liveness of ``report()`` on a copy of the traced graph).
+backward, the configured in-flight limit, no recompute). Each step of the
+ladder adds one more change of the same kind: units first units first (the
+root last), regions in order of measured benefit (each region's predicted
+peak when it alone is recomputed, lowest first). Where the whole step fits
+the budget, bisection finds the fewest changes that fit. Where it does not,
+every prefix of the step is evaluated, since the peak need not fall along a
+step (recomputing the last block fully puts its recompute at the start of
+backward, where the peak is): the first that fits wins, else the search goes
+on from the lowest. A smaller budget thus evaluates every schedule a larger
+one could accept, so the lowest peak an error names is never beaten by a
+schedule some budget accepts. ``evaluate`` predicts a candidate's peak
+without running anything (driver/budget.py: the passes and the liveness of
+``report()`` on a copy of the traced graph).
 
 If even the last candidate (everything resharded, one gather in flight, every region fully recomputed) does not fit, the budget
 cannot be met: ``BudgetError`` names the smallest peak and what it is made of.
@@ -115,7 +120,8 @@ class Prediction:
 
 def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequence[str],
            regions: Sequence[str], max_inflight: int, unit_bytes: dict[str, int]) -> BudgetChoice:
-    """The first candidate along the ladder whose predicted peak is within ``budget``."""
+    """The first candidate along the ladder whose predicted peak is within ``budget``; else
+    BudgetError naming the lowest peak tried, which no budget's accepted schedule beats."""
     if budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}")
     tried: list[tuple[str, int]] = []
@@ -129,40 +135,61 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         return cache[key]
 
     resharded = [u for u in units if u != ""] + [u for u in units if u == ""]  # the root last
-    start = Candidate((), max_inflight, (), (), "keep every unit gathered")
-    ladder: list[tuple[str, Callable[[Candidate, int], Candidate], int]] = [
+
+    def by_benefit(c: Candidate, apply: Callable[[Candidate, Sequence[str]], Candidate]) -> list[str]:
+        """The regions in order of measured benefit: each one's peak when it alone changes."""
+        alone = {r: peak(apply(c, (r,))).peak for r in regions}
+        return sorted(regions, key=lambda r: alone[r])  # stable: ties keep registration order
+
+    def selective(c: Candidate, chosen: Sequence[str]) -> Candidate:
+        return replace(c, selective=tuple(chosen))
+
+    def full(c: Candidate, chosen: Sequence[str]) -> Candidate:
+        return replace(c, selective=tuple(r for r in c.selective if r not in chosen), full=tuple(chosen))
+
+    # Each step: its name, and for the current candidate the ordered choices it adds one by one.
+    ladder: list[tuple[str, Callable[[Candidate], list[Candidate]]]] = [
         ("reshard units after forward",
-         lambda c, k: replace(c, resharded=tuple(resharded[:k])), len(resharded)),
+         lambda c: [replace(c, resharded=tuple(resharded[:k])) for k in range(len(resharded) + 1)]),
         ("one gather in flight",
-         lambda c, k: replace(c, max_inflight=1 if k else c.max_inflight), 1 if max_inflight > 1 else 0),
+         lambda c: [c, replace(c, max_inflight=1)] if max_inflight > 1 else [c]),
         ("recompute regions selectively",
-         lambda c, k: replace(c, selective=tuple(regions[:k])), len(regions)),
+         lambda c: [selective(c, order[:k]) for order in [by_benefit(c, selective)]
+                    for k in range(len(regions) + 1)]),
         ("recompute regions fully",
-         lambda c, k: replace(c, selective=tuple(r for r in c.selective if r not in regions[:k]),
-                              full=tuple(regions[:k])), len(regions)),
+         lambda c: [full(c, order[:k]) for order in [by_benefit(c, full)] for k in range(len(regions) + 1)]),
     ]
-    current = start
+    current = Candidate((), max_inflight, (), (), "keep every unit gathered")
     if peak(current).peak <= budget:
         return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
-    for step, apply, n in ladder:
-        if n == 0:
+    for step, choices in ladder:
+        steps = [replace(c, step=step) for c in choices(current)][1:]  # [0] is current itself
+        if not steps:
             continue
-        full = replace(apply(current, n), step=step)
-        if peak(full).peak > budget:
-            if peak(full).peak < peak(current).peak:  # keep a change only if it lowers the peak
-                current = full
-            continue
-        lo, hi = 0, n  # apply(current, lo) misses the budget, apply(current, hi) meets it
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if peak(apply(current, mid)).peak <= budget:
-                hi = mid
-            else:
-                lo = mid
-        chosen = replace(apply(current, hi), step=step)
-        return _choice(budget, chosen, peak(chosen).peak, tried, units, regions, unit_bytes)
-    # The last candidate is not always the lowest (a region recomputed first thing in
-    # backward can raise the peak it sits at): report the lowest of all tried.
+        if peak(steps[-1]).peak <= budget:
+            # Bisect for the fewest changes that fit (first fitting prefix, assuming the peak
+            # falls along the step; a miss is found by the scan below on a smaller budget).
+            lo, hi = -1, len(steps) - 1  # steps[lo] misses (lo=-1: current), steps[hi] fits
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if peak(steps[mid]).peak <= budget:
+                    hi = mid
+                else:
+                    lo = mid
+            return _choice(budget, steps[hi], peak(steps[hi]).peak, tried, units, regions, unit_bytes)
+        # The whole step misses. The peak need not fall along it (recomputing the last block
+        # fully puts its recompute at the start of backward, where the peak is): scan every
+        # prefix, take the first that fits, else go on from the lowest.
+        fitting = [c for c in steps if peak(c).peak <= budget]
+        if fitting:
+            return _choice(budget, fitting[0], peak(fitting[0]).peak, tried, units, regions, unit_bytes)
+        # Among equal peaks the furthest along the step: what it saves may count later,
+        # where the peak has moved.
+        lowest = min(reversed(steps), key=lambda c: peak(c).peak)
+        if peak(lowest).peak < peak(current).peak:  # keep a change only if it lowers the peak
+            current = lowest
+    # Every prefix of every step was scanned on the way here, along the same path any larger
+    # budget takes until it fits: no budget accepts a schedule below the lowest tried.
     best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: cp[1].peak)
     parts = sorted(smallest.parts.items(), key=lambda kv: -kv[1])
     dominant = parts[0][0] if parts else "?"
