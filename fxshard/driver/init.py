@@ -24,10 +24,12 @@ copies are never read, so they may be built on the meta device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxshard.driver.runtime import World, comm_device, slot_overlap
 from fxshard.ir.errors import FxShardError
@@ -64,6 +66,61 @@ def _check_initialisable(module: nn.Module, init_fn: InitFn | None) -> None:
         )
 
 
+Write = tuple[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]]
+
+
+class _LaterWrites(TorchDispatchMode):
+    """While a module initialises: its writes to a descendant's tensor (still on the meta
+    device) are recorded, to replay after that descendant's own init; a write to a tensor of a
+    module already initialised is refused.
+
+    ``nn.MultiheadAttention._reset_parameters`` zeroes ``out_proj.bias``, a parameter of its
+    child: built normally, the child exists first and the parent's write wins, so replaying it
+    after the child's init gives the same values.
+    """
+
+    def __init__(self, path: str, later: dict[int, str], done: dict[int, str]):
+        super().__init__()
+        self.path, self.later, self.done = path, later, done
+        self.writes: list[tuple[str, Write]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for arg, value in zip(schema.arguments, args):
+                if not (arg.alias_info is not None and arg.alias_info.is_write
+                        and isinstance(value, torch.Tensor)):
+                    continue
+                if id(value) in self.done:
+                    raise FxShardError(
+                        f"initialising the meta-device model: the init of module {self.path or '<root>'!r} "
+                        f"wrote to {self.done[id(value)]!r} ({func}), which belongs to a module "
+                        "fxshard has already initialised (module by module, in named_modules() "
+                        "order), so the write would be lost. Initialise each tensor in the init of "
+                        "its own module or of an ancestor, or build the model on a real device."
+                    )
+                if id(value) in self.later:
+                    others = [a for a in (*args, *kwargs.values())
+                              if isinstance(a, torch.Tensor) and a is not value and a.is_meta]
+                    if others:
+                        raise FxShardError(
+                            f"initialising the meta-device model: the init of module "
+                            f"{self.path or '<root>'!r} wrote to {self.later[id(value)]!r} ({func}) "
+                            "from other meta tensors, which fxshard cannot replay later. Write "
+                            "constants or random values, or build the model on a real device."
+                        )
+                    self.writes.append((self.later[id(value)], (func, args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _replay(writes: list[Write], meta: torch.Tensor, real: torch.Tensor) -> None:
+    with torch.no_grad():
+        for func, args, kwargs in writes:
+            func(*[real if a is meta else a for a in args],
+                 **{k: real if v is meta else v for k, v in kwargs.items()})
+
+
 def agree_on_rng(world: World, device: torch.device) -> None:
     """Every rank continues with rank 0's random generator state (of ``device``'s generator)."""
     if world.group is None or world.size == 1:
@@ -93,10 +150,20 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                 where[name] = (group, slot)
     shards = [torch.zeros(g.shard_numel, dtype=g.dtype, device=device) for g in plan.groups]
     written: set[int] = set()  # flat-group slots already copied (a tied parameter: its first init)
+    # Writes an ancestor's init made to a tensor still on the meta device, by its qualified
+    # name, with the meta tensor they were made to: replayed after the tensor's own init.
+    pending: dict[str, list[Write]] = {}
+    meta_of: dict[str, torch.Tensor] = {}
+    done: dict[int, str] = {}  # the meta tensors of modules already initialised
     for path, mod in module.named_modules():
         if not _own_tensors(mod):
             continue
+        prefix = f"{path}." if path else ""
+        later = {id(t): f"{prefix}{name}" for name, t in
+                 [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
+                 if "." in name and t is not None and t.is_meta and id(t) not in done}
         originals = dict(mod._parameters)
+        meta_buffers = {name: b for name, b in mod._buffers.items() if b is not None and b.is_meta}
         real: dict[str, torch.Tensor] = {}
         for name, p in originals.items():
             if p is None:
@@ -109,11 +176,18 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                 mod._buffers[name] = torch.full(b.shape, float("nan"), dtype=b.dtype, device=device) \
                     if b.dtype.is_floating_point else torch.zeros(b.shape, dtype=b.dtype, device=device)
         try:
-            with torch.no_grad():
+            recorder = _LaterWrites(path, later, done)
+            with torch.no_grad(), recorder:
                 if init_fn is not None:
                     init_fn(mod)
                 else:
                     mod.reset_parameters()
+            for name, write in recorder.writes:
+                pending.setdefault(name, []).append(write)
+                meta_of[name] = next(t for t in (write[1]) if isinstance(t, torch.Tensor) and id(t) in later)
+            for name, value in [*real.items(), *((n, mod._buffers[n]) for n in meta_buffers)]:
+                if prefix + name in pending:
+                    _replay(pending.pop(prefix + name), meta_of.pop(prefix + name), value)
             left = [f"parameter {name!r}" for name, t in real.items() if bool(t.isnan().any())]
             left += [f"buffer {name!r}" for name, b in mod._buffers.items()
                      if b is not None and b.dtype.is_floating_point and bool(b.isnan().any())]
@@ -125,7 +199,6 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                     "param_init_fn=fn to fxshard.compile, where fn(module) also sets those (e.g. "
                     "recomputes a buffer that __init__ computed), or build the model on a real device."
                 )
-            prefix = f"{path}." if path else ""
             for name, value in real.items():
                 group, slot = where[prefix + name]
                 key = id(slot)
@@ -140,6 +213,7 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                         flat[span[0] - slot.offset:span[1] - slot.offset])
         finally:
             mod._parameters.update(originals)  # the meta parameters again: nothing full stays
+            done.update({id(p): prefix + name for name, p in originals.items() if p is not None})
     return [nn.Parameter(s, requires_grad=g.requires_grad) for g, s in zip(plan.groups, shards)]
 
 
