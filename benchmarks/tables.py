@@ -25,7 +25,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "scheduling.md")
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "scheduling.md", ROOT / "docs" / "memory.md")
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402  (benchmarks/run.py: the one place that formats a run's tables)
@@ -41,6 +41,13 @@ def benchmark() -> str:
     """The main run: every system's step time, peak, bytes; the fwd+bwd peak and overlap."""
     report = _load(RESULTS / "latest.json")
     return run.markdown(report["results"], report["meta"])
+
+
+def checkpointing() -> str:
+    """Activation checkpointing per block against FSDP2 with torch's checkpoint per block."""
+    report = _load(RESULTS / "ac" / "latest.json")
+    table = run.markdown(report["results"], report["meta"])
+    return table[:table.index("\n\n", table.index("| model |"))] + "\n"
 
 
 def scaling() -> str:
@@ -73,7 +80,8 @@ def sweep() -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"benchmark": benchmark, "scaling": scaling, "sweep": sweep}
+BLOCKS: dict[str, Callable[[], str]] = {"benchmark": benchmark, "scaling": scaling, "sweep": sweep,
+                                        "checkpointing": checkpointing}
 _BLOCK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 
