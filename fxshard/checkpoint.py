@@ -18,9 +18,10 @@ world size or policy::
 with ``cpu_offload=True`` on rank 0 only, as torch does.
 
 ``save(path, model, optimizers)`` and ``load(path, model, optimizers)`` do the
-above with two guarantees plain DCP calls lack: a save is atomic (written
-next to ``path``, renamed into place when every rank is done, so a crash
-leaves the previous checkpoint at ``path`` whole), and a load compares the
+above with guarantees plain DCP calls lack: a save is atomic (written next to
+``path``, renamed into place when every rank is done, so a crash leaves the
+previous checkpoint at ``path`` whole) and stores rank 0's copy of rank-local
+buffers (DCP by default keeps any one rank's); a load compares the
 checkpoint's names, shapes and dtypes with the model's first and lists every
 difference, on every rank, before anything is read.
 """
@@ -30,7 +31,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,10 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
 ]
+
+# torch's FutureWarning whenever DCP's load planner reads a ShardedTensor's ``size()`` or
+# ``device`` (``torch.distributed._shard._utils.DEPRECATE_MSG``).
+_SHARDED_TENSOR_DEPRECATED = "^" + re.escape("Please use DTensor instead and we are deprecating ShardedTensor.") + "$"
 
 _UNSUPPORTED = ("ignore_frozen_params", "broadcast_from_rank0", "flatten_optimizer_state_dict")
 
@@ -195,7 +202,9 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     Every rank writes its own pieces into ``PATH.partial``; once all are done,
     rank 0 renames it to ``path`` (a previous checkpoint there is replaced only
     then). ``extra`` (the step, a data loader's position: anything JSON can hold,
-    rank 0's) is saved with it and returned by :func:`load`. A collective: every
+    rank 0's) is saved with it and returned by :func:`load`. Buffers, which are
+    each rank's own unless ``broadcast_buffers=True``, are saved from rank 0, as
+    the usual ``torch.save(model.state_dict())`` on rank 0 would. A collective: every
     rank calls it.
     """
     _, driver = sharding_of(model)
@@ -208,7 +217,12 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     content: dict[str, Any] = {"model": msd, "optim": osd}
     if extra is not None:
         content["extra"] = io.BytesIO(json.dumps(extra).encode())  # DCP stores it as bytes
-    dcp.save(content, checkpoint_id=str(partial), process_group=driver.world.group)
+    # Buffers are rank-local and `extra` is per rank, but DCP takes values every rank holds
+    # whole for replicas and keeps one copy, by default from the rank with the fewest bytes
+    # planned so far: rank 0's is the copy a state_dict() saved on rank 0 or DDP's broadcast
+    # would give.
+    dcp.save(content, checkpoint_id=str(partial), process_group=driver.world.group,
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     _barrier(model)  # every rank's files are written (DCP writes .metadata last, on rank 0)
     if driver.world.rank == 0:
         old = target.with_name(target.name + ".old")
@@ -275,7 +289,11 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     if has_extra:
         requested["extra"] = io.BytesIO()
     try:
-        dcp.load(requested, checkpoint_id=str(path), process_group=driver.world.group)
+        with warnings.catch_warnings():
+            # A warning per value, about torch's own reads of fxshard's ShardedTensors
+            # (docs/checkpoints.md, "Why not DTensor"): nothing the user can act on.
+            warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_DEPRECATED, category=FutureWarning)
+            dcp.load(requested, checkpoint_id=str(path), process_group=driver.world.group)
     except CheckpointException as e:  # a BaseException: turned into an error callers catch
         failures = "\n  ".join(f"rank {r}: {_last_line(f)}" for r, f in sorted(e.failures.items()))
         raise StateDictError(

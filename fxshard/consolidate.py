@@ -12,19 +12,22 @@ assembles its pieces from every rank's file) straight into its place:
 
 - safetensors: the header is written first, then each tensor's bytes at its
   offset; one tensor is in memory at a time.
-- torch.save: every tensor is a view of one file-backed buffer
-  (``torch.from_file(shared=True)``), so what has been read lives in the page
-  cache, which the kernel writes back and drops as it needs to, not in the
-  process's own memory; ``torch.save`` then copies the buffer into the archive.
+- torch.save: every tensor is a view of a file-backed buffer, one per dtype
+  (``torch.from_file(shared=True)``; ``torch.save`` refuses views of one storage
+  as different dtypes), so what has been read lives in the page cache, which
+  the kernel writes back and drops as it needs to, not in the process's own
+  memory; ``torch.save`` then copies the buffers into the archive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,17 @@ _SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-_ALIGN = 64  # bytes: every tensor in the torch.save buffer starts aligned for its dtype
+# torch's UserWarning from every read here (dcp.load(no_dist=True) warns as well), in its two
+# wordings: one process without a process group is what consolidation is.
+_SINGLE_PROCESS = (r"^torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                   r"assuming the intent is to load in a single process\.$")
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        yield
 
 
 def _tensors(metadata: Any, prefix: str) -> list[tuple[str, TensorStorageMetadata]]:
@@ -51,7 +64,8 @@ def _tensors(metadata: Any, prefix: str) -> list[tuple[str, TensorStorageMetadat
 
 def _read_into(reader_dir: str, key: str, out: torch.Tensor) -> None:
     """Read one tensor of the checkpoint (all its pieces) into ``out``, in place."""
-    dcp.load({key: out}, storage_reader=dcp.FileSystemReader(reader_dir), no_dist=True)
+    with _single_process():
+        dcp.load({key: out}, storage_reader=dcp.FileSystemReader(reader_dir), no_dist=True)
 
 
 def _write_safetensors(directory: str, entries: list[tuple[str, str, TensorStorageMetadata]],
@@ -78,19 +92,19 @@ def _write_safetensors(directory: str, entries: list[tuple[str, str, TensorStora
             del tensor
 
 
-def _file_backed(entries: list[tuple[str, str, TensorStorageMetadata]], backing: Path
+def _file_backed(entries: list[tuple[str, str, TensorStorageMetadata]], scratch: Path
                  ) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """One view per entry into a file-backed buffer (created at ``backing``)."""
+    """One view per entry into a file-backed buffer of its dtype (files created in ``scratch``)."""
+    sizes: dict[torch.dtype, int] = {}
     spans = []
-    offset = 0
     for name, key, md in entries:
-        offset += -offset % _ALIGN
-        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
-        spans.append((name, key, md, offset, nbytes))
-        offset += nbytes
-    buffer = torch.from_file(str(backing), shared=True, size=max(offset, 1), dtype=torch.uint8)
-    for name, key, md, start, nbytes in spans:
-        yield name, key, buffer[start:start + nbytes].view(md.properties.dtype).view(tuple(md.size))
+        dtype, numel = md.properties.dtype, math.prod(md.size)
+        spans.append((name, key, md, sizes.get(dtype, 0), numel))
+        sizes[dtype] = sizes.get(dtype, 0) + numel
+    buffers = {dtype: torch.from_file(str(scratch / f"buffer{i}"), shared=True, size=max(n, 1), dtype=dtype)
+               for i, (dtype, n) in enumerate(sizes.items())}
+    for name, key, md, start, numel in spans:
+        yield name, key, buffers[md.properties.dtype][start:start + numel].view(tuple(md.size))
 
 
 def _set_path(root: dict[str, Any], path: list[str], value: Any) -> None:
@@ -126,9 +140,10 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
         if not optim:
             raise FxShardError(f"{directory} has no optimizer state (no 'optim.' keys)")
         extra = target.with_name(target.name + ".optim")
-        groups = _load_state_dict_from_keys(
-            {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
-            checkpoint_id=directory)
+        with _single_process():
+            groups = _load_state_dict_from_keys(
+                {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
+                checkpoint_id=directory)
         _save_file_backed(directory, optim, extra, nested=True, planner_data=metadata.planner_data,
                           extra=groups.get("optim", {}))
         written.append(extra)
@@ -139,7 +154,7 @@ def _save_file_backed(directory: str, entries: list[tuple[str, str, TensorStorag
                       nested: bool, planner_data: Any = None, extra: dict[str, Any] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
         result: dict[str, Any] = dict(extra or {})
-        for name, key, view in _file_backed(entries, Path(scratch) / "buffer"):
+        for name, key, view in _file_backed(entries, Path(scratch)):
             _read_into(directory, key, view)
             if nested and planner_data and key in planner_data:  # the path DCP flattened
                 _set_path(result, [str(p) for p in planner_data[key][1:]], view)

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from fxshard.driver.state import boxes
 from fxshard.policies import by_class, by_size
 
 from dist_utils import run_ranks
-from models import Block, TinyGPT
+from models import Block, BNNet, TinyGPT
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks: every world size trains on the same global batch
 POLICIES = {"block": dict(policy=by_class(Block)),
@@ -74,7 +75,50 @@ def save_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         _step(sharded, opt, b)
     _save(sharded, opt, os.path.join(root, "ckpt2"))
     saved = sharded.full_state_dict()
-    return {"saved": saved, "ref": [_step(sharded, opt, b) for b in batches[2:]]}
+    return {"saved": saved, "ref": [_step(sharded, opt, b) for b in batches[2:]],
+            "bn": bn_worker(rank, world_size, root)}  # in this spawn, to spare the suite one
+
+
+def _warnings(fn: Any) -> tuple[Any, list[str]]:
+    """``fn()``'s result and every warning it raised, none filtered out."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def _bn_buffers(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.full_state_dict().items() if ".running_" in k or "num_batches" in k}
+
+
+def bn_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """BatchNorm statistics, rank-local by default: each rank trains on its own data."""
+    def build(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        sharded = fxshard.compile(BNNet(), policy=by_class(nn.BatchNorm2d))
+        return sharded, torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+
+    sharded, opt = build(0)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(5, 3, 6, 6, generator=gen), torch.randn(5, 4, generator=gen)
+        nn.functional.mse_loss(sharded(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    path = os.path.join(root, "bn")
+    _, save_warnings = _warnings(lambda: fxshard.checkpoint.save(path, sharded, opt, extra={"rank": rank}))
+    fresh, fresh_opt = build(1)
+    extra, load_warnings = _warnings(lambda: fxshard.checkpoint.load(path, fresh, fresh_opt))
+    trained = _bn_buffers(sharded)
+    # Plain DCP keeps rank 0's copy when asked to (docs/checkpoints.md); loaded into the
+    # trained model, whose rank 1 holds other statistics.
+    msd, osd = fxshard.get_state_dict(sharded, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "bn-dcp"),
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    _load(sharded, opt, os.path.join(root, "bn-dcp"))
+    return {"trained": trained, "loaded": _bn_buffers(fresh), "extra": extra,
+            "by_dcp": _bn_buffers(sharded), "params": fresh.full_state_dict(),
+            "warnings": save_warnings + load_warnings}
 
 
 def _resume(source: str, policy: str, save_to: str | None = None) -> dict[str, Any]:
@@ -100,7 +144,8 @@ def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, 
 def runs() -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fxshard-ckpt-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # the consolidation tests read ckpt2
-    out: dict[str, Any] = {"save": run_ranks(save_worker, 2, root)[0], "root": root}
+    saves = run_ranks(save_worker, 2, root)
+    out: dict[str, Any] = {"save": saves[0], "bn": [s.pop("bn") for s in saves], "root": root}
     out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
     # A save killed on one rank (its own spawn dies), then loaded in the next spawn.
     killed = os.path.join(root, "killed")
@@ -137,6 +182,41 @@ def test_resume_at_two_ranks_continues_bitwise(world_size: int, case: str) -> No
 def test_resume_at_another_world_size_continues(world_size: int) -> None:
     # Gradients are averaged over another number of ranks: the same sum, other rounding.
     assert runs()[world_size]["ckpt2-block"]["losses"] == pytest.approx(runs()["save"]["ref"], rel=1e-5)
+
+
+def test_rank_local_buffers_are_saved_from_rank_0() -> None:
+    # Each rank's BatchNorm statistics are its own; a checkpoint holds rank 0's, as
+    # state_dict() and DDP's broadcast would, and every rank loads them.
+    rank0, rank1 = runs()["bn"]
+    assert not torch.equal(rank0["trained"]["bn.running_mean"], rank1["trained"]["bn.running_mean"])
+    for r in (rank0, rank1):
+        _assert_equal_state(r["loaded"], rank0["trained"])
+        _assert_equal_state(r["by_dcp"], rank0["trained"])
+        assert r["extra"] == {"rank": 0}  # extra is rank 0's too
+
+
+def test_save_and_load_raise_no_warning() -> None:
+    for r in runs()["bn"]:
+        assert r["warnings"] == []
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_consolidate_of_a_model_with_integer_buffers_raises_no_warning(fmt: str, tmp_path: Path) -> None:
+    from fxshard.consolidate import consolidate
+
+    out = tmp_path / f"model.{fmt}"
+    ckpt = os.path.join(runs()["root"], "bn")
+    _, caught = _warnings(lambda: consolidate(ckpt, out, format=fmt, optimizer=True))
+    assert caught == []
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    else:
+        state = torch.load(out, weights_only=True)
+    plain = BNNet()
+    plain.load_state_dict(state, strict=True)  # num_batches_tracked is int64 beside float32
+    _assert_equal_state(plain.state_dict(), runs()["bn"][0]["params"])
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
