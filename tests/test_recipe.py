@@ -484,6 +484,48 @@ def test_a_param_dtype_the_device_cannot_compute_in_is_refused() -> None:
         fxshard.MixedPrecision(param_dtype=torch.int8)
 
 
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_a_batch_norm_the_device_cannot_cast_is_refused_with_the_option_that_keeps_it() -> None:
+    # CPU's batch_norm refuses bf16 weights against the fp32 running statistics (a raw
+    # "expected scalar type BFloat16 but found Float" at the first step, before the probe).
+    message = (r"param_dtype=torch.bfloat16\) cannot run BatchNorm on cpu: 'bn' \(BatchNorm2d\).*"
+               r"expected scalar type.*full_precision_modules=\(nn.BatchNorm2d,\)")
+    model = ConvBN()
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.compile(model, mixed_precision=BF16)
+    assert all(p.device.type == "cpu" for p in model.parameters())  # refused before sharding
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxshard.backend(mixed_precision=BF16), dynamic=False)
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.parameters(compiled)
+    # The option the error names: BatchNorm in fp32, the rest in bf16; it trains.
+    torch.manual_seed(0)
+    sharded = fxshard.compile(ConvBN(), mixed_precision=fxshard.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, full_precision_modules=(nn.BatchNorm2d,)))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 6, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(sharded(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert {g.param_dtype for g in sharded.plan.groups} == {torch.bfloat16, None}
+
+
 def test_mixed_precision_is_visible_in_the_plan_and_graphs() -> None:
     with fake_world(2):
         sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), mixed_precision=fxshard.MixedPrecision(
