@@ -19,7 +19,7 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 from graph_utils import fake_world
-from models import Block, BNNet, Net, TinyGPT
+from models import Block, BNNet, Net, RotaryBlock, RotaryGPT, TinyGPT
 
 # -- gradient clipping ----------------------------------------------------------------------------
 
@@ -334,13 +334,14 @@ def _bf16_against_fsdp2(rank: int, name: str) -> dict[str, Any]:
     from fxshard.measure import CommCounter
 
     torch.manual_seed(0)
-    model: nn.Module = TinyGPT() if name == "gpt" else Net(dropout=False)
-    unit = Block if name == "gpt" else nn.Linear
+    model, unit = {"gpt": (TinyGPT, Block), "net": (lambda: Net(dropout=False), nn.Linear),
+                   "rotary": (RotaryGPT, RotaryBlock)}[name]
+    model = model()
     reference = _fsdp2_bf16(model, unit)
     sharded = fxshard.compile(model, policy=by_class(unit), mixed_precision=BF16)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    inputs = _gpt_inputs if name == "gpt" else _net_inputs
+    inputs = _net_inputs if name == "net" else _gpt_inputs
     gen = torch.Generator().manual_seed(rank)
     losses, ref_losses, counted = [], [], []
     for _ in range(3):
@@ -428,6 +429,7 @@ def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
     if world_size == 2:
         results["net"] = _bf16_against_fsdp2(rank, "net")
+        results["rotary"] = _bf16_against_fsdp2(rank, "rotary")
         results["fp16"] = _fp16_scaler(rank)
         results["backend"] = _bf16_backend_against_fsdp2(rank)
     return results
@@ -441,7 +443,9 @@ def precision_results(world_size: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
     for results in precision_results(world_size):
-        for name in ("gpt", "net") if world_size == 2 else ("gpt",):
+        # rotary: the root computes an fp32 rotary table and passes it to every block,
+        # which casts it to bf16 on entry, as FSDP2's cast_forward_inputs does.
+        for name in ("gpt", "net", "rotary") if world_size == 2 else ("gpt",):
             r = results[name]
             assert r["shard_dtypes"] == {torch.float32}  # master weights stay fp32
             assert r["gathered"] == {torch.bfloat16} and r["reduced"] == {torch.float32}
