@@ -202,9 +202,12 @@ class Driver:
     def strip(self, module: nn.Module, *, on_device: bool = False,
               use: str = "sharded.parameters()") -> None:
         """From here the shards hold the only copy of ``module``'s parameters; an optimizer
-        over the originals raises at its first step, naming ``use``."""
+        over the originals raises at its first step, naming ``use``. The stand-ins have
+        the dtype their group computes in (``param_dtype`` under mixed precision)."""
         retire(list(module.parameters()), use)  # built before compile
-        strip_parameters(module, self.device if on_device else None)
+        compute = {name: g.compute_dtype for g in self.plan.groups for slot in g.params for name in slot.names}
+        dtypes = {id(p): compute[name] for name, p in module.named_parameters(remove_duplicate=False)}
+        strip_parameters(module, self.device if on_device else None, dtypes)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self._module = module
         self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
