@@ -37,12 +37,11 @@ import torch.nn as nn
 from fxshard.api import ShardedModule
 from fxshard.driver.compiler import CompiledStep, Driver
 from fxshard.driver.report import Report
-from fxshard.driver.trace import TracedStep, flatten_outputs, parameter_views
+from fxshard.driver.trace import TracedStep, cast_unit_inputs, flatten_outputs, parameter_views
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
-from fxshard.ir.precision import MixedPrecision
 from fxshard.passes import build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
@@ -91,7 +90,7 @@ class _GraphStep(TracedStep):
     gm: fx.GraphModule
 
     def __init__(self, gm: fx.GraphModule, plan: ShardPlan, shards: dict[int, nn.Parameter],
-                 param_inputs: dict[int, str], n_inputs: int, cast: dict[int, torch.dtype]):
+                 param_inputs: dict[int, str], n_inputs: int):
         super().__init__()
         object.__setattr__(self, "gm", gm)  # not a submodule: nothing of it is lifted
         self.plan = plan
@@ -100,7 +99,6 @@ class _GraphStep(TracedStep):
             self.register_parameter(f"shard{g}", shards[g])
         self.param_inputs = param_inputs
         self.n_inputs = n_inputs
-        self.cast = cast  # graph input position -> dtype (mixed precision's cast_forward_inputs)
         self.output_spec = None
         self.failed_in = None  # read by trace_step's error report
         object.__setattr__(self, "skeleton", gm)
@@ -110,7 +108,6 @@ class _GraphStep(TracedStep):
         it = iter(inputs)
         args = [views[self.param_inputs[i]] if i in self.param_inputs else next(it)
                 for i in range(self.n_inputs)]
-        args = [a.to(self.cast[i]) if i in self.cast else a for i, a in enumerate(args)]
         # Through an Interpreter: each node runs under its own metadata, so the aten nodes
         # traced from it carry Dynamo's module stack (activation checkpointing's regions).
         flat, self.output_spec = flatten_outputs(fx.Interpreter(self.gm).run(*args))
@@ -158,6 +155,9 @@ class FxShardBackend:
         # tensors computed from parameters into its graphs.
         driver.strip(module, on_device=True, use="fxshard.parameters(model)")
         _refuse_eager_runs(module)
+        # In the module, so that Dynamo traces them: its graphs then compute in the dtypes
+        # they run with (the stand-ins have param_dtype too).
+        cast_unit_inputs(module, plan, self.config.mixed_precision, include_root=True)
         by_name = dict(module.named_parameters(remove_duplicate=False))
         slots = {}
         for group in plan.groups:
@@ -197,8 +197,7 @@ class FxShardBackend:
         param_inputs = {i: sharding.slots[id(x)][1] for i, x in params}
         groups = sorted({sharding.slots[id(x)][0] for _, x in params})
         step = _GraphStep(gm, driver.plan, {g: driver.shards[g] for g in groups}, param_inputs,
-                          len(example_inputs), _input_casts(placeholders, example_inputs, param_inputs,
-                                                            self.config.mixed_precision))
+                          len(example_inputs))
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
         graph = _CompiledGraph(driver, step, set(param_inputs),
                                f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")
@@ -252,22 +251,6 @@ def _refuse_eager_runs(module: nn.Module) -> None:
     for mod in module.modules():
         if any(True for _ in mod.parameters(recurse=False)):
             mod.register_forward_pre_hook(check)
-
-
-def _input_casts(placeholders: list[fx.Node], example_inputs: Sequence[Any], params: dict[int, str],
-                 precision: MixedPrecision | None) -> dict[int, torch.dtype]:
-    """Which floating-point graph inputs mixed precision casts to ``param_dtype``: the
-    graph's inputs except parameters and the module's buffers (BatchNorm statistics stay)."""
-    if precision is None or not precision.cast_forward_inputs or precision.param_dtype is None:
-        return {}
-    casts = {}
-    for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        name = source.name if source is not None else ""
-        if i not in params and isinstance(x, torch.Tensor) and x.is_floating_point() \
-                and "._buffers[" not in name:
-            casts[i] = precision.param_dtype
-    return casts
 
 
 def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:

@@ -97,6 +97,68 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalises in fp32 and returns the input's dtype, which it reads."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.norm2 = RMSNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for y in self.qkv(self.norm1(x)).split(d, dim=-1))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class RotaryGPT(nn.Module):
+    """A Llama-style LM whose root computes the rotary table in fp32 and passes it to every block."""
+
+    def __init__(self, vocab: int = 61, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(RotaryBlock(dim, heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        inv_freq = 1.0 / 10000 ** (torch.arange(half, device=idx.device, dtype=torch.float32) / half)
+        angles = torch.outer(torch.arange(idx.shape[1], device=idx.device, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos(), angles.sin()  # fp32, whatever the blocks compute in
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
 class BNNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -21,7 +21,7 @@ from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
-from models import CASES, MLP, Net, TinyGPT
+from models import CASES, MLP, Net, RMSNorm, RotaryBlock, RotaryGPT, TinyGPT
 
 STEPS = 4
 
@@ -209,6 +209,61 @@ def test_inductor_compute_matches_ddp() -> None:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
                                    rtol=1e-4, atol=1e-5)
         assert r["frees"] == 0
+
+
+class NormBetween(nn.Module):
+    """Linear -> RMSNorm (which reads its input's dtype) -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.norm = RMSNorm(16)
+        self.down = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(self.up(x)))
+
+
+def _bf16_losses(name: str, front_end: str) -> tuple[list[float], list[torch.dtype]]:
+    """Three bf16 mixed-precision steps of ``name`` through ``front_end``, and the dtypes
+    of the parameters the model's modules hold."""
+    make, policy, inputs = {
+        "norm": (NormBetween, None, lambda g: torch.randn(4, 8, generator=g)),
+        "rotary": (RotaryGPT, by_class(RotaryBlock), lambda g: torch.randint(0, 61, (2, 16), generator=g)),
+    }[name]
+    precision = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make()
+    if front_end == "backend":
+        run: nn.Module = torch.compile(model, backend=fxshard.backend(policy=policy, mixed_precision=precision),
+                                       dynamic=False)
+        shards = fxshard.parameters(run)
+    else:
+        run = fxshard.compile(model, policy=policy, mixed_precision=precision)
+        shards = list(run.parameters())
+    opt = torch.optim.AdamW(shards, lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        loss = run(inputs(gen)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.dtype for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["norm", "rotary"])
+def test_backend_with_mixed_precision_equals_fxshard_compile(name: str) -> None:
+    # Dynamo bakes dtypes it reads (RMSNorm's h.dtype) into its graph: it traces stand-ins
+    # in param_dtype, and the casts of the model's and the units' inputs (rotary: the
+    # root's fp32 table entering each block), so its graph computes in the dtypes it runs
+    # with. Before, it traced fp32 and failed at the first step ("mat1 and mat2 must have
+    # the same dtype"). The same bf16 arithmetic as fxshard.compile: equal bit for bit.
+    backend, stand_ins = _bf16_losses(name, "backend")
+    assert backend == _bf16_losses(name, "compile")[0]
+    assert set(stand_ins) == {torch.bfloat16}
 
 
 def _inductor_dropout(rank: int) -> dict[str, Any]:

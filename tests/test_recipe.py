@@ -19,7 +19,7 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 from graph_utils import fake_world
-from models import Block, BNNet, Net, TinyGPT
+from models import Block, BNNet, Net, RotaryBlock, RotaryGPT, TinyGPT
 
 # -- gradient clipping ----------------------------------------------------------------------------
 
@@ -334,13 +334,14 @@ def _bf16_against_fsdp2(rank: int, name: str) -> dict[str, Any]:
     from fxshard.measure import CommCounter
 
     torch.manual_seed(0)
-    model: nn.Module = TinyGPT() if name == "gpt" else Net(dropout=False)
-    unit = Block if name == "gpt" else nn.Linear
+    model, unit = {"gpt": (TinyGPT, Block), "net": (lambda: Net(dropout=False), nn.Linear),
+                   "rotary": (RotaryGPT, RotaryBlock)}[name]
+    model = model()
     reference = _fsdp2_bf16(model, unit)
     sharded = fxshard.compile(model, policy=by_class(unit), mixed_precision=BF16)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    inputs = _gpt_inputs if name == "gpt" else _net_inputs
+    inputs = _net_inputs if name == "net" else _gpt_inputs
     gen = torch.Generator().manual_seed(rank)
     losses, ref_losses, counted = [], [], []
     for _ in range(3):
@@ -428,6 +429,7 @@ def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
     if world_size == 2:
         results["net"] = _bf16_against_fsdp2(rank, "net")
+        results["rotary"] = _bf16_against_fsdp2(rank, "rotary")
         results["fp16"] = _fp16_scaler(rank)
         results["backend"] = _bf16_backend_against_fsdp2(rank)
     return results
@@ -441,7 +443,9 @@ def precision_results(world_size: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
     for results in precision_results(world_size):
-        for name in ("gpt", "net") if world_size == 2 else ("gpt",):
+        # rotary: the root computes an fp32 rotary table and passes it to every block,
+        # which casts it to bf16 on entry, as FSDP2's cast_forward_inputs does.
+        for name in ("gpt", "net", "rotary") if world_size == 2 else ("gpt",):
             r = results[name]
             assert r["shard_dtypes"] == {torch.float32}  # master weights stay fp32
             assert r["gathered"] == {torch.bfloat16} and r["reduced"] == {torch.float32}
@@ -482,6 +486,48 @@ def test_a_param_dtype_the_device_cannot_compute_in_is_refused() -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())  # nothing was sharded
     with pytest.raises(TypeError, match="floating-point torch.dtype"):
         fxshard.MixedPrecision(param_dtype=torch.int8)
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_a_batch_norm_the_device_cannot_cast_is_refused_with_the_option_that_keeps_it() -> None:
+    # CPU's batch_norm refuses bf16 weights against the fp32 running statistics (a raw
+    # "expected scalar type BFloat16 but found Float" at the first step, before the probe).
+    message = (r"param_dtype=torch.bfloat16\) cannot run BatchNorm on cpu: 'bn' \(BatchNorm2d\).*"
+               r"expected scalar type.*full_precision_modules=\(nn.BatchNorm2d,\)")
+    model = ConvBN()
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.compile(model, mixed_precision=BF16)
+    assert all(p.device.type == "cpu" for p in model.parameters())  # refused before sharding
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxshard.backend(mixed_precision=BF16), dynamic=False)
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.parameters(compiled)
+    # The option the error names: BatchNorm in fp32, the rest in bf16; it trains.
+    torch.manual_seed(0)
+    sharded = fxshard.compile(ConvBN(), mixed_precision=fxshard.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, full_precision_modules=(nn.BatchNorm2d,)))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 6, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(sharded(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert {g.param_dtype for g in sharded.plan.groups} == {torch.bfloat16, None}
 
 
 def test_mixed_precision_is_visible_in_the_plan_and_graphs() -> None:

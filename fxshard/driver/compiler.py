@@ -186,6 +186,7 @@ class Driver:
             self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
         if self.runs:
             _check_compute_dtype(self.config, self.device)
+            _check_cast_batch_norms(module, self.config, self.device)
         if sync:
             self.shards = broadcast_shards(module, self._plan, self.world, self.device)
         elif on_meta and self.runs and not allow_meta:
@@ -201,9 +202,12 @@ class Driver:
     def strip(self, module: nn.Module, *, on_device: bool = False,
               use: str = "sharded.parameters()") -> None:
         """From here the shards hold the only copy of ``module``'s parameters; an optimizer
-        over the originals raises at its first step, naming ``use``."""
+        over the originals raises at its first step, naming ``use``. The stand-ins have
+        the dtype their group computes in (``param_dtype`` under mixed precision)."""
         retire(list(module.parameters()), use)  # built before compile
-        strip_parameters(module, self.device if on_device else None)
+        compute = {name: g.compute_dtype for g in self.plan.groups for slot in g.params for name in slot.names}
+        dtypes = {id(p): compute[name] for name, p in module.named_parameters(remove_duplicate=False)}
+        strip_parameters(module, self.device if on_device else None, dtypes)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self._module = module
         self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
@@ -423,6 +427,74 @@ def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> 
             f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use a dtype the device "
             "computes in (torch.bfloat16 on CPUs and recent GPUs, torch.float16 on older GPUs)."
         ) from None
+
+
+def _check_cast_batch_norms(module: nn.Module, config: CompileConfig, device: torch.device | None) -> None:
+    """Refuse BatchNorm layers that mixed precision casts where this device cannot run them.
+
+    A cast BatchNorm normalises ``param_dtype`` activations with ``param_dtype``
+    weights against its running statistics, which are buffers and keep their
+    dtype (fp32). CPU kernels refuse that mix (``expected scalar type BFloat16
+    but found Float`` at the first step); with the layer in
+    ``full_precision_modules`` its weights match its statistics and the mix of
+    a reduced-precision input with fp32 weights is accepted. Probed on the
+    device, as ``_check_compute_dtype`` probes a matmul.
+    """
+    precision = config.mixed_precision
+    if precision is None or precision.param_dtype is None or device is None or device.type == "meta":
+        return
+    failing: list[tuple[str, nn.Module]] = []
+    errors: list[str] = []
+    probed: dict[tuple[torch.dtype, torch.dtype], str | None] = {}
+    for name, mod in module.named_modules():
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.weight is None \
+                or mod.running_mean is None:
+            continue
+        compute = precision.dtypes_for(mod.weight, mod)[0]
+        if compute is None:
+            continue
+        key = (compute, mod.running_mean.dtype)
+        if key not in probed:
+            probed[key] = _batch_norm_fails(device, *key)
+        error = probed[key]
+        if error is not None:
+            failing.append((name, mod))
+            if error not in errors:
+                errors.append(error)
+    if not failing:
+        return
+    layers = ", ".join(f"{name or '<root>'!r} ({type(mod).__name__})" for name, mod in failing)
+    classes = list(dict.fromkeys(_class_reference(type(mod)) for _, mod in failing))
+    spelled = ", ".join(classes) + ("," if len(classes) == 1 else "")
+    raise FxShardError(
+        f"MixedPrecision(param_dtype={precision.param_dtype}) cannot run BatchNorm on {device}: "
+        f"{layers} would normalise with {precision.param_dtype} weights against running statistics "
+        f"in {failing[0][1].running_mean.dtype}, and batch_norm on {device} fails so "
+        f"({'; '.join(errors)}). Keep them in their own dtype: "
+        f"fxshard.MixedPrecision(..., full_precision_modules=({spelled}))."
+    )
+
+
+def _batch_norm_fails(device: torch.device, compute: torch.dtype, stats: torch.dtype) -> str | None:
+    """Why a batch_norm of ``compute`` input and weights with ``stats`` running statistics
+    fails on ``device``, in training and in eval mode; None if it runs."""
+    try:
+        x = torch.ones(2, 1, 2, device=device, dtype=compute)
+        weight = torch.ones(1, device=device, dtype=compute)
+        for training in (True, False):
+            mean = torch.zeros(1, device=device, dtype=stats)
+            var = torch.ones(1, device=device, dtype=stats)
+            torch.nn.functional.batch_norm(x, mean, var, weight, torch.zeros_like(weight), training)
+    except (RuntimeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    return None
+
+
+def _class_reference(cls: type) -> str:
+    """How a user names ``cls`` in code: ``nn.BatchNorm2d`` for torch.nn's classes."""
+    if getattr(nn, cls.__name__, None) is cls:
+        return f"nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def emitted_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:

@@ -164,14 +164,17 @@ def retire(params: list[nn.Parameter], use: str) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
-def strip_parameters(module: nn.Module, device: torch.device | None = None) -> None:
+def strip_parameters(module: nn.Module, device: torch.device | None = None,
+                     dtypes: dict[int, torch.dtype] | None = None) -> None:
     """Replace every parameter by a stand-in that holds no data, keeping ties.
 
     The module stays as the skeleton that ``functional_call`` runs; its real
     parameters live only in the flat shards from here on. Stand-ins live on
     the meta device, or with a ``device`` on it as one element broadcast to the
     parameter's shape (for Dynamo, which bakes the device of tensors computed
-    from parameters into its graphs).
+    from parameters into its graphs). ``dtypes`` maps ``id(parameter)`` to the
+    stand-in's dtype, the one the graphs compute with (mixed precision's
+    ``param_dtype``): Dynamo bakes dtypes read from tensors (``h.dtype``) too.
     """
     stand_ins: dict[int, nn.Parameter] = {}
     for mod in module.modules():
@@ -179,10 +182,11 @@ def strip_parameters(module: nn.Module, device: torch.device | None = None) -> N
             if p is None:
                 continue
             if id(p) not in stand_ins:
+                dtype = (dtypes or {}).get(id(p), p.dtype)
                 if device is not None:
-                    data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                    data = torch.zeros((), dtype=dtype, device=device).expand(p.shape)
                 else:
-                    data = torch.empty_like(p, device="meta")
+                    data = torch.empty(p.shape, dtype=dtype, device="meta")
                 stand_ins[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
             mod._parameters[name] = stand_ins[id(p)]
 

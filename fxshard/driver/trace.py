@@ -36,10 +36,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.func import functional_call
+from torch.utils.hooks import RemovableHandle
 
 from fxshard.ir import meta
 from fxshard.ir.errors import FxShardError, SourceLine, TraceError
-from fxshard.ir.plan import ShardPlan
+from fxshard.ir.plan import ROOT, ShardPlan
 from fxshard.ir.precision import MixedPrecision
 
 
@@ -82,13 +83,17 @@ def _register_dataclasses(obj: Any) -> None:
 
 
 class _ModuleScopes:
-    """Forward hooks that annotate every traced node with its module path."""
+    """Forward hooks that annotate every traced node with its module path.
+
+    The entry hook runs first (prepended), so what the other pre-hooks trace,
+    a unit's input casts included, belongs to the module they run for.
+    """
 
     def __init__(self, root: nn.Module):
         self.stack: list[tuple[str, contextlib.AbstractContextManager[None]]] = []
         self.handles = []
         for name, mod in root.named_modules():
-            self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(mod.register_forward_pre_hook(self._enter(name), prepend=True))
             self.handles.append(mod.register_forward_hook(self._exit))
 
     def _enter(self, name: str) -> Callable[..., None]:
@@ -138,6 +143,38 @@ def cast_inputs(inputs: Sequence[torch.Tensor], precision: MixedPrecision | None
         return list(inputs)
     dtype = precision.param_dtype
     return [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+
+
+def cast_unit_inputs(root: nn.Module, plan: ShardPlan, precision: MixedPrecision | None, *,
+                     include_root: bool) -> list[RemovableHandle]:
+    """Cast the floating-point forward inputs of every unit's modules to ``param_dtype``.
+
+    FSDP2 casts them in the pre-forward hook of every ``fully_shard`` module
+    (``cast_forward_inputs``), so a tensor the root computes in fp32 (a rotary
+    table) enters each block in the dtype the block computes in. The hooks are
+    prepended, as FSDP2's are: they run before the user's own pre-hooks. Units
+    of ``full_precision_modules`` compute in their own dtype and are not cast;
+    the root is cast only with ``include_root`` (``fxshard.compile`` casts the
+    model's inputs itself, ``cast_inputs``). Returns the hooks' handles.
+    """
+    if precision is None or not precision.cast_forward_inputs or precision.param_dtype is None:
+        return []
+    dtype = precision.param_dtype
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+    paths = dict.fromkeys([*(p for unit in plan.units for p in unit.modules if p != ROOT),
+                           *((ROOT,) if include_root else ())])
+    handles = []
+    for path in paths:
+        mod = root.get_submodule(path)
+        if not isinstance(mod, precision.full_precision_modules):
+            handles.append(mod.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+    return handles
 
 
 def cast_outputs(outputs: Sequence[torch.Tensor], precision: MixedPrecision | None) -> list[torch.Tensor]:
@@ -199,6 +236,7 @@ class StepFunction(TracedStep):
         for i, name in enumerate(self.buffer_names):
             tensors[name] = getattr(self, f"buffer{i}")
         args, kwargs = self.rebuild_inputs(cast_inputs(inputs, self.precision))
+        casts = cast_unit_inputs(self.skeleton, self.plan, self.precision, include_root=False)
         scopes = _ModuleScopes(self.skeleton)
         try:
             out = functional_call(self.skeleton, tensors, args, kwargs)
@@ -207,6 +245,8 @@ class StepFunction(TracedStep):
             raise
         finally:
             scopes.close()
+            for handle in casts:
+                handle.remove()
         flat, self.output_spec = flatten_outputs(out)
         return tuple(cast_outputs(flat, self.precision))
 

@@ -30,7 +30,8 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     # Floating-point outputs of the module are cast to it; None: left as computed.
     output_dtype: torch.dtype | None = None
-    # Floating-point tensor inputs are cast to param_dtype before the forward.
+    # Floating-point tensor inputs of the model, and of every unit, are cast to
+    # param_dtype on entry (FSDP2: in every fully_shard module; trace.cast_unit_inputs).
     cast_forward_inputs: bool = True
     # Modules of these classes keep their parameters' own dtype.
     full_precision_modules: tuple[type[nn.Module], ...] = ()
