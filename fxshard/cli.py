@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -34,10 +35,13 @@ _TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
 
 def load_factory(spec: str) -> tuple[ModuleType, Callable[[], nn.Module]]:
     if ":" not in spec:
-        raise FxShardError(f"expected MODULE:FACTORY, got {spec!r} (e.g. mypkg.models:build_gpt)")
+        raise FxShardError(f"expected MODULE:FACTORY, got {spec!r} (e.g. examples/gpt.py:build)")
     module_name, factory_name = spec.rsplit(":", 1)
     if module_name.endswith(".py") or Path(module_name).is_file():
         path = Path(module_name).resolve()
+        if not path.is_file():
+            raise FxShardError(f"no file {path}: MODULE is the path of a .py file (relative to this "
+                               "directory) or an importable module, e.g. examples/gpt.py:build")
         sys.path.insert(0, str(path.parent))  # so the file's own imports resolve
         loader_spec = importlib.util.spec_from_file_location(path.stem, path)
         if loader_spec is None or loader_spec.loader is None:
@@ -46,11 +50,33 @@ def load_factory(spec: str) -> tuple[ModuleType, Callable[[], nn.Module]]:
         sys.modules[path.stem] = module  # dataclasses and pickling look modules up by name
         loader_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module_name + ".").startswith(e.name + "."):
+                raise  # the module exists; an import inside it failed: its traceback says where
+            raise FxShardError(f"no module named {e.name!r} here: install it, or give the path of "
+                               "its .py file, e.g. examples/gpt.py:build") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
-        raise FxShardError(f"{module_name} has no callable {factory_name!r}")
+        raise FxShardError(f"{module_name} has no callable {factory_name!r}: FACTORY is a function "
+                           "in it that returns the model")
+    needed = _required_parameters(factory)
+    if needed:
+        raise FxShardError(
+            f"{spec} needs arguments ({', '.join(needed)}), and FACTORY is called with none: "
+            f"give a function that returns the model, e.g. def build(): return {factory_name}(...)")
     return module, factory
+
+
+def _required_parameters(factory: Callable[..., Any]) -> list[str]:
+    """The parameters ``factory`` cannot be called without; none where it has no signature to read."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in signature.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import struct
 import subprocess
@@ -109,6 +110,13 @@ def test_gpt_example_trains_reports_saves_and_resumes_at_another_world_size(tmp_
     ckpt = str(tmp_path / "ckpt")
     common = ["--layers", "2", "--dim", "32", "--checkpoint", ckpt]
     out = run("examples/gpt.py", "--nproc", "2", "--steps", "6", "--sample", "5", *common)
+    # A fresh model guesses about uniformly over the text's characters: its loss is near ln(vocab).
+    first = re.search(r"^step 1: loss ([\d.]+) \(a uniform guess scores ln (\d+) = ([\d.]+)\)$", out,
+                      re.MULTILINE)
+    assert first, out
+    assert float(first.group(3)) == pytest.approx(math.log(int(first.group(2))), abs=1e-3)
+    assert float(first.group(1)) == pytest.approx(float(first.group(3)), rel=0.3)
+    assert re.search(r"^step 6: loss [\d.]+$", out, re.MULTILINE), out
     assert re.search(r"tokens in [\d.]+s: [\d,]+ tokens/s over 2 ranks", out), out
     assert "fxshard report: rank 0 of 2" in out and "predicted peak" in out
     assert "ShardPlan(world_size=2, policy=by_class(Block)" in out
@@ -116,3 +124,30 @@ def test_gpt_example_trains_reports_saves_and_resumes_at_another_world_size(tmp_
     assert (tmp_path / "ckpt" / ".metadata").exists()
     out = run("examples/gpt.py", "--nproc", "3", "--steps", "8", "--sample", "0", "--resume", *common)
     assert "resumed from" in out and "at step 6 on 3 ranks" in out
+
+
+def test_gpt_sample_reads_each_context_as_it_is() -> None:
+    # One input shape for every step: a short context is padded on the right, where causal
+    # attention cannot see it, so each id follows from the unpadded context alone.
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, generate
+
+    torch.manual_seed(0)
+    model = GPT(vocab=11, dim=16, heads=2, layers=2, seq=8).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p)  # logits far apart: greedy choices cannot tie
+    seen = []
+
+    def recording(window: torch.Tensor) -> torch.Tensor:
+        seen.append(window.shape)
+        return model(window)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        out = generate(recording, prompt, 12, seq=8, temperature=0)
+        expected = prompt
+        for _ in range(12):
+            choice = model(expected[:, -8:])[0, -1].argmax()
+            expected = torch.cat([expected, choice.view(1, 1)], dim=1)
+    assert torch.equal(out, expected)
+    assert set(seen) == {torch.Size([1, 8])}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,58 @@ def test_cli_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> No
                      "--policy", "by_class(Blok)", "--input-shape", "2,16", "--input-dtype", "int64"])
     assert code == 2
     assert "no nn.Module class 'Blok'" in capsys.readouterr().err
+
+
+
+def _explain_commands(doc: Path) -> list[list[str]]:
+    """The ``fxshard explain`` commands in ``doc``'s code blocks, continuation lines joined."""
+    text = doc.read_text().replace("\\\n", " ")
+    return [shlex.split(line.partition("#")[0])[1:] for line in text.splitlines()
+            if line.startswith("fxshard explain ")]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/inspecting.md"])
+def test_the_docs_explain_command_runs_on_the_gpt_example(
+        doc: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the command is run from the clone, as the docs say
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts examples/ first
+    monkeypatch.delitem(sys.modules, "gpt", raising=False)  # and registers the module: undone after
+    from fxshard import cli
+
+    (args,) = _explain_commands(ROOT / doc)
+    assert args[1] == "examples/gpt.py:build"
+    args[args.index("--dump") + 1] = str(tmp_path)
+    code = cli.main(args)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    world_size = args[args.index("--world-size") + 1]
+    assert f"ShardPlan(world_size={world_size}, policy=by_class(Block)" in captured.out
+    assert "blocks.3" in captured.out and "predicted peak" in captured.out
+    assert (tmp_path / "plan.txt").exists()
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("nope.py:build", ["no file", "nope.py", "e.g. examples/gpt.py:build"]),
+    ("no_such_pkg:thing", ["no module named 'no_such_pkg'", "install it", "examples/gpt.py:build"]),
+    ("no_such_pkg.models:build", ["no module named 'no_such_pkg'"]),
+    ("examples/gpt.py:GPT", ["examples/gpt.py:GPT needs arguments (vocab, dim, heads, layers, seq)",
+                             "def build(): return GPT(...)"]),
+    ("examples/gpt.py:buidl", ["has no callable 'buidl'"]),
+])
+def test_cli_explain_reports_a_bad_factory_in_one_line(
+        spec: str, expected: list[str], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "gpt", raising=False)
+    from fxshard import cli
+
+    code = cli.main(["explain", spec, "--world-size", "8", "--input-shape", "1,64"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("fxshard explain: error: ") and err.count("\n") == 1, err
+    for text in expected:
+        assert text in err, err
 
 
 class ThreeInputs(nn.Module):
