@@ -545,8 +545,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          else ", so nothing else took CPU time to speak of."))
     earlier = list(dict.fromkeys(r["model"] for r in results if "earlier_run" in r))
     if earlier:
-        notes.append(f"†: {', '.join(earlier)} from an earlier run, kept by --append (not re-run with the "
-                     "rows above; their ratios are within that earlier run).")
+        notes.append(f"†: {', '.join(earlier)} measured in a separate run of this benchmark, kept by "
+                     "--append; their ratios are within that run.")
         before_meta = [m for m in earlier if m == "large" and not any(
             "built_on_meta" in r for r in results if r["model"] == m)]
         if before_meta:
@@ -594,7 +594,7 @@ def overheads(results: list[dict[str, Any]]) -> str:
             and ("agreement_share" in r or "step_s_vs_fxshard" in r)]
     if not rows:
         return ""
-    lines = ["", "Overheads of fxshard's safety features (†: rows from the earlier run):", "",
+    lines = ["", "Overheads of fxshard's safety features (†: rows measured in a separate run):", "",
              "| model | system | agreement ms/step | agreement ÷ step, rank 0 (each rank) | step ÷ fxshard |",
              "|---|---|---:|---:|---:|"]
     for r in rows:
@@ -653,7 +653,7 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
         ax.axhline(1.0, color="black", linewidth=0.8)
         earlier = {r["model"] for r in results if "earlier_run" in r}
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
-                      [m + " (earlier run)" if m in earlier else m for m in models])
+                      [m + " (separate run)" if m in earlier else m for m in models])
         ax.set_title(title)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=(len(SYSTEMS) + 1) // 2, fontsize=8)

@@ -102,4 +102,4 @@ def test_append_keeps_and_marks_the_earlier_runs_rows() -> None:
     run.ratios(results)
     table = run.markdown(results, {"machine": "m", "torch": "t", "world_size": 2})
     assert "| large† | fsdp2 | 2000 | 1.00 |" in table and "| net | fsdp2 | 1000 | 1.00 |" in table
-    assert "†: large from an earlier run" in table
+    assert "†: large measured in a separate run of this benchmark" in table
