@@ -481,9 +481,12 @@ def test_fp16_grad_scaler_skips_an_overflow_on_every_rank() -> None:
 
 def test_a_param_dtype_the_device_cannot_compute_in_is_refused() -> None:
     model = Net()
-    with pytest.raises(fxshard.FxShardError, match=r"param_dtype=torch.float8_e8m0fnu\) cannot compute on cpu.*bfloat16"):
-        fxshard.compile(model, mixed_precision=fxshard.MixedPrecision(param_dtype=torch.float8_e8m0fnu))
-    assert all(p.device.type == "cpu" for p in model.parameters())  # nothing was sharded
+    # float8_e4m3fn multiplies on CPU, then failed at the first gather ("Invalid scalar type").
+    for dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn):
+        with pytest.raises(fxshard.FxShardError, match=rf"param_dtype={dtype}\) is not supported.*"
+                                                       r"scaled matmuls.*Supported: torch.bfloat16"):
+            fxshard.compile(model, mixed_precision=fxshard.MixedPrecision(param_dtype=dtype))
+        assert all(p.device.type == "cpu" for p in model.parameters())  # nothing was sharded
     with pytest.raises(TypeError, match="floating-point torch.dtype"):
         fxshard.MixedPrecision(param_dtype=torch.int8)
 

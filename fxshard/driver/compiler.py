@@ -412,12 +412,24 @@ class Driver:
         return written
 
 
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> None:
     """Refuse a ``param_dtype`` this device cannot multiply in, before anything is sharded."""
     precision = config.mixed_precision
     if precision is None or precision.param_dtype is None or device is None or device.type == "meta":
         return
     dtype = precision.param_dtype
+    if dtype not in _COMPUTE_DTYPES:
+        # float8 matmuls on CPU "work" here, then the first gather fails in the backend
+        # ("Invalid scalar type" on gloo): float8 training needs scaled matmuls instead.
+        raise FxShardError(
+            f"MixedPrecision(param_dtype={dtype}) is not supported: fxshard gathers the parameters "
+            f"and computes in param_dtype, and {dtype} has no plain matmul and collective path "
+            "(float8 training needs scaled matmuls, e.g. torchao's Float8Linear, inside the model). "
+            f"Supported: {', '.join(map(str, _COMPUTE_DTYPES))}."
+        )
     try:
         probe = torch.ones(2, 2, device=device).to(dtype)
         probe @ probe
