@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -64,8 +65,25 @@ def _tensors(metadata: Any, prefix: str) -> list[tuple[str, TensorStorageMetadat
 
 def _read_into(reader_dir: str, key: str, out: torch.Tensor) -> None:
     """Read one tensor of the checkpoint (all its pieces) into ``out``, in place."""
-    with _single_process():
-        dcp.load({key: out}, storage_reader=dcp.FileSystemReader(reader_dir), no_dist=True)
+    try:
+        with _single_process():
+            dcp.load({key: out}, storage_reader=dcp.FileSystemReader(reader_dir), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise FxShardError(f"{reader_dir}: cannot read {key!r} ({type(e).__name__}: {detail}); the "
+                           "checkpoint's files are damaged or incomplete") from None
+
+
+@contextlib.contextmanager
+def _atomic(target: Path) -> Iterator[Path]:
+    """A path to write ``target``'s content to: renamed to ``target`` once complete, removed
+    if writing fails, so ``target`` is either whole or as it was."""
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        yield partial
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _write_safetensors(directory: str, entries: list[tuple[str, str, TensorStorageMetadata]],
@@ -129,12 +147,13 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
                            "fxshard.checkpoint.save, or dcp.save({'model': msd, ...})")
     target = Path(out)
     written = [target]
-    if format == "safetensors":
-        _write_safetensors(directory, model, target)
-    elif format == "torch":
-        _save_file_backed(directory, model, target, nested=False)
-    else:
+    if format not in ("torch", "safetensors"):
         raise FxShardError(f"unknown format {format!r}: 'torch' or 'safetensors'")
+    with _atomic(target) as partial:
+        if format == "safetensors":
+            _write_safetensors(directory, model, partial)
+        else:
+            _save_file_backed(directory, model, partial, nested=False)
     if optimizer:
         optim = [(key[len("optim."):], key, md) for key, md in _tensors(metadata, "optim.")]
         if not optim:
@@ -144,8 +163,9 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
             groups = _load_state_dict_from_keys(
                 {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
                 checkpoint_id=directory)
-        _save_file_backed(directory, optim, extra, nested=True, planner_data=metadata.planner_data,
-                          extra=groups.get("optim", {}))
+        with _atomic(extra) as partial:
+            _save_file_backed(directory, optim, partial, nested=True,
+                              planner_data=metadata.planner_data, extra=groups.get("optim", {}))
         written.append(extra)
     return written
 

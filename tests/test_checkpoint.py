@@ -593,3 +593,21 @@ def test_full_state_dicts_offloaded_to_rank0() -> None:
     state = rank0["full_optim"]["state"]
     assert state["blocks.0.attn.qkv.weight"]["exp_avg"].shape == (96, 32)
     assert state["tok.weight"]["exp_avg"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_consolidate_of_a_damaged_checkpoint_is_one_error_line_and_writes_nothing(
+        fmt: str, tmp_path: Path, capsys: Any) -> None:
+    """Truncated .distcp files: one `error:` line, rc 2, and no output file, whole or partial
+    (safetensors had written its header and part of the data)."""
+    from fxshard.cli import main
+
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(runs()["root"], "ckpt2"), damaged)
+    for data in damaged.glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:64])
+    out = tmp_path / f"model.{fmt}"
+    assert main(["consolidate", str(damaged), str(out), "--format", fmt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fxshard consolidate: error:") and "cannot read" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
