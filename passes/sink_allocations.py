@@ -28,7 +28,6 @@ stay the same on every rank whatever its batch.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from fxshard.ir import predicates as P
@@ -52,16 +51,11 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 
 def _written(node: fx.Node) -> list[fx.Node]:
     """Nodes whose storage ``node`` writes (mutable schema arguments, ``fxshard.free``)."""
-    target = node.target
     if P.is_free(node):
         return [a for a in node.args if isinstance(a, fx.Node)]
-    if not (P.is_call(node) and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+    if not P.is_call(node):
         return []
-    written = []
-    for arg, value in zip(target._schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            written.append(value)
-    return written
+    return [a for a in P.written_arguments(node.target, node.args) if isinstance(a, fx.Node)]
 
 
 class _Liveness:

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxshard.driver.runtime import World, comm_device, slot_overlap
+from fxshard.ir import predicates as P
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 
@@ -82,39 +83,37 @@ class _LaterWrites(TorchDispatchMode):
     def __init__(self, path: str, later: dict[int, str], done: dict[int, str]):
         super().__init__()
         self.path, self.later, self.done = path, later, done
-        self.writes: list[tuple[str, Write]] = []
+        # (qualified name, the meta tensor written, the write), in order.
+        self.writes: list[tuple[str, torch.Tensor, Write]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        schema = getattr(func, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            for arg, value in zip(schema.arguments, args):
-                if not (arg.alias_info is not None and arg.alias_info.is_write
-                        and isinstance(value, torch.Tensor)):
-                    continue
-                if id(value) in self.done:
+        for value in P.written_arguments(func, args):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if id(value) in self.done:
+                raise FxShardError(
+                    f"initialising the meta-device model: the init of module {self.path or '<root>'!r} "
+                    f"wrote to {self.done[id(value)]!r} ({func}), which belongs to a module "
+                    "fxshard has already initialised (module by module, in named_modules() "
+                    "order), so the write would be lost. Initialise each tensor in the init of "
+                    "its own module or of an ancestor, or build the model on a real device."
+                )
+            if id(value) in self.later:
+                others = [a for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor) and a is not value and a.is_meta]
+                if others:
                     raise FxShardError(
-                        f"initialising the meta-device model: the init of module {self.path or '<root>'!r} "
-                        f"wrote to {self.done[id(value)]!r} ({func}), which belongs to a module "
-                        "fxshard has already initialised (module by module, in named_modules() "
-                        "order), so the write would be lost. Initialise each tensor in the init of "
-                        "its own module or of an ancestor, or build the model on a real device."
+                        f"initialising the meta-device model: the init of module "
+                        f"{self.path or '<root>'!r} wrote to {self.later[id(value)]!r} ({func}) "
+                        "from other meta tensors, which fxshard cannot replay later. Write "
+                        "constants or random values, or build the model on a real device."
                     )
-                if id(value) in self.later:
-                    others = [a for a in (*args, *kwargs.values())
-                              if isinstance(a, torch.Tensor) and a is not value and a.is_meta]
-                    if others:
-                        raise FxShardError(
-                            f"initialising the meta-device model: the init of module "
-                            f"{self.path or '<root>'!r} wrote to {self.later[id(value)]!r} ({func}) "
-                            "from other meta tensors, which fxshard cannot replay later. Write "
-                            "constants or random values, or build the model on a real device."
-                        )
-                    self.writes.append((self.later[id(value)], (func, args, kwargs)))
+                self.writes.append((self.later[id(value)], value, (func, args, kwargs)))
         return func(*args, **kwargs)
 
 
-def _replay(writes: list[Write], meta: torch.Tensor, real: torch.Tensor) -> None:
+def _replay(meta: torch.Tensor, writes: list[Write], real: torch.Tensor) -> None:
     with torch.no_grad():
         for func, args, kwargs in writes:
             func(*[real if a is meta else a for a in args],
@@ -152,8 +151,7 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
     written: set[int] = set()  # flat-group slots already copied (a tied parameter: its first init)
     # Writes an ancestor's init made to a tensor still on the meta device, by its qualified
     # name, with the meta tensor they were made to: replayed after the tensor's own init.
-    pending: dict[str, list[Write]] = {}
-    meta_of: dict[str, torch.Tensor] = {}
+    pending: dict[str, tuple[torch.Tensor, list[Write]]] = {}
     done: dict[int, str] = {}  # the meta tensors of modules already initialised
     for path, mod in module.named_modules():
         if not _own_tensors(mod):
@@ -182,12 +180,11 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                     init_fn(mod)
                 else:
                     mod.reset_parameters()
-            for name, write in recorder.writes:
-                pending.setdefault(name, []).append(write)
-                meta_of[name] = next(t for t in (write[1]) if isinstance(t, torch.Tensor) and id(t) in later)
+            for name, meta, write in recorder.writes:
+                pending.setdefault(name, (meta, []))[1].append(write)
             for name, value in [*real.items(), *((n, mod._buffers[n]) for n in meta_buffers)]:
                 if prefix + name in pending:
-                    _replay(pending.pop(prefix + name), meta_of.pop(prefix + name), value)
+                    _replay(*pending.pop(prefix + name), value)
             left = [f"parameter {name!r}" for name, t in real.items() if bool(t.isnan().any())]
             left += [f"buffer {name!r}" for name, b in mod._buffers.items()
                      if b is not None and b.dtype.is_floating_point and bool(b.isnan().any())]

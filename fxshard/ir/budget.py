@@ -141,6 +141,10 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         alone = {r: peak(apply(c, (r,))).peak for r in regions}
         return sorted(regions, key=lambda r: alone[r])  # stable: ties keep registration order
 
+    def prefixes(c: Candidate, apply: Callable[[Candidate, Sequence[str]], Candidate]) -> list[Candidate]:
+        order = by_benefit(c, apply)
+        return [apply(c, order[:k]) for k in range(len(order) + 1)]
+
     def selective(c: Candidate, chosen: Sequence[str]) -> Candidate:
         return replace(c, selective=tuple(chosen))
 
@@ -153,11 +157,8 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
          lambda c: [replace(c, resharded=tuple(resharded[:k])) for k in range(len(resharded) + 1)]),
         ("one gather in flight",
          lambda c: [c, replace(c, max_inflight=1)] if max_inflight > 1 else [c]),
-        ("recompute regions selectively",
-         lambda c: [selective(c, order[:k]) for order in [by_benefit(c, selective)]
-                    for k in range(len(regions) + 1)]),
-        ("recompute regions fully",
-         lambda c: [full(c, order[:k]) for order in [by_benefit(c, full)] for k in range(len(regions) + 1)]),
+        ("recompute regions selectively", lambda c: prefixes(c, selective)),
+        ("recompute regions fully", lambda c: prefixes(c, full)),
     ]
     current = Candidate((), max_inflight, (), (), "keep every unit gathered")
     if peak(current).peak <= budget:

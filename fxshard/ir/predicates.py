@@ -7,6 +7,8 @@ answer to "is this a collective?" lives in one place.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -135,6 +137,16 @@ def is_view(node: fx.Node) -> bool:
     if schema.is_mutable:
         return False
     return any(r.alias_info is not None for r in schema.returns)
+
+
+def written_arguments(op: object, args: Sequence[Any]) -> list[Any]:
+    """The positional ``args`` an operator writes to (its schema's mutable arguments); none
+    for anything but an OpOverload. Works on fx nodes' args and on run-time tensors alike."""
+    schema = getattr(op, "_schema", None) if isinstance(op, torch._ops.OpOverload) else None
+    if schema is None or not schema.is_mutable:
+        return []
+    return [value for arg, value in zip(schema.arguments, args)
+            if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def allocates(node: fx.Node) -> bool:
