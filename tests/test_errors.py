@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import fxshard
@@ -297,18 +300,31 @@ def test_load_full_state_dict_checks_before_changing_anything() -> None:
         assert torch.equal(p, b)
 
 
-def _only_rank0_gathers(rank: int, world_size: int) -> str:
-    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+def _only_rank0_gathers(rank: int, world_size: int, stay: float, group_timeout: float | None,
+                        timeout: float) -> str:
+    """Rank 0 gathers the full state; rank 1 never does: it leaves at once (``stay=0``), or
+    stays ``stay`` seconds first, so the wait ends by a timeout."""
+    group = None if group_timeout is None else dist.new_group(
+        timeout=datetime.timedelta(seconds=group_timeout))
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), process_group=group)
     if rank == 0:
         try:
-            sharded.full_state_dict(timeout=3)
+            sharded.full_state_dict(timeout=timeout)
         except FxShardError as e:
             return str(e)
         return "no error"
+    time.sleep(stay)
     return "skipped"
 
 
-def test_full_state_dict_on_one_rank_times_out_instead_of_hanging() -> None:
-    messages = run_ranks(_only_rank0_gathers, 2)
-    assert "timed out after 3s" in messages[0] and "every rank" in messages[0]
+@pytest.mark.parametrize("stay, group_timeout, timeout, said", [
+    (0.0, None, 3, "the other ranks did not answer (the wait failed after 0."),  # rank 1 left
+    (8.0, None, 3, "the other ranks did not answer within 3s."),  # timeout= fired
+    (8.0, 2.0, 60, "the other ranks did not answer within 2s (the process group's own timeout, "
+                   "which is shorter than the 60s asked for, fired first)."),
+])
+def test_full_state_dict_on_one_rank_raises_instead_of_hanging_and_says_what_ended_the_wait(
+        stay: float, group_timeout: float | None, timeout: float, said: str) -> None:
+    messages = run_ranks(_only_rank0_gathers, 2, stay, group_timeout, timeout)
+    assert said in messages[0] and "every rank" in messages[0], messages[0]
     assert messages[1] == "skipped"

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import default_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from fxshard.driver.runtime import World, collective_failure
+from fxshard.driver.runtime import Abandoned, World, collective_failure
 from fxshard.ir import meta, ops
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig, PassHook
@@ -47,7 +47,8 @@ class GraphCompiler:
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
                  grad_sync: GradSync = REDUCE,
                  accumulators: Mapping[int, torch.Tensor] | None = None,
-                 checkpointing: Checkpointing | None = None):
+                 checkpointing: Checkpointing | None = None,
+                 abandoned: Abandoned | None = None):
         self.plan = plan
         self.world = world
         self.world_size = world.size
@@ -59,6 +60,7 @@ class GraphCompiler:
         self.grad_sync = grad_sync
         self.accumulators = accumulators or {}
         self.checkpointing = checkpointing
+        self.abandoned = abandoned or Abandoned()  # the driver's: a graph that raises marks it
         # Called with the joint graph before its passes run (the memory budget
         # planner, which may change config, pipelines and checkpointing).
         self.before_partition: Callable[[fx.GraphModule, Any, int, dict[str, Any]], None] | None = None
@@ -118,16 +120,18 @@ class GraphCompiler:
         self.graphs[kind] = gm
         if self.emit_only:
             return gm
-        if self.finish is not None:
-            try:
-                return self.finish(gm, example_inputs)
-            except Exception as e:
-                raise FxShardError(
-                    f"compiling fxshard's emitted {kind} graph failed: {type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
-                    "compute='eager' runs the same graph without Inductor."
-                ) from e
-        return _boxed(gm, self.world.rank, kind)
+        if self.finish is None:
+            return _guarded(_boxed(gm), self.world.rank, kind, self.abandoned, boxed=True)
+        try:
+            compiled = self.finish(gm, example_inputs)
+        except Exception as e:
+            raise FxShardError(
+                f"compiling fxshard's emitted {kind} graph failed: {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+                "compute='eager' runs the same graph without Inductor."
+            ) from e
+        return _guarded(compiled, self.world.rank, kind, self.abandoned,
+                        boxed=getattr(compiled, "_boxed_call", False))
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("forward", gm, example_inputs)
@@ -162,24 +166,31 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _boxed(gm: fx.GraphModule, rank: int, kind: str) -> Callable[..., Any]:
+def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
     """A copy of ``gm`` in torch's boxed calling convention, which AOTAutograd calls.
 
     The generated code takes the argument list and clears it, so each input
     (a saved activation, a tangent) dies after its last use in the graph
     rather than when the graph returns. ``gm`` itself keeps the plain
-    signature, for reading and for calling by hand. A collective that fails
-    inside (a peer gone or stalled) raises a clear FxShardError.
+    signature, for reading and for calling by hand.
     """
     runnable = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     runnable.graph.set_codegen(_BoxedCodeGen())
     runnable.recompile()
-    forward = runnable.forward
+    return runnable.forward
+
+
+def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Abandoned,
+             boxed: bool) -> Callable[..., Any]:
+    """``compiled`` (boxed), marking the step abandoned when it raises: its collectives may be
+    in flight, its peers inside them (``runtime.Abandoned``). A collective that failed (a peer
+    gone or stalled) raises a clear FxShardError."""
 
     def run(args: list[Any]) -> Any:
         try:
-            return forward(args)
-        except RuntimeError as e:
+            return compiled(args) if boxed else compiled(*args)
+        except BaseException as e:
+            abandoned.leave(f"the {kind} graph", e)
             failure = collective_failure(e, rank, f"{kind} graph")
             if failure is None:
                 raise

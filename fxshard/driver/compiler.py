@@ -39,6 +39,7 @@ from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import (
+    Abandoned,
     World,
     broadcast_buffers,
     collective_failure,
@@ -55,7 +56,7 @@ from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import Collective, bus_bytes, fingerprint, step_collectives
 from fxshard.ir.config import CompileConfig
-from fxshard.ir.errors import FxShardError
+from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.policies import ByPredicate
 from fxshard.passes import PassSpec, build_pipelines
@@ -145,6 +146,7 @@ class Driver:
         self._requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         self._module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
         self._broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
+        self.abandoned = Abandoned()  # set once a phase of a step leaves by an exception
 
     @property
     def plan(self) -> ShardPlan:
@@ -281,7 +283,7 @@ class Driver:
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync,
                                  accumulators=self._accumulators() if grad_sync != REDUCE else None,
-                                 checkpointing=self.checkpointing)
+                                 checkpointing=self.checkpointing, abandoned=self.abandoned)
         if self.config.memory_budget is not None and self.budget_choice is None:
             compiler.before_partition = (  # inputs are real by then: the trace refuses symbolic sizes
                 lambda joint, joint_inputs, n, kwargs: self._plan_budget(
@@ -329,6 +331,7 @@ class Driver:
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step. Before its forward, and before its backward, every rank
         checks that all ranks are about to issue the same collectives."""
+        self.abandoned.check(self.world.rank)
         self.check_requires_grad()
         buffers = self._buffers_to_broadcast()
         self._agree(step, "forward", inputs, broadcast=bool(buffers))
@@ -339,7 +342,8 @@ class Driver:
             self._track_accumulation(step)
         try:
             flat = step.fn(*inputs)
-        except RuntimeError as e:
+        except BaseException as e:
+            self.abandoned.leave("the forward", e)
             failure = collective_failure(e, self.world.rank, "forward")
             if failure is None:
                 raise
@@ -370,10 +374,16 @@ class Driver:
         graph, collectives, digest = step.phases[phase]
         if broadcast:
             digest = with_buffer_broadcast(digest)
-        agree(phase, digest,
-              lambda: describe_step(phase, graph, torch.is_grad_enabled(), list(inputs), collectives,
-                                    broadcast),
-              self.world)
+        grad = torch.is_grad_enabled() or phase == "backward"  # a backward runs with grad off
+        try:
+            agree(phase, digest,
+                  lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast),
+                  self.world)
+        except CollectiveMismatchError:
+            raise  # every rank raised it, after a completed exchange: the groups are fine
+        except BaseException as e:
+            self.abandoned.leave(f"the agreement before the {phase}", e)
+            raise
 
     def _buffers_to_broadcast(self) -> list[torch.Tensor]:
         """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""

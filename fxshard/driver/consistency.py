@@ -43,13 +43,13 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)
     work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
-    wait_within(work, seconds, lambda: FxShardError(
-        f"rank {world.rank}: the other ranks did not reach the {phase} of this step within "
-        f"{seconds:g}s: a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
+    wait_within(work, seconds, lambda what: FxShardError(
+        f"rank {world.rank}: the other ranks did not reach the {phase} of this step {what}: "
+        "a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
         "some ranks only). Every rank must call the model the same number of times, in the "
         "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
         "process group's timeout)."
-    ))
+    ), group)
     if bool((everyone == mine).all()):
         return
     descriptions: list[Description | None] = [None] * world.size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -206,17 +207,43 @@ def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
 
-def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[], Exception]) -> None:
+def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[str], Exception],
+                group: dist.ProcessGroup | None = None) -> None:
     """Wait for an async collective; past ``timeout`` seconds (None: the group's own) raise
-    ``error()`` instead of hanging."""
+    ``error(what)`` instead of hanging.
+
+    ``what`` says truthfully how the wait ended, to complete a sentence such as "the
+    other ranks did not answer {what}": "within 60s" when ``timeout`` fired, the
+    process group's own timeout when that fired first, or how soon it failed and why
+    (a peer that died closes the connection at once).
+    """
     assert work is not None
+    start = time.monotonic()
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        raise error() from e
+        raise error(how_the_wait_ended(time.monotonic() - start, timeout, group, e)) from e
+
+
+def how_the_wait_ended(waited: float, timeout: float | None, group: dist.ProcessGroup | None,
+                       e: BaseException) -> str:
+    """"within 60s", "within 15s (the process group's timeout; ...)", or "(the wait failed
+    after 0.0s: ...)": what ended a wait for a collective that failed after ``waited`` s."""
+    limits = [t for t in (timeout, group_timeout(group).total_seconds() if group is not None else None)
+              if t is not None]
+    fired = min(limits, key=lambda t: abs(t - waited)) if limits else None
+    # By the time waited, not the text: a group left broken by an earlier timeout fails at
+    # once with that timeout's message.
+    if fired is not None and waited >= 0.9 * fired:
+        if timeout is None or abs(fired - timeout) < 1e-9:
+            return f"within {fired:g}s"
+        return (f"within {fired:g}s (the process group's own timeout, which is shorter than "
+                f"the {timeout:g}s asked for, fired first)")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"(the wait failed after {waited:.1f}s: {first})"
 
 
 _COMM_FAILURE = ("timed out", "connection closed", "connection reset", "watchdog", "nccl error",
@@ -227,6 +254,8 @@ def collective_failure(e: BaseException, rank: int, where: str) -> FxShardError 
     """A clear error for a collective of a compiled step that failed (a peer gone or stalled),
     or None if ``e`` is something else."""
     text = str(e)
+    if isinstance(e, FxShardError):
+        return None  # already says what failed
     if not isinstance(e, RuntimeError) or not any(k in text.lower() for k in _COMM_FAILURE):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -237,17 +266,48 @@ def collective_failure(e: BaseException, rank: int, where: str) -> FxShardError 
     )
 
 
+class Abandoned:
+    """Whether a phase of a step (a forward or a backward) was left by an exception on this rank.
+
+    Its peers may still be inside that phase's collectives, and this rank may have
+    collectives of it in flight. A further collective on the steps' process groups
+    would pair with one of those: gloo then aborts the process natively on the size
+    mismatch (``gloo::EnforceNotMet``), or exchanges the wrong bytes when the sizes
+    agree. So once a phase is abandoned, every later step on this rank raises before
+    it communicates; the peers get an error from their own waits, within the timeout.
+    """
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def leave(self, where: str, e: BaseException) -> None:
+        """``where`` (e.g. "the forward graph") raised ``e``; the first reason is kept."""
+        if self.reason is None:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.reason = f"{where} raised {type(e).__name__}: {first}"[:500]
+
+    def check(self, rank: int) -> None:
+        if self.reason is not None:
+            raise FxShardError(
+                f"rank {rank}: no step can run after an earlier one was abandoned on this rank "
+                f"({self.reason}). Its peers may still be inside that step's collectives, so "
+                "the steps' process groups are out of step for good. Let the exception end the "
+                "process (torchrun restarts the job; resume from the last checkpoint); catching "
+                "an exception from a step and going on cannot work with collectives in flight."
+            )
+
+
 def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: float) -> torch.Tensor:
     """All-gather one flat group (a collective). Raises instead of hanging past ``timeout`` s."""
     if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
     work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
-    wait_within(work, timeout, lambda: FxShardError(
-        f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}) "
-        f"timed out after {timeout:g}s. full_state_dict / load_full_state_dict are collectives: "
-        "every rank of the process group must call them, in the same order."
-    ))
+    wait_within(work, timeout, lambda what: FxShardError(
+        f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
+        f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "
+        "collectives: every rank of the process group must call them, in the same order."
+    ), world.group)
     return out
 
 
