@@ -190,6 +190,16 @@ class ShardedModule(nn.Module):
         with self._driver.no_sync():
             yield
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the shards' gradients and drop what ``no_sync`` has added up and not yet
+        reduced, as DDP's ``zero_grad`` drops the gradients it accumulated.
+
+        An optimizer's ``zero_grad()`` cannot drop those sums (torch gives optimizers no
+        zero_grad hook); an optimizer step while they are pending raises instead.
+        """
+        super().zero_grad(set_to_none)
+        self._driver.drop_pending_sums()
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's name for the same switch: False until the step whose backward should reduce."""
         self._driver.set_requires_gradient_sync(requires_gradient_sync)

@@ -621,6 +621,49 @@ def test_no_sync_matches_ddp_and_communicates_no_gradient() -> None:
                 torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-6, msg=f"{name} {k}")
 
 
+def _forgotten_flush(rank: int, world_size: int) -> dict[str, Any]:
+    """Every micro-batch inside no_sync, then a step: refused. zero_grad drops the sums, and
+    the next ordinary step equals DDP's after the same loop."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [_gpt_inputs(gen) for _ in range(3)]
+    for x, y in batches[:2]:  # the flush forgotten: both micro-batches inside no_sync
+        with sharded.no_sync():
+            F.cross_entropy(sharded(x).flatten(0, 1), y.flatten()).backward()
+        with ddp.no_sync():
+            F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+    before = [p.detach().clone() for p in sharded.parameters()]
+    try:
+        opt.step()
+        error = "no error"
+    except fxshard.FxShardError as e:
+        error = str(e)
+    unchanged = all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+    sharded.zero_grad()  # drops the sums, as DDP's zero_grad drops its accumulated .grad
+    ref_opt.zero_grad()
+    x, y = batches[2]
+    F.cross_entropy(sharded(x).flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    ref_opt.step()
+    return {"error": error, "unchanged": unchanged, "state": sharded.full_state_dict(),
+            "ref_state": ddp.module.state_dict()}
+
+
+def test_a_step_over_sums_no_sync_never_reduced_raises_and_zero_grad_drops_them() -> None:
+    for r in run_ranks(_forgotten_flush, 2):
+        assert "SGD.step() ran while the gradients of units" in r["error"], r["error"]
+        assert "outside no_sync()" in r["error"] and "zero_grad()" in r["error"]
+        assert r["unchanged"]
+        for k, v in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_no_sync_is_refused_under_inductor() -> None:
     sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), compute="inductor")
     with pytest.raises(fxshard.FxShardError, match="no_sync.*compute='inductor'"):

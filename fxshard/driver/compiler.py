@@ -42,6 +42,7 @@ from fxshard.driver.runtime import (
     Abandoned,
     World,
     broadcast_buffers,
+    check_steps,
     collective_failure,
     comm_device,
     make_shards,
@@ -197,6 +198,7 @@ class Driver:
         else:
             self.shards = make_shards(module, self._plan, self.world.rank,
                                       torch.device("meta") if on_meta else self.device)
+        check_steps(self.shards, self._refuse_step_over_pending_sums)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
@@ -252,6 +254,31 @@ class Driver:
                 "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
             )
         self.requires_gradient_sync = requires
+
+    def _refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer step while no_sync's sums wait to be reduced would step over shards
+        without those gradients (None, or the previous step's), and the sums would then be
+        added into the next step's."""
+        if not self.pending:
+            return
+        units = sorted({self.plan.groups[g].unit or "<root>" for g in self.pending})
+        raise FxShardError(
+            f"{type(optimizer).__name__}.step() ran while the gradients of units {units} are still "
+            "being added up inside no_sync(): every backward since the last reduction ran inside "
+            "no_sync(), so they were never reduced and the shards have no gradient from them. Run "
+            "the last micro-batch's backward outside no_sync() (or after "
+            "set_requires_gradient_sync(True)), then step. To drop the sums instead, call "
+            "zero_grad() on the sharded module (DDP drops them at zero_grad)."
+        )
+
+    def drop_pending_sums(self) -> None:
+        """zero_grad: forget what no_sync has added up and not yet reduced (DDP's semantics:
+        those gradients live in ``.grad``, which zero_grad clears)."""
+        for g in self.pending:
+            acc = self.accumulators.get(g)
+            if acc is not None:  # as after a reduction: _track_accumulation makes it anew
+                acc.untyped_storage().resize_(0)
+        self.pending.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -142,11 +142,17 @@ def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.dev
 # instead: an optimizer stepping over one of them is a mistake.
 _RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors have no truth value
 _HOOK: list[Any] = []
+# shard -> a check that raises when an optimizer step over it would be wrong now
+_STEP_CHECKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    checks: dict[int, Callable[[torch.optim.Optimizer], None]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
+            check = _STEP_CHECKS.get(p)
+            if check is not None:
+                checks.setdefault(id(check), check)
             use = _RETIRED.get(p)
             if use is not None:
                 raise FxShardError(
@@ -155,12 +161,22 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"so it would never change. Build the optimizer over {use}, e.g. "
                     f"torch.optim.AdamW({use}, lr=...)."
                 )
+    for check in checks.values():
+        check(optimizer)
 
 
 def retire(params: list[nn.Parameter], use: str) -> None:
     """Refuse any optimizer step over ``params``; ``use`` is what to step over instead."""
     for p in params:
         _RETIRED[p] = use
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def check_steps(params: list[nn.Parameter], check: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Before any optimizer step over one of ``params``, call ``check(optimizer)`` (once per step)."""
+    for p in params:
+        _STEP_CHECKS[p] = check
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
