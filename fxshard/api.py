@@ -16,7 +16,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
+from fxshard.driver.guards import MAX_VARIANTS, Guards, guards_of
 from fxshard.driver.report import Report
+from fxshard.driver.runtime import refuse_eager_calls
 from fxshard.driver.trace import StepFunction
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -47,7 +49,8 @@ class ShardedModule(nn.Module):
         # A plain attribute: the skeleton's meta parameters are not ours to expose.
         object.__setattr__(self, "_skeleton", module)
         self._driver = driver
-        self._steps: dict[Any, CompiledStep] = {}
+        # Per input signature, the traces of it and the attribute values each baked in.
+        self._steps: dict[Any, list[tuple[Guards, CompiledStep]]] = {}
         self._last: CompiledStep | None = None
         self.training = module.training
 
@@ -74,7 +77,7 @@ class ShardedModule(nn.Module):
         """
         if self._last is None:
             raise FxShardError("nothing traced yet: call the module once, or pass example_inputs= to compile")
-        training = [s for s in self._steps.values() if s.trains]
+        training = [s for variants in self._steps.values() for _, s in variants if s.trains]
         step = self._last if self._last.trains or not training else training[-1]
         return self._driver.report(step)
 
@@ -125,13 +128,30 @@ class ShardedModule(nn.Module):
                     f"input tensor {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's "
                     f"shards are on {device}: move inputs with .to({str(device)!r})"
                 )
-        key = self._signature(leaves, spec)
-        step = self._steps.get(key)
-        if step is None:
-            step = self._trace(leaves, spec)
-            self._steps[key] = step
+        step = self._step(leaves, spec)
         self._last = step
         return self._driver.run(step, tensors)
+
+    def _step(self, leaves: list[Any], spec: pytree.TreeSpec) -> CompiledStep:
+        """The compiled step for these inputs whose guards hold, traced now if there is none."""
+        variants = self._steps.setdefault(self._signature(leaves, spec), [])
+        for guards, step in variants:
+            if guards.hold():
+                return step
+        if len(variants) >= MAX_VARIANTS:
+            changed = sorted({str(g) for guards, _ in variants for g in guards.failed()})
+            raise FxShardError(
+                f"the forward was traced {len(variants)} times for these inputs because Python "
+                f"attributes it reads keep changing: {', '.join(changed)}. A trace bakes such "
+                "values in (as torch.compile does), so each new value costs a trace. Pass a value "
+                "that changes every step as a tensor input or a buffer instead."
+            )
+        if variants:
+            log.info("fxshard: retracing on rank %d: %s changed", self.rank,
+                     ", ".join(str(g) for g in variants[-1][0].failed()))
+        guards, step = self._trace(leaves, spec)
+        variants.append((guards, step))
+        return step
 
     def _signature(self, leaves: list[Any], spec: pytree.TreeSpec) -> Any:
         parts: list[Any] = [self.training, torch.is_grad_enabled(), str(spec),
@@ -143,7 +163,7 @@ class ShardedModule(nn.Module):
                 parts.append(repr(x))
         return tuple(parts)
 
-    def _trace(self, leaves: list[Any], spec: pytree.TreeSpec) -> CompiledStep:
+    def _trace(self, leaves: list[Any], spec: pytree.TreeSpec) -> tuple[Guards, CompiledStep]:
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
 
         def rebuild(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -158,11 +178,12 @@ class ShardedModule(nn.Module):
                             self._driver.config.mixed_precision)
         buffer_bytes = sum(b.numel() * b.element_size()
                            for b in self._skeleton.buffers())
-        return self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],
-                                         model_name=type(self._skeleton).__name__,
-                                         buffer_bytes=buffer_bytes,
-                                         grad_sync=self._driver.grad_sync() if torch.is_grad_enabled()
-                                         else REDUCE)
+        compiled = self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],
+                                             model_name=type(self._skeleton).__name__,
+                                             buffer_bytes=buffer_bytes,
+                                             grad_sync=self._driver.grad_sync()
+                                             if torch.is_grad_enabled() else REDUCE)
+        return guards_of(self._skeleton, step.reads), compiled
 
     # -- training ---------------------------------------------------------------------------
 
@@ -312,6 +333,12 @@ def compile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxshard.compile takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ShardedModule):
+        raise FxShardError(
+            "fxshard.compile was given a ShardedModule, which is sharded already: use it as it "
+            "is. To change the policy or options, build the model again (or load "
+            "sharded.state_dict() into a fresh one) and compile that."
+        )
     config = CompileConfig.build("compile", policy=policy, process_group=process_group, **options)
     return shard_module(model, Driver(config), example_inputs, allow_meta=_allow_meta)
 
@@ -325,9 +352,15 @@ def shard_module(model: nn.Module, driver: Driver, example_inputs: Any = None, *
         # Trace before stripping the model: if tracing fails, the model is untouched.
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         leaves, spec = pytree.tree_flatten((args, {}))
-        key = sharded._signature(leaves, spec)
-        sharded._steps[key] = sharded._last = sharded._trace(leaves, spec)
+        sharded._last = sharded._step(leaves, spec)
     # From here the shards hold the only copy of the parameters
     # (full_state_dict() gathers them back).
     driver.strip(model)
+    refuse_eager_calls(model, lambda mod: (
+        f"{type(mod).__name__}.forward was called on the module passed to fxshard.compile: its "
+        "parameters moved into the ShardedModule that compile returned, and only stand-ins on "
+        "the meta device are left here. Call what compile returned: sharded = "
+        "fxshard.compile(model, ...); sharded(inputs) (a common slip: `fxshard.compile(model)` "
+        "without keeping its result, or `model = ...` shadowed by another name)."
+    ))
     return sharded

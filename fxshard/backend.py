@@ -37,6 +37,7 @@ import torch.nn as nn
 from fxshard.api import ShardedModule
 from fxshard.driver.compiler import CompiledStep, Driver
 from fxshard.driver.report import Report
+from fxshard.driver.runtime import refuse_eager_calls
 from fxshard.driver.trace import TracedStep, cast_unit_inputs, flatten_outputs, parameter_views
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -153,7 +154,8 @@ class FxShardBackend:
         plan = driver.plan
         # Stand-ins on the parameters' device: Dynamo bakes the device of
         # tensors computed from parameters into its graphs.
-        driver.strip(module, on_device=True, use="fxshard.parameters(model)")
+        driver.strip(module, on_device=True, use="fxshard.parameters(model)",
+                     by="torch.compile with the fxshard backend")
         _refuse_eager_runs(module)
         # In the module, so that Dynamo traces them: its graphs then compute in the dtypes
         # they run with (the stand-ins have param_dtype too).
@@ -235,22 +237,15 @@ def _refuse_eager_runs(module: nn.Module) -> None:
     into its graphs, where ``is_compiling()`` is a constant True, so the hook
     costs nothing in compiled code.
     """
-
-    def check(mod: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            raise FxShardError(
-                f"{type(mod).__name__}.forward ran eagerly, outside the graphs fxshard compiled: "
-                "its parameters are fxshard's stand-ins here, and the shards hold the model. "
-                "torch.compile runs a frame eagerly when a TorchDispatchMode is active (a memory "
-                "or FLOP counter around the forward), past torch._dynamo.config.recompile_limit, "
-                "or under torch._dynamo.disable / set_stance('force_eager'). Run the forward "
-                "without those (a dispatch mode around backward alone is fine), or use "
-                "fxshard.compile, which needs no Dynamo."
-            )
-
-    for mod in module.modules():
-        if any(True for _ in mod.parameters(recurse=False)):
-            mod.register_forward_pre_hook(check)
+    refuse_eager_calls(module, lambda mod: (
+        f"{type(mod).__name__}.forward ran eagerly, outside the graphs fxshard compiled: "
+        "its parameters are fxshard's stand-ins here, and the shards hold the model. "
+        "torch.compile runs a frame eagerly when a TorchDispatchMode is active (a memory "
+        "or FLOP counter around the forward), past torch._dynamo.config.recompile_limit, "
+        "or under torch._dynamo.disable / set_stance('force_eager'). Run the forward "
+        "without those (a dispatch mode around backward alone is fine), or use "
+        "fxshard.compile, which needs no Dynamo."
+    ))
 
 
 def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:

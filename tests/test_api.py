@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard.ir import predicates as P
+from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class, by_size
 
 from graph_utils import fake_world
@@ -196,3 +197,24 @@ def test_an_optimizer_over_the_original_module_is_refused(when: str) -> None:
     with pytest.raises(fxshard.FxShardError, match="no longer holds the model.*sharded.parameters\\(\\)"):
         opt.step()
     torch.optim.SGD(sharded.parameters(), lr=0.1).step()  # the right one steps
+
+
+def test_compiling_a_compiled_module_again_raises_instead_of_reinitialising_it() -> None:
+    model = MLP()
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    x = torch.randn(4, 12)
+    before = sharded(x)
+    with pytest.raises(FxShardError, match="sharded already by fxshard.compile.*initialise new weights"):
+        fxshard.compile(model, policy=by_class(nn.Linear))
+    with pytest.raises(FxShardError, match="given a ShardedModule, which is sharded already"):
+        fxshard.compile(sharded)
+    torch.testing.assert_close(sharded(x), before, rtol=0, atol=0)  # the first one is untouched
+
+
+def test_calling_the_original_module_after_compile_raises_naming_what_to_call() -> None:
+    model = MLP()
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    with pytest.raises(FxShardError, match=r"called on the module passed to fxshard.compile.*"
+                                           r"sharded\(inputs\)"):
+        model(torch.randn(4, 12))
+    sharded(torch.randn(4, 12)).sum().backward()  # the sharded module traces and runs the same model

@@ -156,3 +156,24 @@ def test_the_backend_plans_the_budget_too() -> None:
         # The roomy budget keeps every unit gathered (ZeRO-2), unlike the default schedule.
         assert res["budgets"] and all(b is not None and not b.chosen.resharded for b in res["budgets"])
         assert all(p <= BUDGETS["roomy"] for p in res["predicted"])
+
+
+def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_the_budget() -> None:
+    def step(model: torch.nn.Module, batch: int) -> None:
+        idx = torch.randint(0, 61, (batch, 33), generator=torch.Generator().manual_seed(batch))
+        torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+
+    default = fxshard.compile(_model(), by_class(Block))
+    step(default, 4)
+    budget = int(default.report().predicted_peak_bytes * 1.05)  # room for batch 4, not 16
+    sharded = fxshard.compile(_model(), by_class(Block), memory_budget=budget)
+    step(sharded, 4)
+    first = sharded.report()
+    assert first.within_budget and "train step (forward and backward) on inputs int64[4, 32]" in str(first)
+    assert "exceeds the memory budget" not in str(first)
+    step(sharded, 16)  # a later, larger signature keeps the schedule planned for batch 4
+    later = sharded.report()
+    assert "on inputs int64[16, 32]" in str(later), str(later)
+    assert later.predicted_peak_bytes > budget and later.within_budget is False
+    assert "planned on the first training step, inputs int64[4, 32]" in str(later)
+    assert "this step exceeds the memory budget" in str(later) and "example_inputs=" in str(later)

@@ -37,7 +37,7 @@ from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
-from fxshard.driver.report import Report, build_report
+from fxshard.driver.report import Report, build_report, describe_tensors
 from fxshard.driver.runtime import (
     Abandoned,
     World,
@@ -46,6 +46,8 @@ from fxshard.driver.runtime import (
     collective_failure,
     comm_device,
     make_shards,
+    mark_sharded,
+    refuse_sharded_again,
     resolve_world,
     retire,
     strip_parameters,
@@ -84,6 +86,7 @@ class CompiledStep:
     phases: dict[str, tuple[str, list[Collective], bytes]] = field(default_factory=dict)
     grad_sync: GradSync = REDUCE  # what its backward does with gradients (no_sync)
     groups: frozenset[int] = frozenset()  # the flat groups it reads
+    inputs: str = ""  # its tensor inputs, "float32[4, 12], int64[4]"
 
     def __post_init__(self) -> None:
         for phase in ("forward", "backward") if self.trains else ("forward",):
@@ -135,6 +138,7 @@ class Driver:
         self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
         self.budget_choice: BudgetChoice | None = None  # memory_budget: the planner's choice
+        self.budget_inputs = ""  # the inputs of the step it was planned on
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []
@@ -161,6 +165,7 @@ class Driver:
         """Plan ``module`` and make this rank's flat shards: copied out of it (the module is
         unchanged), initialised module by module if it is on the meta device
         (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``)."""
+        refuse_sharded_again(module)
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
             raise FxShardError(
@@ -204,14 +209,16 @@ class Driver:
         return self.shards
 
     def strip(self, module: nn.Module, *, on_device: bool = False,
-              use: str = "sharded.parameters()") -> None:
+              use: str = "sharded.parameters()", by: str = "fxshard.compile") -> None:
         """From here the shards hold the only copy of ``module``'s parameters; an optimizer
-        over the originals raises at its first step, naming ``use``. The stand-ins have
+        over the originals raises at its first step, naming ``use``, and sharding ``module``
+        again raises, naming ``by`` (the front end that sharded it). The stand-ins have
         the dtype their group computes in (``param_dtype`` under mixed precision)."""
         retire(list(module.parameters()), use)  # built before compile
         compute = {name: g.compute_dtype for g in self.plan.groups for slot in g.params for name in slot.names}
         dtypes = {id(p): compute[name] for name, p in module.named_parameters(remove_duplicate=False)}
         strip_parameters(module, self.device if on_device else None, dtypes)
+        mark_sharded(module, by)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self._module = module
         self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
@@ -315,7 +322,7 @@ class Driver:
             compiler.before_partition = (  # inputs are real by then: the trace refuses symbolic sizes
                 lambda joint, joint_inputs, n, kwargs: self._plan_budget(
                     compiler, joint, joint_inputs, n, kwargs, buffer_bytes,
-                    sum(x.numel() * x.element_size() for x in inputs)))
+                    sum(x.numel() * x.element_size() for x in inputs), describe_tensors(inputs)))
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -334,6 +341,7 @@ class Driver:
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
+            inputs=describe_tensors(inputs),
         )
         self.steps.append(compiled)
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
@@ -344,7 +352,7 @@ class Driver:
 
     def _plan_budget(self, compiler: GraphCompiler, joint: fx.GraphModule, joint_inputs: Any,
                      num_fwd_outputs: int, kwargs: dict[str, Any], buffer_bytes: int,
-                     input_bytes: int) -> None:
+                     input_bytes: int, inputs: str) -> None:
         """memory_budget: choose the schedule on the first training trace, before its passes
         run, and keep it for every later trace (fxshard.ir.budget)."""
         choice, config, checkpointing = budget.choose(
@@ -352,6 +360,7 @@ class Driver:
             num_fwd_outputs, kwargs, buffer_bytes, input_bytes, compiler.grad_sync, compiler.accumulators)
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, choice.table())
         self.budget_choice, self.config, self.checkpointing = choice, config, checkpointing
+        self.budget_inputs = inputs  # what the budget was planned for
         self.pipelines = build_pipelines(config)
         compiler.config, compiler.pipelines, compiler.checkpointing = config, self.pipelines, checkpointing
 
@@ -433,7 +442,11 @@ class Driver:
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.accumulators.values())
                             if step.grad_sync != REDUCE else 0)
-        return replace(report, budget=self.budget_choice) if self.budget_choice is not None else report
+        report = replace(report, step=("train step (forward and backward)" if step.trains
+                                       else "inference step") + f" on inputs {step.inputs or 'none'}")
+        if self.budget_choice is None:
+            return report
+        return replace(report, budget=self.budget_choice, budget_inputs=self.budget_inputs)
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxshard.driver.report import describe_tensors
 from fxshard.driver.runtime import World, comm_device, wait_within
 from fxshard.ir.collectives import Collective
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
@@ -64,7 +65,7 @@ def with_buffer_broadcast(fingerprint: bytes) -> bytes:
 
 def describe_step(phase: str, graph: str, grad: bool, inputs: list[torch.Tensor],
                   collectives: list[Collective], broadcast: bool = False) -> Description:
-    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+    shapes = describe_tensors(inputs)
     issued = (["broadcast of rank 0's buffers"] if broadcast else []) + [str(c) for c in collectives]
     return {"phase": phase, "mode": "train" if graph != "inference" else "eval/inference",
             "grad": grad, "inputs": shapes or "none", "collectives": issued}

@@ -7,6 +7,7 @@ counterparts live in fxshard.measure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,22 @@ class Report:
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
     at_peak: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-    # memory_budget=: what the planner chose per unit, and why.
+    # memory_budget=: what the planner chose per unit, and why, and the inputs of the
+    # step it planned on (the first training step; later ones keep its choice).
     budget: BudgetChoice | None = field(default=None, compare=False)
+    budget_inputs: str = field(default="", compare=False)
+    step: str = field(default="", compare=False)  # which step this describes
+
+    @property
+    def within_budget(self) -> bool | None:
+        """Whether this step's predicted peak is within ``memory_budget`` (None: no budget)."""
+        return None if self.budget is None else self.predicted_peak_bytes <= self.budget.budget
 
     def __str__(self) -> str:
         mib = 1 << 20
         lines = [
-            f"fxshard report: rank {self.rank} of {self.world_size}",
+            f"fxshard report: rank {self.rank} of {self.world_size}"
+            + (f", the latest {self.step}" if self.step else ""),
             f"  predicted peak      {self.predicted_peak_bytes / mib:10.3f} MiB  (at {self.peak_phase})",
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
@@ -74,7 +84,22 @@ class Report:
                                           for i, (c, w) in enumerate(zip(r, widths))))
         if self.budget is not None:
             lines += ["  " + line for line in self.budget.table().splitlines()]
+            if self.budget_inputs:
+                lines.append(f"  (planned on the first training step, inputs {self.budget_inputs})")
+            if not self.within_budget:
+                lines.append(
+                    f"  this step exceeds the memory budget: predicted peak "
+                    f"{self.predicted_peak_bytes / mib:.3f} MiB > {self.budget.budget / mib:.3f} MiB. "
+                    "The budget plans once, on the first training step, and every later step keeps "
+                    "that schedule (so every rank issues the same collectives). Make the largest "
+                    "batch the first: call the model with it first, or pass it as example_inputs= "
+                    "to fxshard.compile.")
         return "\n".join(lines)
+
+
+def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:
+    """"float32[4, 12], int64[4]": dtypes and shapes, as messages and reports show inputs."""
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
 
 
 def _tensor_bytes(tensors: list[torch.Tensor]) -> int:

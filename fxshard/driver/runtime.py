@@ -181,6 +181,41 @@ def check_steps(params: list[nn.Parameter], check: Callable[[torch.optim.Optimiz
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
+_STRIPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> what sharded it
+
+
+def mark_sharded(module: nn.Module, by: str) -> None:
+    """``module``'s parameters now live in shards ``by`` made (e.g. "fxshard.compile")."""
+    _STRIPPED[module] = by
+
+
+def refuse_sharded_again(module: nn.Module) -> None:
+    """Sharding a module whose parameters are already stand-ins would take the meta-init
+    path and initialise new weights: refuse, naming what sharded it."""
+    by = _STRIPPED.get(module)
+    if by is not None:
+        raise FxShardError(
+            f"this {type(module).__name__} was sharded already by {by}: its parameters are "
+            "stand-ins now and the shards that call made hold the model. Sharding it again "
+            "would initialise new weights. Use what the first call returned, or build the "
+            "model anew to shard it another way."
+        )
+
+
+def refuse_eager_calls(module: nn.Module, message: Callable[[nn.Module], str]) -> None:
+    """A forward of ``module`` or of a submodule with parameters, run outside a trace (where
+    its parameters are stand-ins and would act as zero weights), raises ``message(mod)``.
+    Traces run with ``torch.compiler.is_compiling()`` true (Dynamo's, and fxshard's own)."""
+
+    def check(mod: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            raise FxShardError(message(mod))
+
+    for mod in module.modules():
+        if any(True for _ in mod.parameters(recurse=False)):
+            mod.register_forward_pre_hook(check)
+
+
 def strip_parameters(module: nn.Module, device: torch.device | None = None,
                      dtypes: dict[int, torch.dtype] | None = None) -> None:
     """Replace every parameter by a stand-in that holds no data, keeping ties.

@@ -38,6 +38,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
+from fxshard.driver.guards import Recorder, recording
 from fxshard.ir import meta
 from fxshard.ir.errors import FxShardError, SourceLine, TraceError
 from fxshard.ir.plan import ROOT, ShardPlan
@@ -228,6 +229,7 @@ class StepFunction(TracedStep):
         self.precision = precision
         self.output_spec: OutputSpec | None = None
         self.failed_in: str | None = None
+        self.reads = Recorder()  # the constant attributes the forward read (fxshard.driver.guards)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tensors = parameter_views(
@@ -239,7 +241,8 @@ class StepFunction(TracedStep):
         casts = cast_unit_inputs(self.skeleton, self.plan, self.precision, include_root=False)
         scopes = _ModuleScopes(self.skeleton)
         try:
-            out = functional_call(self.skeleton, tensors, args, kwargs)
+            with recording(self.skeleton, self.reads):
+                out = functional_call(self.skeleton, tensors, args, kwargs)
         except Exception:
             self.failed_in = scopes.innermost()
             raise
