@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -25,13 +24,6 @@ def _worker(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any],
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    # The result is saved: leave without interpreter teardown. Once in a few
-    # dozen runs a rank that had used torch.compile died at exit with
-    # "terminate called without an active exception" (a native thread
-    # destroyed while joinable), failing a test whose numbers were all in.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import default_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from fxshard.driver.runtime import Abandoned, World, collective_failure
+from fxshard.driver.runtime import Abandoned, World, collective_failure, no_python_context
 from fxshard.ir import meta, ops
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig, PassHook
@@ -188,7 +188,8 @@ def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Aban
 
     def run(args: list[Any]) -> Any:
         try:
-            return compiled(args) if boxed else compiled(*args)
+            with no_python_context():  # its collectives' Works: nothing a gloo thread must decref
+                return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
             failure = collective_failure(e, rank, f"{kind} graph")

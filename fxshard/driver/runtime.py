@@ -6,10 +6,11 @@ the compiled graphs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -256,6 +257,34 @@ def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+
+
+@contextlib.contextmanager
+def no_python_context() -> Iterator[None]:
+    """Issue collectives with no Python object in the thread-local state they copy.
+
+    torch (2.13) stashes ``contextvars.copy_context()`` in the C++ thread-local
+    state for every backward (``torch.autograd.graph._engine_run_backward``),
+    and a gloo collective copies that state into its Work (``AsyncWork::tls_``).
+    Whoever drops the last Work of a backward then decrefs that Context and
+    needs the GIL: often a gloo worker thread, just after the collective
+    completed. If the main thread is finalizing the interpreter by then,
+    ``take_gil`` calls ``pthread_exit``, whose unwind meets the noexcept
+    ``~AsyncWork``: std::terminate ("terminate called without an active
+    exception", SIGABRT at exit). Collectives issued inside this block hold no
+    Context. (Python objects the user put in that state, a TorchFunctionMode or
+    saved-tensor hooks, are still copied.)
+    """
+    key = "context"
+    if not hasattr(torch._C, "_is_key_in_tls") or not torch._C._is_key_in_tls(key):
+        yield  # torch 2.11 stashes no Context
+        return
+    saved = torch._C._get_obj_in_tls(key)
+    torch._C._remove_obj_from_tls(key)
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls(key, saved)
 
 
 def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[str], Exception],
