@@ -407,7 +407,8 @@ BAD = {
     "listed_by_fxshard_load": r"StateDictError: loading checkpoint .*nothing was changed.*"
                               r"model.tok.weight: shape \(61, 16\) in the checkpoint, \(61, 32\) in the model.*"
                               r"model.pos.weight: shape \(16, 16\) in the checkpoint, \(16, 32\)",
-    "save_that_fails_on_one_rank": r"CheckpointException.*disk full \(simulated\)",
+    "save_that_fails_on_one_rank": r"StateDictError: saving checkpoint .*atomic: writing it failed, .*atomic "
+                                   r"is unchanged:\n  rank 1: OSError: disk full \(simulated\)",
     "load_after_failed_save": r"RuntimeError: loaded",
 }
 
