@@ -166,7 +166,8 @@ def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None) -> _IncompatibleKeys:
     """Load sharded or full values into this rank's shards. Every rank checks names,
-    shapes and dtypes first; on any problem every rank raises and nothing changes."""
+    shapes and dtypes first, and that every rank passed the same full values (each keeps
+    its own slice of them); on any problem every rank raises and nothing changes."""
     options = _options(options)
     module, driver = sharding_of(model)
     return state.load_model_state(module, driver, model_state_dict, strict=options.strict)
@@ -175,7 +176,8 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              optim_state_dict: dict[str, Any], *,
                              options: StateDictOptions | None = None) -> None:
-    """Load the optimizers' state (sharded or full values); checked on every rank first."""
+    """Load the optimizers' state (sharded or full values); checked on every rank first,
+    with the values that every rank must pass alike (full ones, scalars, hyperparameters)."""
     _options(options)
     _, driver = sharding_of(model)
     state.load_optimizer_state(driver, _optimizers(optimizers), optim_state_dict)
@@ -214,7 +216,6 @@ class StagedCopies:
 
     def close(self) -> None:
         pass
-
 
 
 # -- checksums -----------------------------------------------------------------------------------
@@ -422,10 +423,12 @@ class ChecksumReader(dcp.FileSystemReader):
         self._checksums: Checksums | None = None
         self._read = False
         self._buffer = bytearray()
+        self._checked: set[tuple[str, int]] = set()  # items read in several pieces: checked once
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
         self._read = False
+        self._checked.clear()
 
     def checksums(self) -> Checksums | None:
         if not self._read:
@@ -440,11 +443,13 @@ class ChecksumReader(dcp.FileSystemReader):
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         checksums = self.checksums()
-        if checksums is not None:
+        item = (sinfo.relative_path, sinfo.offset)
+        if checksums is not None and item not in self._checked:
             if not self._buffer:
                 self._buffer = bytearray(_CHUNK)
             _verify(Path(self.path), checksums, sinfo.relative_path, file, sinfo.offset, sinfo.length,
                     self._buffer)
+            self._checked.add(item)
         return super()._slice_file(file, sinfo)
 
 
@@ -520,17 +525,20 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         raise StateDictError(_peer_failed(what, rank, e) + f" {path} is unchanged.") from e
     # dcp.save returns once the coordinator has written .metadata after every rank's files.
     problems = []
+    old = target.with_name(target.name + ".old")
     if rank == 0:
-        old = target.with_name(target.name + ".old")
         try:
             shutil.rmtree(old, ignore_errors=True)
             if target.exists():
                 target.rename(old)
             partial.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
-            problems.append(f"rank 0 cannot move {partial} into place: {e}")
-    state.agree_on(problems, driver, what, collective="fxshard.checkpoint.save", why="it is not in place")
+            problems.append(f"rank 0 cannot move {partial} to {target} ({e}); the previous "
+                            f"checkpoint is at {target} or {old}")
+    state.agree_on(problems, driver, what, collective="fxshard.checkpoint.save",
+                   why="it was written but is not in place")
+    if rank == 0:  # while the other ranks go on
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _differences(expected: dict[str, Any], metadata: Metadata) -> list[str]:
@@ -577,9 +585,14 @@ def _inspect(expected: dict[str, Any], path: Path, reader: ChecksumReader
     return _differences(expected, metadata), source, metadata
 
 
+def _error(failure: Any) -> BaseException:
+    """The exception of one rank's failure in DCP's CheckpointException ((exception, traceback))."""
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
 def _last_line(failure: Any) -> str:
-    """What went wrong on one rank, from DCP's (exception, traceback) pair."""
-    error = failure[0] if isinstance(failure, tuple) else failure
+    """What went wrong on one rank."""
+    error = _error(failure)
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
@@ -606,7 +619,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     reader = ChecksumReader(path)
     problems, source, metadata = _inspect(requested, Path(path), reader)
     state.agree_on(problems, driver, what, source=source, collective="fxshard.checkpoint.load",
-                   why="it does not fit the model or is damaged")
+                   why="it does not fit the model or is damaged, nothing was changed")
     assert metadata is not None  # a rank without it found a problem, and every rank raised
     has_extra = "extra" in metadata.state_dict_metadata
     if has_extra:
@@ -618,9 +631,11 @@ def load(path: str | os.PathLike[str], model: nn.Module,
             warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_DEPRECATED, category=FutureWarning)
             dcp.load(requested, storage_reader=reader, process_group=_group(driver))
     except CheckpointException as e:  # a BaseException: turned into an error callers catch
+        named = all(isinstance(_error(f), ChecksumError) for f in e.failures.values())
         raise StateDictError(
-            f"{what}: reading it failed, nothing was changed:\n  {_failures(e)}\n"
-            "A file of the checkpoint is truncated or corrupted: load an earlier checkpoint."
+            f"{what}: reading it failed, nothing was changed:\n  {_failures(e)}"
+            + ("" if named else "\nA file of the checkpoint is truncated or corrupted: load an "
+               "earlier checkpoint.")
         ) from e
     except RuntimeError as e:  # a collective of DCP's
         raise StateDictError(_peer_failed(what, driver.world.rank, e) + " Nothing was changed.") from e

@@ -22,8 +22,9 @@ before anything changes.
 Full: the module's own ``state_dict()`` on the skeleton with gathered
 parameters (its state-dict hooks run); optimizer state gathered per flat group.
 
-Agreement (:func:`agree_on`): every load, and every step of a save, starts
-with one all_gather of 16 bytes per rank, bounded by the driver's timeout::
+Agreement (:func:`agree_on`): every load of a state dict or a checkpoint, and
+a checkpoint's save before and after writing, start with one all_gather of 16
+bytes per rank, bounded by the driver's timeout::
 
     rank r: [found a problem?, digest of its source]   ->   all agree: go on
                                                             else: exchange the texts, raise everywhere
@@ -214,16 +215,19 @@ class Source:
     hint: str  # what to do instead
 
 
-def agree_on(problems: list[str], driver: Driver, what: str, *, source: Source | None = None,
-             collective: str | None = None, why: str = "the state dict does not fit") -> None:
+def agree_on(problems: list[str], driver: Driver, what: str, *,
+             source: Source | Callable[[], Source | None] | None = None, collective: str | None = None,
+             why: str = "the state dict does not fit, nothing was changed") -> None:
     """Raise on every rank when any rank found a problem (``why`` heads the list) or read
-    another ``source`` than the others. A collective when sharded, bounded by the driver's
-    timeout: a rank that does not arrive is named as not having called ``collective``
-    (``what`` by default)."""
+    another ``source`` than the others (a callable: computed only where there are others). A
+    collective when sharded, bounded by the driver's timeout: a rank that does not arrive is
+    named as not having called ``collective`` (``what`` by default)."""
     world = driver.world
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
         _raise(what, why, [(problems, None)], None)
         return
+    if callable(source):
+        source = source()
     group = world.comm[0] if world.comm else world.group
     digest = int.from_bytes(source.digest[:8].ljust(8, b"\0"), "little", signed=True) if source else 0
     flags = _exchange(world, group, [int(bool(problems)), digest], collective or what)
@@ -245,7 +249,7 @@ def _raise(what: str, why: str, found: list[Any], source: Source | None, digests
     text = []
     if lines:
         shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
-        text.append(f"{what}: {why}, nothing was changed:\n  {shown}")
+        text.append(f"{what}: {why}:\n  {shown}")
     if source is not None:
         ranks: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
@@ -321,7 +325,7 @@ def _not_arrived(collective: str, rank: int, missing: list[int] | None, seconds:
         who = f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}"
         cause = f"{who} did not arrive {after}"
     else:
-        cause = f"rank {rank} waited for the others, which failed: {first}; a peer is gone or stalled"
+        cause = f"the exchange failed on rank {rank} after {waited:.1f}s ({first}): a peer is gone or stalled"
     return (f"{collective} is a collective: every rank must call it; {cause}. The process group is "
             "unusable now: let the process exit (fxshard.compile(..., timeout=seconds) sets how "
             "long to wait).")
@@ -453,7 +457,7 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
         problems.append(f"unexpected keys (not in this model): {unexpected}")
     parameters = [n for g in plan.groups for slot in g.params for n in slot.names if n in state]
     agree_on(problems, driver, "loading the model state",
-             source=content_source(((n, state[n]) for n in parameters), "parameters"))
+             source=lambda: content_source(((n, state[n]) for n in parameters), "parameters"))
     return (updates, [(b, state[name]) for name, b in buffers.items() if name in state],
             _IncompatibleKeys(missing, unexpected))
 
@@ -505,12 +509,14 @@ def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping
         try:
             result = module.load_state_dict(dict(state_dict), strict=strict)
         except RuntimeError as e:
-            problems.append(f"it does not match the model, nothing was loaded. {str(e).strip()} Pass "
-                            "a dict from full_state_dict(), or the original module's state_dict().")
+            problems.append(f"{str(e).strip()} Pass a dict from full_state_dict(), or the original "
+                            "module's state_dict().")
     # Buffers are each rank's own (full_state_dict returns this rank's): only the rest must agree.
     own = persistent_buffers(module)
-    agree_on(problems, driver, "load_full_state_dict", source=content_source(
-        ((k, v) for k, v in state_dict.items() if k not in own), "a state dict"))
+    agree_on(problems, driver, "load_full_state_dict",
+             why="the state dict does not match the model, nothing was loaded",
+             source=lambda: content_source(((k, v) for k, v in state_dict.items() if k not in own),
+                                           "a state dict"))
     load_shards(list(driver.shards), plan, full, driver.world.rank)
     with torch.no_grad():
         for name, buffer in module.named_buffers(remove_duplicate=False):
@@ -639,7 +645,7 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
                 found = {}
             new_groups.append({**found, "params": positions})
         loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
-    agree_on(problems, driver, "loading the optimizer state", source=content_source(
+    agree_on(problems, driver, "loading the optimizer state", source=lambda: content_source(
         [("param_groups", state_dict["param_groups"]), *sorted(saved.items())], "optimizer state"))
     return loads
 
