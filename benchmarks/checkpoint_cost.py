@@ -27,7 +27,8 @@ alternating order so neither side always runs on a warmer cache:
 - ``set_full`` / ``content_digest``: ``fxshard.set_model_state_dict`` of a full
   state dict, and within it the digest of its parameters that the ranks compare.
 
-A time is the slowest rank's (an operation ends when its last rank does);
+Every operation starts after ``os.sync()``, so none pays for an earlier one's
+writes. A time is the slowest rank's (an operation ends when its last rank does);
 the ratios are of the medians over the rounds, and of the fastest rounds. The files are written with
 ``sync_files=True`` (DCP's default): each save ends with an fsync. The loads
 read files the page cache still holds, which is where checking costs the most
@@ -73,7 +74,9 @@ PAIRS = (("dcp_save", "dcp_save_checked"), ("dcp_save_nosync", "dcp_save_checked
 
 
 def _timed(fn: Callable[[], Any]) -> float:
-    """The slowest rank's wall time of ``fn`` (a collective), ranks started together."""
+    """The slowest rank's wall time of ``fn`` (a collective), ranks started together, with no
+    data of an earlier operation left to write back (an fsync would wait for it)."""
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -155,6 +158,7 @@ def worker(rank: int, world_size: int, store_path: str, root: str, quick: bool, 
         "content_digest": lambda: state.content_source(full.items(), "parameters"),
     }
     values = content()
+    loadavg = os.getloadavg()[0]  # other processes competing for the cores: the noise
     times: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(rounds):
         for first, second in PAIRS:
@@ -170,6 +174,7 @@ def worker(rank: int, world_size: int, store_path: str, root: str, quick: bool, 
                      "world_size": world_size, "rounds": rounds, "quick": quick,
                      "checkpoint_bytes": data, "torch": torch.__version__,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                     "load_average_before_after": [loadavg, os.getloadavg()[0]],
                      "what": "seconds: the slowest rank's wall time, median over the rounds"},
             "seconds": {name: statistics.median(ts) for name, ts in times.items()},
             "all_seconds": times,

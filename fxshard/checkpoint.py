@@ -233,13 +233,13 @@ class ChecksumError(StateDictError):
 # 32 bits, by construction, and misses other damage with probability 2^-32 per damaged item. It
 # guards against accidents (bit rot, torn or truncated writes, bad copies), not tampering, at
 # several times the speed of sha256 or blake2b (docs/checkpoints.md has the measurement).
-def _crc32(stream: IO[bytes], offset: int, length: int, buffer: bytearray) -> tuple[int, int]:
+def _crc32(stream: io.BufferedIOBase, offset: int, length: int, buffer: bytearray) -> tuple[int, int]:
     """The CRC-32 of ``length`` bytes of ``stream`` from ``offset``, and how many there were."""
     stream.seek(offset)
     view = memoryview(buffer)
     crc = done = 0
     while done < length:
-        n = stream.readinto(view[:min(len(buffer), length - done)])  # type: ignore[attr-defined]
+        n = stream.readinto(view[:min(len(buffer), length - done)])
         if not n:
             break
         crc = zlib.crc32(view[:n], crc)
@@ -275,14 +275,20 @@ def read_checksums(directory: str | os.PathLike[str]) -> Checksums | None:
     return checksums
 
 
-def _verify(directory: Path, checksums: Checksums, name: str, stream: IO[bytes], offset: int,
+def _verify(directory: Path, checksums: Checksums, name: str, stream: io.BufferedIOBase, offset: int,
             length: int, buffer: bytearray) -> None:
+    """Check one item, read from ``stream``."""
+    _compare(directory, checksums, name, offset, length, *_crc32(stream, offset, length, buffer))
+
+
+def _compare(directory: Path, checksums: Checksums, name: str, offset: int, length: int, crc: int,
+             read: int) -> None:
+    """Raise unless ``read`` bytes with CRC-32 ``crc`` are the item at ``offset`` of ``name``."""
     recorded = checksums.get(name, {}).get(offset)
     where = f"{directory / name}: bytes {offset}..{offset + length}"
     if recorded is None or recorded[0] != length:
         raise ChecksumError(f"{where} have no checksum in {CHECKSUMS}: the metadata or the checksums "
                             "are damaged; load an earlier checkpoint")
-    crc, read = _crc32(stream, offset, length, buffer)
     if read < length:
         raise ChecksumError(f"{directory / name} is truncated: it ends at byte {offset + read}, where "
                             f"the checkpoint's item runs to byte {offset + length}; load an earlier checkpoint")
@@ -294,10 +300,16 @@ def _verify(directory: Path, checksums: Checksums, name: str, stream: IO[bytes],
 def verify_metadata(directory: str | os.PathLike[str], checksums: Checksums | None) -> bytes:
     """The bytes of ``directory``'s ``.metadata``, checked against ``checksums`` (if any)."""
     path = Path(directory) / ".metadata"
-    with open(path, "rb") as f:
-        raw = f.read()
-        if checksums is not None:
-            _verify(Path(directory), checksums, ".metadata", f, 0, len(raw), bytearray(_CHUNK))
+    raw = path.read_bytes()
+    if checksums is not None:
+        recorded = checksums.get(".metadata", {}).get(0)
+        if recorded is None:
+            raise ChecksumError(f"{Path(directory) / CHECKSUMS} has no checksum of .metadata: it is "
+                                "damaged; load an earlier checkpoint")
+        if (len(raw), zlib.crc32(raw)) != recorded:
+            raise ChecksumError(f"{path}: {len(raw)} bytes with CRC-32 {zlib.crc32(raw):08x}, saved as "
+                                f"{recorded[0]} bytes with {recorded[1]:08x}: the file is damaged; load "
+                                "an earlier checkpoint")
     return raw
 
 
@@ -407,8 +419,9 @@ class ChecksumWriter(dcp.FileSystemWriter):
 
 class ChecksumReader(dcp.FileSystemReader):
     """DCP's ``FileSystemReader``, checking each item against the checksums
-    :class:`ChecksumWriter` recorded just before DCP reads it (each rank checks exactly the
-    bytes it reads), and ``.metadata`` before it is unpickled::
+    :class:`ChecksumWriter` recorded before DCP parses it (each rank checks exactly the bytes
+    it reads: an item of up to 8 MiB is read once, checked and parsed from memory; a larger
+    one is checked in chunks, then read again), and ``.metadata`` before it is unpickled::
 
         dcp.load(state_dict, storage_reader=fxshard.checkpoint.ChecksumReader(path))
 
@@ -444,12 +457,20 @@ class ChecksumReader(dcp.FileSystemReader):
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         checksums = self.checksums()
         item = (sinfo.relative_path, sinfo.offset)
-        if checksums is not None and item not in self._checked:
-            if not self._buffer:
-                self._buffer = bytearray(_CHUNK)
-            _verify(Path(self.path), checksums, sinfo.relative_path, file, sinfo.offset, sinfo.length,
-                    self._buffer)
+        if checksums is None or item in self._checked:
+            return super()._slice_file(file, sinfo)
+        if sinfo.length <= _CHUNK:  # read once: checked, then parsed from memory
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            _compare(Path(self.path), checksums, sinfo.relative_path, sinfo.offset, sinfo.length,
+                     zlib.crc32(data), len(data))
             self._checked.add(item)
+            return io.BytesIO(data)
+        if not self._buffer:  # a large item: checked in chunks, then read again (page cache)
+            self._buffer = bytearray(_CHUNK)
+        _verify(Path(self.path), checksums, sinfo.relative_path, file, sinfo.offset, sinfo.length,
+                self._buffer)
+        self._checked.add(item)
         return super()._slice_file(file, sinfo)
 
 

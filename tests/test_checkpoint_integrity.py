@@ -88,6 +88,10 @@ def _flips(good: Path) -> list[tuple[str, int, bool]]:
     return cases + [(".metadata", (good / ".metadata").stat().st_size // 2, True)]
 
 
+def _verify(path: Path) -> None:
+    fxshard.checkpoint.verify(path)
+
+
 def integrity_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     sharded, opt = _build(0)
     good = Path(root) / "good"
@@ -108,7 +112,7 @@ def integrity_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         results.append({"file": name, "offset": offset, "read": read, "error": error,
                          "unchanged": _same(_snapshot(fresh, fresh_opt), before),
                          "as_saved": _same(_snapshot(fresh, fresh_opt), _snapshot(sharded, opt)),
-                         "verify": _attempt(partial(fxshard.checkpoint.verify, damaged))})
+                         "verify": _attempt(partial(_verify, damaged))})
         fxshard.checkpoint.load(other_checkpoint, fresh, fresh_opt)  # `before` again
     # A checkpoint written by plain dcp.save has no checksums: it loads as DCP loads it.
     plain = Path(root) / "plain"
@@ -134,8 +138,8 @@ def test_save_records_checksums_and_an_undamaged_checkpoint_loads() -> None:
         assert r["record"] and r["loads"] and r["extra"] == {"step": 3}
 
 
-def test_a_flipped_bit_in_what_a_load_reads_raises_on_every_rank_naming_the_file_and_changes_nothing(
-        ) -> None:
+def test_a_flipped_bit_in_what_a_load_reads_raises_on_every_rank_naming_the_file() -> None:
+    """...and changes nothing: the model and the optimizer are as they were."""
     ranks = integrity_runs()["ranks"]
     for r in ranks:
         assert len(r["flips"]) == 2 * len(FRACTIONS) + 2
@@ -338,3 +342,25 @@ def test_a_stalled_writer_raises_on_every_rank_within_the_timeout() -> None:
         assert "a peer is gone or stalled" in r["error"], r
         assert r["previous"] == sorted([RECORD, ".metadata", "__0_0.distcp", "__1_0.distcp"])
     assert r0["seconds"] < TIMEOUT + 5, r0  # rank 0 waits for the stalled rank 1 at most the timeout
+
+
+# -- plain DCP calls with fxshard's writer and reader ----------------------------------------------
+
+
+def test_plain_dcp_with_checksums_refuses_a_flipped_bit_in_a_large_item(tmp_path: Path) -> None:
+    """Items over 8 MiB are checked in chunks before DCP reads them (smaller ones: read once)."""
+    values = {"large": torch.arange(3 << 20, dtype=torch.float32), "small": torch.ones(5)}
+    path = tmp_path / "ckpt"
+    dcp.save(values, storage_writer=fxshard.checkpoint.ChecksumWriter(path), no_dist=True)
+    info = next(i for k, i in dcp.FileSystemReader(str(path)).read_metadata().storage_data.items()
+                if k.fqn == "large")
+    assert info.length > 8 << 20
+    out = {k: torch.zeros_like(v) for k, v in values.items()}
+    dcp.load(out, storage_reader=fxshard.checkpoint.ChecksumReader(path), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in values.items())
+    _flip(path / info.relative_path, info.offset + info.length - 100, 5)
+    with pytest.raises(BaseException, match=rf"ChecksumError: .*{info.relative_path}: bytes "
+                                            rf"{info.offset}..{info.offset + info.length} have CRC-32"):
+        dcp.load(out, storage_reader=fxshard.checkpoint.ChecksumReader(path), no_dist=True)
+    with pytest.raises(fxshard.checkpoint.ChecksumError, match=info.relative_path):
+        fxshard.checkpoint.verify(path)
