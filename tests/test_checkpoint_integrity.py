@@ -347,6 +347,7 @@ def test_a_stalled_writer_raises_on_every_rank_within_the_timeout() -> None:
 # -- plain DCP calls with fxshard's writer and reader ----------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process, as meant
 def test_plain_dcp_with_checksums_refuses_a_flipped_bit_in_a_large_item(tmp_path: Path) -> None:
     """Items over 8 MiB are checked in chunks before DCP reads them (smaller ones: read once)."""
     values = {"large": torch.arange(3 << 20, dtype=torch.float32), "small": torch.ones(5)}

@@ -339,8 +339,11 @@ def _fold(hasher: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
         if not value.is_meta and value.numel():
-            data = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            hasher.update(zlib.crc32(data.numpy().data).to_bytes(4, "little"))
+            try:
+                data = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError):  # no plain bytes (a quantized tensor): its shape alone
+                return
+            hasher.update(zlib.crc32(data.data).to_bytes(4, "little"))
     elif isinstance(value, Mapping):
         for k in sorted(value, key=repr):
             hasher.update(repr(k).encode())
@@ -363,7 +366,7 @@ def content_source(values: Iterable[tuple[str, Any]], what: str) -> Source | Non
     for name, value in values:
         if isinstance(value, ShardedTensor):
             continue
-        hasher.update(name.encode())
+        hasher.update(repr(name).encode())
         _fold(hasher, value)
         count += 1
     if not count:
@@ -646,7 +649,8 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
             new_groups.append({**found, "params": positions})
         loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
     agree_on(problems, driver, "loading the optimizer state", source=lambda: content_source(
-        [("param_groups", state_dict["param_groups"]), *sorted(saved.items())], "optimizer state"))
+        [("param_groups", state_dict["param_groups"]), *sorted(saved.items(), key=lambda kv: repr(kv[0]))],
+        "optimizer state"))
     return loads
 
 
