@@ -37,8 +37,8 @@ the coordinator writes them, and the CRC-32 of ``.metadata``, to
     rank r:  write_data -> __r_0.distcp, [(range, crc32)] --gather--> rank 0: finish
     rank 0:  .metadata, then .fxshard-checksums.json {file: [[offset, length, crc32]]}
 
-:class:`ChecksumReader` checks an item's range just before DCP reads it, so each
-rank verifies exactly the bytes it reads. A checkpoint without the record
+:class:`ChecksumReader` checks each item before DCP parses it, so each rank
+verifies exactly the bytes it reads. A checkpoint without the record
 (plain ``dcp.save``) loads unverified, as DCP loads it.
 """
 
@@ -525,10 +525,12 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         except OSError as e:
             problems.append(f"rank 0 cannot remove {partial}, a failed save's leftovers: {e}")
     # Every rank is here, with the same path; before anything is written.
-    state.agree_on(problems, driver, what, collective="fxshard.checkpoint.save", why=f"{path} is unchanged",
-                   source=Source(hashlib.sha256(str(path).encode()).digest()[:8], repr(str(path)),
-                                 "passed different paths", "Every rank must pass the same path: each "
-                                 "writes its pieces there, and rank 0 the metadata."))
+    same_path = Source(hashlib.sha256(str(path).encode()).digest()[:8], repr(str(path)),
+                       "passed different paths",
+                       "Every rank must pass the same path: each writes its pieces there, and rank 0 "
+                       "the metadata.")
+    state.agree_on(problems, driver, what, collective="fxshard.checkpoint.save",
+                   why=f"{path} is unchanged", source=same_path)
     msd, osd = get_state_dict(model, optimizers)
     content: dict[str, Any] = {"model": msd, "optim": osd}
     if extra is not None:
