@@ -5,6 +5,11 @@ it (default) or as a ``safetensors`` file; with ``--optimizer`` also the
 optimizer state (torch's FQN-keyed format) in ``OUT.optim``. One process, no
 process group.
 
+Checked first: a checkpoint of ``fxshard.checkpoint.save`` records a CRC-32 of
+its ``.metadata`` and of every item; all that the output needs is checked
+against them before anything is written, and a mismatch is an error naming
+the file (a checkpoint of plain ``dcp.save`` has none and is read as it is).
+
 Streaming: the checkpoint's metadata gives every tensor's name, shape and
 dtype up front, so the output's layout is known before anything is read.
 Each tensor is then read alone (``dcp.load`` of that one key, which reads and
@@ -38,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from fxshard.checkpoint import ChecksumError, read_checksums, verify_items, verify_metadata
 from fxshard.ir.errors import FxShardError
 
 _SAFETENSORS_DTYPES = {
@@ -137,7 +143,11 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
     """Write the model's full state dict from a sharded checkpoint; returns the files written."""
     directory = str(checkpoint)
     try:
+        checksums = read_checksums(directory)
+        verify_metadata(directory, checksums)
         metadata = dcp.FileSystemReader(directory).read_metadata()
+    except ChecksumError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read it is the same answer
         raise FxShardError(f"{directory} is not a readable DCP checkpoint "
                            f"({type(e).__name__}: {e})") from None
@@ -149,6 +159,8 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
     written = [target]
     if format not in ("torch", "safetensors"):
         raise FxShardError(f"unknown format {format!r}: 'torch' or 'safetensors'")
+    if checksums is not None:  # every item to be read, before anything is written
+        verify_items(directory, checksums, metadata, ("model.", "optim.") if optimizer else ("model.",))
     with _atomic(target) as partial:
         if format == "safetensors":
             _write_safetensors(directory, model, partial)

@@ -407,7 +407,8 @@ BAD = {
     "listed_by_fxshard_load": r"StateDictError: loading checkpoint .*nothing was changed.*"
                               r"model.tok.weight: shape \(61, 16\) in the checkpoint, \(61, 32\) in the model.*"
                               r"model.pos.weight: shape \(16, 16\) in the checkpoint, \(16, 32\)",
-    "save_that_fails_on_one_rank": r"CheckpointException.*disk full \(simulated\)",
+    "save_that_fails_on_one_rank": r"StateDictError: saving checkpoint .*atomic: writing it failed, .*atomic "
+                                   r"is unchanged:\n  rank 1: OSError: disk full \(simulated\)",
     "load_after_failed_save": r"RuntimeError: loaded",
 }
 
@@ -569,6 +570,7 @@ def async_worker(rank: int, world_size: int, path: str) -> bool:
     msd, osd = fxshard.get_state_dict(sharded, opt)  # copies: nothing left to stage
     # A group of its own: the save's collectives run on a thread while training's run here.
     future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path,
+                            storage_writer=fxshard.checkpoint.ChecksumWriter(path),
                             async_stager=fxshard.checkpoint.StagedCopies(),
                             process_group=dist.new_group(backend="gloo"))
     saved = sharded.full_state_dict()
@@ -577,7 +579,8 @@ def async_worker(rank: int, world_size: int, path: str) -> bool:
     other, other_opt = _build("block", seed=1)
     fxshard.checkpoint.load(path, other, other_opt)
     loaded = other.full_state_dict()
-    return all(torch.equal(loaded[k], v) for k, v in saved.items())
+    checked = fxshard.checkpoint.verify(path)  # the writer recorded checksums from its thread
+    return checked and all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
 def test_async_save_with_fxshards_copies() -> None:

@@ -21,14 +21,31 @@ before anything changes.
 
 Full: the module's own ``state_dict()`` on the skeleton with gathered
 parameters (its state-dict hooks run); optimizer state gathered per flat group.
+
+Agreement (:func:`agree_on`): every load of a state dict or a checkpoint, and
+a checkpoint's save before and after writing, start with one all_gather of 16
+bytes per rank, bounded by the driver's timeout::
+
+    rank r: [found a problem?, digest of its source]   ->   all agree: go on
+                                                            else: exchange the texts, raise everywhere
+
+A rank that does not arrive within the timeout is named (each rank marks its
+arrival in the process group's store first). The source digest is what must be
+the same on every rank: a checkpoint's metadata, the content of a full state
+dict (each rank keeps its own slice of it: different dicts would mix silently).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +61,14 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.driver.compiler import Driver
-from fxshard.driver.runtime import full_parameters, gather_full, load_shards, slot_overlap
+from fxshard.driver.runtime import (
+    World,
+    comm_device,
+    full_parameters,
+    gather_full,
+    load_shards,
+    slot_overlap,
+)
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ParamSlot
 
@@ -180,20 +204,178 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def agree_on(problems: list[str], driver: Driver, what: str) -> None:
-    """Raise on every rank when any rank found a problem (a collective when sharded)."""
+@dataclass(frozen=True)
+class Source:
+    """What every rank must have read the same: ``digest`` (8 bytes) is compared across
+    ranks; ``name`` is this rank's, for the message."""
+
+    digest: bytes
+    name: str
+    differ: str  # what the ranks did: "read different checkpoints"
+    hint: str  # what to do instead
+
+
+def agree_on(problems: list[str], driver: Driver, what: str, *,
+             source: Source | Callable[[], Source | None] | None = None, collective: str | None = None,
+             why: str = "the state dict does not fit, nothing was changed") -> None:
+    """Raise on every rank when any rank found a problem (``why`` heads the list) or read
+    another ``source`` than the others (a callable: computed only where there are others). A
+    collective when sharded, bounded by the driver's timeout: a rank that does not arrive is
+    named as not having called ``collective`` (``what`` by default)."""
     world = driver.world
-    found = [problems]
-    if world.group is not None and world.size > 1 and dist.get_backend(world.group) != "fake":
-        found = [[] for _ in range(world.size)]
-        dist.all_gather_object(found, problems, group=world.group)
-    if all(ps == found[0] for ps in found):  # the same on every rank: say it once
-        lines = list(found[0])
+    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+        _raise(what, why, [(problems, None)], None)
+        return
+    if callable(source):
+        source = source()
+    group = world.comm[0] if world.comm else world.group
+    digest = int.from_bytes(source.digest[:8].ljust(8, b"\0"), "little", signed=True) if source else 0
+    flags = _exchange(world, group, [int(bool(problems)), digest], collective or what)
+    if not bool(flags[:, 0].any()) and bool((flags[:, 1] == flags[0, 1]).all()):
+        return
+    found: list[Any] = [None] * world.size
+    dist.all_gather_object(found, (problems, source.name if source else None), group=group)
+    _raise(what, why, found, source if not bool((flags[:, 1] == flags[0, 1]).all()) else None,
+           [int(d) for d in flags[:, 1]])
+
+
+def _raise(what: str, why: str, found: list[Any], source: Source | None, digests: Sequence[int] = ()) -> None:
+    """The error of an agreement: every rank's problems, and which ranks read which source."""
+    found = [f if f is not None else ([], None) for f in found]
+    if all(f[0] == found[0][0] for f in found):  # the same on every rank: say it once
+        lines = list(found[0][0])
     else:
-        lines = [f"rank {r}: {p}" for r, ps in enumerate(found) for p in ps]
+        lines = [f"rank {r}: {p}" for r, (ps, _) in enumerate(found) for p in ps]
+    text = []
     if lines:
         shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
-        raise StateDictError(f"{what}: the state dict does not fit, nothing was changed:\n  {shown}")
+        text.append(f"{what}: {why}:\n  {shown}")
+    if source is not None:
+        ranks: dict[int, list[int]] = {}
+        for r, d in enumerate(digests):
+            ranks.setdefault(d, []).append(r)
+        who = "\n  ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: "
+                          f"{found[rs[0]][1]}" for rs in ranks.values())
+        text.append(f"{what}: the ranks {source.differ}, nothing was changed:\n  {who}\n{source.hint}")
+    if text:
+        raise StateDictError("\n".join(text))
+
+
+# Agreements entered per process group: each rank's arrival at one is a key in the group's store.
+_ARRIVALS: dict[str, int] = {}
+
+
+def _arrival(group: dist.ProcessGroup, rank: int, size: int) -> Callable[[], list[int] | None]:
+    """Mark this rank's arrival at the next agreement on ``group``; returns what tells which
+    ranks have not arrived (None where the store cannot say)."""
+    try:
+        store = dist.distributed_c10d._world.pg_map[group][1]
+    except (KeyError, AttributeError):
+        return lambda: None
+    name = group.group_name
+    seq = _ARRIVALS.get(name, 0)
+    _ARRIVALS[name] = seq + 1
+
+    def key(n: int, r: int) -> str:
+        return f"fxshard/arrived/{name}/{n}/{r}"
+
+    try:
+        store.set(key(seq, rank), "1")
+        if seq:  # every rank passed the previous agreement: its keys are no longer read
+            store.delete_key(key(seq - 1, rank))
+    except RuntimeError:
+        return lambda: None
+
+    def missing() -> list[int] | None:
+        try:
+            return [r for r in range(size) if not store.check([key(seq, r)])]
+        except RuntimeError:
+            return None
+
+    return missing
+
+
+def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collective: str) -> torch.Tensor:
+    """Every rank's ``values`` (one row per rank), within the driver's timeout."""
+    missing = _arrival(group, world.rank, world.size)
+    device = comm_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = torch.empty(world.size * len(values), dtype=torch.int64, device=device)
+    seconds = world.timeout.total_seconds() if world.timeout is not None else None
+    start = time.monotonic()
+    try:
+        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+        assert work is not None
+        if seconds is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:
+        raise StateDictError(_not_arrived(collective, world.rank, missing(), seconds,
+                                          time.monotonic() - start, e)) from e
+    return everyone.view(world.size, len(values)).cpu()
+
+
+def _not_arrived(collective: str, rank: int, missing: list[int] | None, seconds: float | None,
+                 waited: float, error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    after = f"within {seconds:g}s" if seconds is not None and waited >= 0.9 * seconds \
+        else f"(its connection closed after {waited:.1f}s: {first})"
+    if missing:
+        who = f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}"
+        cause = f"{who} did not arrive {after}"
+    else:
+        cause = f"the exchange failed on rank {rank} after {waited:.1f}s ({first}): a peer is gone or stalled"
+    return (f"{collective} is a collective: every rank must call it; {cause}. The process group is "
+            "unusable now: let the process exit (fxshard.compile(..., timeout=seconds) sets how "
+            "long to wait).")
+
+
+def _fold(hasher: Any, value: Any) -> None:
+    """Add ``value`` to ``hasher``: tensors by dtype, shape and a checksum of their bytes;
+    ShardedTensors not at all (each rank holds its own pieces)."""
+    if isinstance(value, ShardedTensor):
+        return
+    if isinstance(value, torch.Tensor):
+        hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        if not value.is_meta and value.numel():
+            try:
+                data = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError):  # no plain bytes (a quantized tensor): its shape alone
+                return
+            hasher.update(zlib.crc32(data.data).to_bytes(4, "little"))
+    elif isinstance(value, Mapping):
+        for k in sorted(value, key=repr):
+            hasher.update(repr(k).encode())
+            _fold(hasher, value[k])
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"{type(value).__name__}{len(value)}".encode())
+        for v in value:
+            _fold(hasher, v)
+    elif value is None or isinstance(value, (bool, int, float, str, bytes)):
+        hasher.update(repr(value).encode())
+    else:  # an object of its own: its repr may hold an address
+        hasher.update(type(value).__qualname__.encode())
+
+
+def content_source(values: Iterable[tuple[str, Any]], what: str) -> Source | None:
+    """The :class:`Source` of a state dict's values that every rank must pass alike (None when
+    there are none: a sharded dict's values are each rank's own)."""
+    hasher = hashlib.sha256()
+    count = 0
+    for name, value in values:
+        if isinstance(value, ShardedTensor):
+            continue
+        hasher.update(repr(name).encode())
+        _fold(hasher, value)
+        count += 1
+    if not count:
+        return None
+    digest = hasher.digest()[:8]
+    return Source(digest, f"{what} with digest {digest.hex()}", "passed different state dicts",
+                  "Every rank must pass the same full state dict (each keeps its own slice of it): "
+                  "read the same file on every rank, or broadcast rank 0's "
+                  "(torch.distributed.broadcast_object_list).")
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -276,7 +458,9 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
     missing = sorted(k for k in expected if k not in state)
     if strict and unexpected:
         problems.append(f"unexpected keys (not in this model): {unexpected}")
-    agree_on(problems, driver, "loading the model state")
+    parameters = [n for g in plan.groups for slot in g.params for n in slot.names if n in state]
+    agree_on(problems, driver, "loading the model state",
+             source=lambda: content_source(((n, state[n]) for n in parameters), "parameters"))
     return (updates, [(b, state[name]) for name, b in buffers.items() if name in state],
             _IncompatibleKeys(missing, unexpected))
 
@@ -322,15 +506,20 @@ def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping
                 full.update(dict.fromkeys(slot.names, value))  # ties stay one tensor
     else:
         full = full_parameters(list(driver.shards), plan, driver.world, timeout)
+    problems = []
+    result = _IncompatibleKeys([], [])
     with materialised(module, full) as buffers:
         try:
             result = module.load_state_dict(dict(state_dict), strict=strict)
         except RuntimeError as e:
-            raise FxShardError(
-                f"load_full_state_dict: the state dict does not match the model, nothing was "
-                f"loaded. {str(e).strip()} Pass a dict from full_state_dict(), or the original "
-                "module's state_dict()."
-            ) from None
+            problems.append(f"{str(e).strip()} Pass a dict from full_state_dict(), or the original "
+                            "module's state_dict().")
+    # Buffers are each rank's own (full_state_dict returns this rank's): only the rest must agree.
+    own = persistent_buffers(module)
+    agree_on(problems, driver, "load_full_state_dict",
+             why="the state dict does not match the model, nothing was loaded",
+             source=lambda: content_source(((k, v) for k, v in state_dict.items() if k not in own),
+                                           "a state dict"))
     load_shards(list(driver.shards), plan, full, driver.world.rank)
     with torch.no_grad():
         for name, buffer in module.named_buffers(remove_duplicate=False):
@@ -459,7 +648,9 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
                 found = {}
             new_groups.append({**found, "params": positions})
         loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
-    agree_on(problems, driver, "loading the optimizer state")
+    agree_on(problems, driver, "loading the optimizer state", source=lambda: content_source(
+        [("param_groups", state_dict["param_groups"]), *sorted(saved.items(), key=lambda kv: repr(kv[0]))],
+        "optimizer state"))
     return loads
 
 
