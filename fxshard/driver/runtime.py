@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxshard.ir import compat
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ShardPlan
 
@@ -79,12 +80,7 @@ def comm_device(group: dist.ProcessGroup) -> torch.device:
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The timeout ``group`` was created with (torch's default for its backend if unknown)."""
-    backend = dist.get_backend(group)
-    try:
-        options = group._get_backend(torch.device("cpu")).options
-        return options._timeout
-    except (RuntimeError, AttributeError):
-        return dist.distributed_c10d._get_default_timeout(backend)
+    return compat.group_timeout(group)
 
 
 def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
@@ -252,7 +248,7 @@ def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
     group = world.comm[0] if world.comm else world.group
     with torch.no_grad():
         # What DDP calls: the buffers coalesced into few messages, copied back in place.
-        dist._broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+        compat.broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
@@ -353,7 +349,7 @@ def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: fl
     if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
-    work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
+    work = compat.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
     wait_within(work, timeout, lambda what: FxShardError(
         f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
         f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "

@@ -1,0 +1,302 @@
+"""The one module that reaches into torch beyond its public API.
+
+fxshard is tested on torch 2.11 through 2.15 (``pyproject.toml``). Everything
+it takes from torch's internals, or from public names that differ between
+those releases, is named here; every other module imports it from here
+(``tests/test_compat.py`` fails on a private torch name anywhere else that is
+not on its allow-list). A release that moves one of these names is handled in
+this file alone.
+
+What differs between the releases, and why fxshard needs each name:
+
+========================================  ==================  =========================================
+name (where in torch)                     releases            why fxshard needs it
+========================================  ==================  =========================================
+``all_gather_single``                     2.11: absent;       the flat all-gather of the runtime
+(``torch.distributed``)                   2.13: new, and      (state dicts, init) and of the ranks'
+                                          ``all_gather_into_  agreement; on 2.11
+                                          tensor`` warns      ``all_gather_into_tensor`` is the same
+                                          deprecated; 2.15:   collective (output first, then input)
+                                          both, no warning
+``MemTracker``                            all                 ``measure.peak_memory`` (benchmarks,
+(``distributed._tools.mem_tracker``)                          tests)
+``compile_session_context``               2.11: absent        Tracing as ``torch.compile`` traces:
+(``torch.compiler._compile_session_       (``_is_compiling_   ``torch.compiler.is_compiling()`` true
+context``)                                flag`` instead);    around AOTAutograd, so libraries
+                                          2.13, 2.15: both    (transformers) take traceable paths
+``aot_module_simplified``                 all                 the joint forward+backward trace
+(``_functorch.aot_autograd``)
+``functorch_config``                      all                 ``force_non_lazy_backward_lowering``:
+(``_functorch.config``)                                       compile backward at trace time, where
+                                                              the passes can raise
+``default_partition``                     all                 fxshard's partitioner hands the
+(``_functorch.partitioners``)                                 rewritten joint graph to it
+``detect_fake_mode`` (``_guards``),       all                 nodes' ``meta["val"]`` are computed
+``fake_tensor`` (``_subclasses``)                             under the trace's fake mode; its
+                                                              exceptions classify trace failures
+``pytree`` (``utils._pytree``)            all                 the flattening AOTAutograd and Dynamo
+                                                              use (registered types such as
+                                                              transformers' ModelOutput); no public
+                                                              module in these releases
+``OpOverload``, ``OpOverloadPacket``      all                 the targets of aten nodes, their schema
+(``_ops``), ``schema(op)``                                    (aliasing, mutation, argument names)
+``c10d_functional``                       all                 the functional collectives fxshard
+(``torch.ops._c10d_functional``),                             emits, and the process group a graph
+``resolve_process_group``                                     names by string
+``rng_prims`` (``_prims``)                all                 replaying dropout's RNG state in
+                                                              recomputed regions
+``TorchDispatchMode``                     all                 meta-init's write recorder, the
+(``utils._python_dispatch``)                                  collective byte counter
+``DisableTorchFunctionSubclass``,         all                 ShardGrad: global gradient norms inside
+``foreach_norm``,                                             ``clip_grad_norm_`` and the inf check
+``amp_foreach_non_finite_check_and_                           inside GradScaler, which call these
+unscale_`` (``torch._C``, ``torch``)
+``broadcast_coalesced``                   all                 DDP's buffer broadcast
+(``torch.distributed``)
+``default_timeout``,                      all                 the timeout a process group was made
+``group_timeout``                                             with; torch has no public getter
+``register_backend``, ``OptimizedModule``,  all               the torch.compile backend
+``innermost_backend``, ``original_module``,
+``dynamo_exc`` (``_dynamo``)
+Inductor: ``select_decomp_table``,        all                 ``compute="inductor"``
+``partition_fn``, ``compile_fx_inner``,
+``V``
+``ShardedTensor`` and its metadata        all                 state dicts for DCP: each rank's boxes
+(``distributed._shard``),                                     of a parameter; loading by keys;
+``flatten_state_dict``,                                       optimizer state created as torch's
+``load_state_dict_from_keys``,                                ``get_state_dict`` creates it
+``init_optim_state``
+``IncompatibleKeys``,                     all                 ``load_state_dict``'s return value;
+``reparametrize_module`` (``nn``)                             running a module on given tensors
+``storage_key``                           all                 liveness: one key per storage, also for
+(``UntypedStorage._cdata``)                                   fake and meta tensors (no data pointer)
+========================================  ==================  =========================================
+
+Replaced by public API (no longer imported): ``FakeStore`` from
+``torch.testing._internal`` (``explain`` uses ``dist.HashStore``; the fake
+process group never reads its store) and ``torch.fx.graph._BoxedCodeGen``
+(``driver/codegen.py`` subclasses the public ``CodeGen``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+from torch._guards import detect_fake_mode
+from torch._ops import OpOverload, OpOverloadPacket
+from torch._prims import rng_prims
+from torch._subclasses import fake_tensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optim_state
+from torch.distributed.checkpoint.state_dict_loader import (
+    _load_state_dict_from_keys as load_state_dict_from_keys,
+)
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "BatchNorm", "DisableTorchFunctionSubclass", "IncompatibleKeys", "OpOverload",
+    "OpOverloadPacket", "Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata",
+    "TensorProperties", "TorchDispatchMode", "all_gather_single", "boxed", "is_boxed",
+    "amp_foreach_non_finite_check_and_unscale_",
+    "aot_module_simplified", "broadcast_coalesced", "c10d_functional", "compiling",
+    "default_partition", "default_timeout", "detect_fake_mode", "dynamo_exc", "fake_tensor",
+    "flatten_state_dict", "foreach_norm", "functorch_config", "group_timeout",
+    "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
+    "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "load_state_dict_from_keys",
+    "mem_tracker", "op_name", "optimized_module_class", "original_module", "pytree",
+    "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
+    "storage_key",
+]
+
+# -- operators ----------------------------------------------------------------------------------
+
+c10d_functional = torch.ops._c10d_functional
+foreach_norm = torch._foreach_norm
+amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+
+
+def schema(op: OpOverload) -> Any:
+    """``op``'s ``torch.FunctionSchema`` (arguments, returns, alias and mutation info)."""
+    return op._schema
+
+
+def op_name(op: OpOverloadPacket) -> str:
+    """``aten::mm`` for ``torch.ops.aten.mm``."""
+    return str(op._qualified_op_name)
+
+
+def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``fn``, marked as taking its arguments as one list that it clears (AOTAutograd's
+    boxed calling convention: inputs die at their last use, not when the graph returns)."""
+    fn._boxed_call = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_boxed(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` take the boxed calling convention (Inductor's compiled graphs do)?"""
+    return bool(getattr(fn, "_boxed_call", False))
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """One integer per storage, the same for every view of it, on fake and meta tensors too."""
+    return int(t.untyped_storage()._cdata)
+
+
+# -- distributed --------------------------------------------------------------------------------
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> Any:
+    """Every rank's ``input`` concatenated into ``output`` (a collective)."""
+    gather = getattr(dist, "all_gather_single", None)  # 2.13 on; 2.11 has only the older name
+    if gather is None:
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def resolve_process_group(name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names by string."""
+    resolve: Any = dist.distributed_c10d._resolve_process_group  # takes a GroupName (a str)
+    group: dist.ProcessGroup = resolve(name)
+    return group
+
+
+def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int,
+                        src: int) -> None:
+    """DDP's buffer broadcast: ``tensors`` coalesced into few messages, copied back in place."""
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)
+
+
+def default_timeout(backend: str) -> datetime.timedelta:
+    """torch's default timeout for a process group of ``backend``."""
+    default: Any = dist.distributed_c10d._get_default_timeout  # takes a Backend (a str)
+    timeout: datetime.timedelta = default(backend)
+    return timeout
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The timeout ``group`` was created with (torch's default for its backend if unknown)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        return default_timeout(dist.get_backend(group))
+
+
+# -- tracing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true inside, as during a ``torch.compile``."""
+    session = getattr(torch.compiler, "_compile_session_context", None)  # 2.13 on
+    if session is not None:
+        with session():
+            yield
+        return
+    previous = torch.compiler._is_compiling_flag  # releases without the context manager
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
+def mem_tracker() -> Any:
+    """torch's ``MemTracker`` class (imported on first use: it loads the FSDP runtime)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+
+
+def _dynamo() -> Any:
+    return importlib.import_module("torch._dynamo")
+
+
+def register_backend(name: str, backend: Callable[..., Any]) -> None:
+    """Make ``torch.compile(model, backend=name)`` call ``backend``."""
+    _dynamo().register_backend(name=name)(backend)
+
+
+def dynamo_exc() -> Any:
+    """``torch._dynamo.exc``: the exceptions Dynamo and symbolic shapes raise."""
+    return importlib.import_module("torch._dynamo.exc")
+
+
+def optimized_module_class() -> type[Any]:
+    """The class of the module ``torch.compile(module)`` returns."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
+
+
+
+def innermost_backend(callback: Any) -> Any:
+    """The backend a compiled module's callback wraps (under Dynamo's own wrappers)."""
+    from torch._dynamo.eval_frame import innermost_backend as innermost
+
+    return innermost(callback)
+
+
+def original_module(compiled: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped."""
+    original = compiled._orig_mod
+    assert isinstance(original, nn.Module)
+    return original
+
+
+# -- compute="inductor" -------------------------------------------------------------------------
+
+
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions Inductor applies before it lowers a graph."""
+    importlib.import_module("torch._inductor.compile_fx")  # loads the lowerings the table consults
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_partition_fn(joint: Any, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's joint-graph passes, then ``kwargs["partitioner_fn_override"]``."""
+    from torch._inductor.compile_fx import partition_fn
+
+    return partition_fn(joint, joint_inputs, **kwargs)
+
+
+def inductor_set_fake_mode(mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """Inductor's passes read the fake mode from its virtualized state."""
+    from torch._inductor.virtualized import V
+
+    manager: contextlib.AbstractContextManager[Any] = V.set_fake_mode(mode)
+    return manager
+
+
+def inductor_compile_fx_inner(gm: Any, example_inputs: Any) -> Callable[..., Any]:
+    """Inductor compiles one graph."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    compiled: Callable[..., Any] = compile_fx_inner(gm, example_inputs)
+    return compiled
