@@ -7,70 +7,63 @@ those releases, is named here; every other module imports it from here
 not on its allow-list). A release that moves one of these names is handled in
 this file alone.
 
-What differs between the releases, and why fxshard needs each name:
+What differs between the releases:
 
-========================================  ==================  =========================================
-name (where in torch)                     releases            why fxshard needs it
-========================================  ==================  =========================================
-``all_gather_single``                     2.11: absent;       the flat all-gather of the runtime
-(``torch.distributed``)                   2.13: new, and      (state dicts, init) and of the ranks'
-                                          ``all_gather_into_  agreement; on 2.11
-                                          tensor`` warns      ``all_gather_into_tensor`` is the same
-                                          deprecated; 2.15:   collective (output first, then input)
-                                          both, no warning
-``MemTracker``                            all                 ``measure.peak_memory`` (benchmarks,
-(``distributed._tools.mem_tracker``)                          tests)
-``compile_session_context``               2.11: absent        Tracing as ``torch.compile`` traces:
-(``torch.compiler._compile_session_       (``_is_compiling_   ``torch.compiler.is_compiling()`` true
-context``)                                flag`` instead);    around AOTAutograd, so libraries
-                                          2.13, 2.15: both    (transformers) take traceable paths
-``aot_module_simplified``                 all                 the joint forward+backward trace
-(``_functorch.aot_autograd``)
-``functorch_config``                      all                 ``force_non_lazy_backward_lowering``:
-(``_functorch.config``)                                       compile backward at trace time, where
-                                                              the passes can raise
-``default_partition``                     all                 fxshard's partitioner hands the
-(``_functorch.partitioners``)                                 rewritten joint graph to it
-``detect_fake_mode`` (``_guards``),       all                 nodes' ``meta["val"]`` are computed
-``fake_tensor`` (``_subclasses``)                             under the trace's fake mode; its
-                                                              exceptions classify trace failures
-``pytree`` (``utils._pytree``)            all                 the flattening AOTAutograd and Dynamo
-                                                              use (registered types such as
-                                                              transformers' ModelOutput); no public
-                                                              module in these releases
-``OpOverload``, ``OpOverloadPacket``      all                 the targets of aten nodes, their schema
-(``_ops``), ``schema(op)``                                    (aliasing, mutation, argument names)
-``c10d_functional``                       all                 the functional collectives fxshard
-(``torch.ops._c10d_functional``),                             emits, and the process group a graph
-``resolve_process_group``                                     names by string
-``rng_prims`` (``_prims``)                all                 replaying dropout's RNG state in
-                                                              recomputed regions
-``TorchDispatchMode``                     all                 meta-init's write recorder, the
-(``utils._python_dispatch``)                                  collective byte counter
-``DisableTorchFunctionSubclass``,         all                 ShardGrad: global gradient norms inside
-``foreach_norm``,                                             ``clip_grad_norm_`` and the inf check
-``amp_foreach_non_finite_check_and_                           inside GradScaler, which call these
-unscale_`` (``torch._C``, ``torch``)
-``broadcast_coalesced``                   all                 DDP's buffer broadcast
-(``torch.distributed``)
-``default_timeout``,                      all                 the timeout a process group was made
-``group_timeout``                                             with; torch has no public getter
-``register_backend``, ``OptimizedModule``,  all               the torch.compile backend
-``innermost_backend``, ``original_module``,
-``dynamo_exc`` (``_dynamo``)
-Inductor: ``select_decomp_table``,        all                 ``compute="inductor"``
-``partition_fn``, ``compile_fx_inner``,
-``V``
-``ShardedTensor`` and its metadata        all                 state dicts for DCP: each rank's boxes
-(``distributed._shard``),                                     of a parameter; loading by keys;
-``flatten_state_dict``,                                       optimizer state created as torch's
-``load_state_dict_from_keys``,                                ``get_state_dict`` creates it
-``init_optim_state``
-``IncompatibleKeys``,                     all                 ``load_state_dict``'s return value;
-``reparametrize_module`` (``nn``)                             running a module on given tensors
-``storage_key``                           all                 liveness: one key per storage, also for
-(``UntypedStorage._cdata``)                                   fake and meta tensors (no data pointer)
-========================================  ==================  =========================================
+=================================  ===========================  =====================  =====================
+name here (torch's)                2.11                         2.13                   2.15
+=================================  ===========================  =====================  =====================
+``all_gather_single``              absent: calls                present (and           present
+(``dist.all_gather_single``)       ``all_gather_into_tensor``,  ``all_gather_into_
+                                   the same collective          tensor`` deprecated)
+``compiling``                      absent: sets                 present                present
+(``torch.compiler._compile_        ``_is_compiling_flag``
+session_context``)                 itself
+=================================  ===========================  =====================  =====================
+
+Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table says otherwise):
+
+- ``all_gather_single``: the runtime's flat gathers (state dicts, init) and the ranks' agreement.
+- ``compiling``: trace as ``torch.compile`` does, with ``torch.compiler.is_compiling()`` true
+  around AOTAutograd, so libraries (transformers) take their traceable paths.
+- ``aot_module_simplified``, ``functorch_config`` (``torch._functorch``): the joint
+  forward+backward trace; ``force_non_lazy_backward_lowering`` compiles backward at trace time,
+  where the passes can raise.
+- ``default_partition`` (``torch._functorch.partitioners``): fxshard's partitioner hands the
+  rewritten joint graph to it.
+- ``boxed``, ``is_boxed`` (a function's ``_boxed_call``): AOTAutograd's calling convention
+  for compiled graphs, which lets inputs die at their last use.
+- ``detect_fake_mode`` (``torch._guards``), ``fake_tensor`` (``torch._subclasses``): nodes'
+  ``meta["val"]`` are computed under the trace's fake mode; its exceptions classify trace failures.
+- ``pytree`` (``torch.utils._pytree``): the flattening AOTAutograd and Dynamo use, with the types
+  registered there (transformers' ModelOutput); no public module in these releases.
+- ``OpOverload``, ``OpOverloadPacket`` (``torch._ops``), ``schema``, ``op_name``: aten nodes'
+  targets, their schemas (aliasing, mutation, argument names) and names.
+- ``c10d_functional`` (``torch.ops._c10d_functional``), ``resolve_process_group``: the
+  functional collectives fxshard emits, and the process group a graph names by string.
+- ``rng_prims`` (``torch._prims``): replaying dropout's generator state in recomputed regions.
+- ``TorchDispatchMode`` (``torch.utils._python_dispatch``): meta init's write recorder and the
+  collective byte counter; ``mem_tracker`` (``torch.distributed._tools``): measured peaks.
+- ``DisableTorchFunctionSubclass``, ``foreach_norm``, ``amp_foreach_non_finite_check_and_unscale_``
+  (``torch._C``, ``torch``): ShardGrad's global norms inside ``clip_grad_norm_`` and its inf check
+  inside GradScaler, which call these.
+- ``broadcast_coalesced`` (``torch.distributed``): DDP's buffer broadcast.
+- ``group_timeout``, ``default_timeout``: the timeout a process group was made with; torch has no
+  public getter.
+- ``register_backend``, ``optimized_module_class``, ``innermost_backend``, ``original_module``,
+  ``dynamo_exc`` (``torch._dynamo``): the torch.compile backend.
+- ``inductor_*`` (``torch._inductor``): ``compute="inductor"``.
+- ``ShardedTensor`` and its metadata (``torch.distributed._shard``), ``flatten_state_dict``,
+  ``load_state_dict_from_keys``, ``init_optim_state`` (``torch.distributed.checkpoint``):
+  state dicts for DCP as each rank's boxes of a parameter; loading by keys; optimizer state
+  created as torch's ``get_state_dict`` creates it.
+- ``IncompatibleKeys``, ``reparametrize_module``, ``BatchNorm`` (``torch.nn``): what
+  ``load_state_dict`` returns; running a module on given tensors; every batch norm class.
+- ``storage_key`` (``UntypedStorage._cdata``): liveness, one key per storage, on fake and meta
+  tensors too (they have no data pointer).
+
+Beyond these names, the emitted graphs differ in one way: on 2.15 the reshape
+after each ``addmm`` of a linear layer is ``aten._unsafe_view`` where 2.11 and
+2.13 emit ``aten.view`` (docs/devices.md: the report is the same).
 
 Replaced by public API (no longer imported): ``FakeStore`` from
 ``torch.testing._internal`` (``explain`` uses ``dist.HashStore``; the fake
