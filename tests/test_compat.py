@@ -22,6 +22,7 @@ Each hit must be on ``ALLOWED`` with its reason, or move into compat.
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,3 +224,17 @@ def test_compat_names_resolve_on_this_release() -> None:
     missing = [name for name in compat.__all__ if not hasattr(compat, name)]
     assert not missing, missing
     assert compat.op_name(__import__("torch").ops.aten.mm) == "aten::mm"
+
+
+def test_the_declared_torch_range_is_the_one_ci_runs() -> None:
+    """pyproject's torch range starts at the oldest release .ci/run tests and ends at the newest."""
+    spec = re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert spec, "pyproject.toml: torch's range is not torch>=A.B,<C.D"
+    low_major, low_minor, high_major, high_minor = map(int, spec.groups())
+    ci = (ROOT / ".ci" / "run").read_text()
+    tested = {tuple(map(int, v)) for v in re.findall(r"\btorch==(\d+)\.(\d+)\.\d+", ci)}
+    versions = re.search(r"for version in ([\d. ]+);", ci)
+    assert versions, ".ci/run: no loop over torch releases"
+    tested |= {tuple(map(int, v.split(".")[:2])) for v in versions.group(1).split()}
+    assert (low_major, low_minor) in tested and (high_major, high_minor - 1) in tested, (
+        spec.group(0), sorted(tested))

@@ -82,6 +82,14 @@ def _register_dataclasses(obj: Any) -> None:
             _register_dataclasses(x)
 
 
+def _check_indices(mod: nn.Module, args: Any) -> None:
+    """Embedding indices must be integers. torch's fake embedding says so from 2.13 on; on 2.11
+    it traces float indices, and the step would fail only when it runs."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].dtype not in (torch.int64, torch.int32):
+        raise RuntimeError("Expected tensor for argument #1 'indices' to have one of the following "
+                           f"scalar types: Long, Int; but got {args[0].dtype} instead")
+
+
 class _ModuleScopes:
     """Forward hooks that annotate every traced node with its module path.
 
@@ -95,6 +103,8 @@ class _ModuleScopes:
         for name, mod in root.named_modules():
             self.handles.append(mod.register_forward_pre_hook(self._enter(name), prepend=True))
             self.handles.append(mod.register_forward_hook(self._exit))
+            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+                self.handles.append(mod.register_forward_pre_hook(_check_indices))
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:

@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -107,7 +108,7 @@ from torch.nn.utils.stateless import _reparametrize_module as reparametrize_modu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "BatchNorm", "DisableTorchFunctionSubclass", "IncompatibleKeys", "OpOverload",
+    "BACKWARD_HOLDS_TANGENTS", "RELEASE", "BatchNorm", "DisableTorchFunctionSubclass", "IncompatibleKeys", "OpOverload",
     "OpOverloadPacket", "Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata",
     "TensorProperties", "TorchDispatchMode", "all_gather_single", "boxed", "is_boxed",
     "amp_foreach_non_finite_check_and_unscale_",
@@ -120,6 +121,12 @@ __all__ = [
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
     "storage_key",
 ]
+
+RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+# Before 2.13 AOTAutograd's backward holds the gradients of the step's outputs (the tangents)
+# until the backward graph returns; from 2.13 on they die at their last use in it.
+BACKWARD_HOLDS_TANGENTS = RELEASE < (2, 13)
 
 # -- operators ----------------------------------------------------------------------------------
 
@@ -272,11 +279,21 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
     return select_decomp_table()
 
 
-def inductor_partition_fn(joint: Any, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """Inductor's joint-graph passes, then ``kwargs["partitioner_fn_override"]``."""
-    from torch._inductor.compile_fx import partition_fn
+def inductor_partition_fn(joint: Any, joint_inputs: Sequence[Any], *,
+                          partitioner_fn_override: Callable[..., Any], **kwargs: Any) -> Any:
+    """Inductor's joint-graph passes, then ``partitioner_fn_override`` partitions."""
+    from torch._inductor import compile_fx
 
-    return partition_fn(joint, joint_inputs, **kwargs)
+    if "partitioner_fn_override" in inspect.signature(compile_fx.partition_fn).parameters:
+        return compile_fx.partition_fn(joint, joint_inputs,
+                                       partitioner_fn_override=partitioner_fn_override, **kwargs)
+    # 2.11: partition_fn takes no override; run its joint-graph passes as it does, then ours.
+    with compile_fx.get_cuda_device_context(joint):
+        devices = compile_fx.get_inputs_devices(joint_inputs, joint)
+        joint = compile_fx._recursive_joint_graph_passes(
+            joint, skip_invoke_subgraph=True, input_device=next(iter(devices)))
+    static = kwargs.pop("static_lifetime_input_indices", None)
+    return partitioner_fn_override(joint, joint_inputs, static_lifetime_input_indices=static, **kwargs)
 
 
 def inductor_set_fake_mode(mode: Any) -> contextlib.AbstractContextManager[Any]:
