@@ -545,8 +545,11 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          else ", so nothing else took CPU time to speak of."))
     earlier = list(dict.fromkeys(r["model"] for r in results if "earlier_run" in r))
     if earlier:
+        releases = sorted({r["torch"] for r in results if "earlier_run" in r and "torch" in r})
+        other = [t for t in releases if t != meta["torch"]]
         notes.append(f"†: {', '.join(earlier)} measured in a separate run of this benchmark, kept by "
-                     "--append; their ratios are within that run.")
+                     "--append; their ratios are within that run"
+                     + (f" (torch {', '.join(other)})." if other else "."))
         before_meta = [m for m in earlier if m == "large" and not any(
             "built_on_meta" in r for r in results if r["model"] == m)]
         if before_meta:
@@ -719,7 +722,8 @@ def main(argv: list[str] | None = None) -> None:
             systems = list(LARGE_SYSTEMS)
         for system in systems:
             print(f"{model_name} / {system} ...", flush=True)
-            results.append(measure(system, model_name, args, str(scratch)))
+            # Each row names its torch release: --append keeps rows of earlier runs, maybe on another.
+            results.append({**measure(system, model_name, args, str(scratch)), "torch": torch.__version__})
     meta: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
                             "torch": torch.__version__, "world_size": args.world_size,
                             "quick": args.quick, "steps": args.steps, "fxshard": fxshard_version()}
@@ -731,7 +735,7 @@ def main(argv: list[str] | None = None) -> None:
     meta["params"] = params
     report: dict[str, Any] = {"meta": meta, "results": results}
     if args.scaling:
-        scaling = {"compile_scaling": compile_scaling([12, 24, 48]),
+        scaling = {"torch": torch.__version__, "compile_scaling": compile_scaling([12, 24, 48]),
                    "planning": planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"])}
         (out / "scaling.json").write_text(json.dumps(scaling, indent=1))
         (out / "scaling.md").write_text(scaling_markdown(scaling))

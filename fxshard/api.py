@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
@@ -20,6 +18,7 @@ from fxshard.driver.guards import MAX_VARIANTS, Guards, guards_of
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import refuse_eager_calls
 from fxshard.driver.trace import StepFunction
+from fxshard.ir.compat import IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
@@ -240,7 +239,7 @@ class ShardedModule(nn.Module):
         return state.full_model_state(self._skeleton, self._driver, rank0_only, timeout)
 
     def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                             timeout: float = 300.0) -> _IncompatibleKeys:
+                             timeout: float = 300.0) -> IncompatibleKeys:
         """Inverse of :meth:`full_state_dict`: every rank passes the full dict, keeps its shard.
 
         Loads through the module's own ``load_state_dict``, so its load hooks run
@@ -269,7 +268,7 @@ class ShardedModule(nn.Module):
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> _IncompatibleKeys:
+                        assign: bool = False) -> IncompatibleKeys:
         """Load a full state dict under the original names (every rank passes it).
 
         The same as :meth:`load_full_state_dict`: ``strict=False`` loads the keys

@@ -39,6 +39,7 @@ from fxshard.driver.compiler import CompiledStep, Driver
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import refuse_eager_calls
 from fxshard.driver.trace import TracedStep, cast_unit_inputs, flatten_outputs, parameter_views
+from fxshard.ir import compat
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
@@ -257,9 +258,7 @@ def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:
 
 
 def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
-    from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
-
-    if not isinstance(model, OptimizedModule):
+    if not isinstance(model, compat.optimized_module_class()):
         raise FxShardError(
             f"expected a sharded model, got a plain {type(model).__name__}: fxshard.parameters "
             "takes the module torch.compile returned, e.g. "
@@ -268,11 +267,11 @@ def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
             "whose ShardedModule the state-dict functions and no_sync also take."
         )
     callback: Any = model.dynamo_ctx.callback
-    fn: Any = innermost_backend(callback)
+    fn: Any = compat.innermost_backend(callback)
     fn = getattr(fn, "compiler_fn", fn)
     if not isinstance(fn, FxShardBackend):
         raise FxShardError(f"this model was compiled with backend {fn!r}, not fxshard.backend(...)")
-    return fn, model._orig_mod
+    return fn, compat.original_module(model)
 
 
 def parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -312,4 +311,4 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 # torch.compile(model, backend="fxshard"): default options (everything in one unit).
 DEFAULT = FxShardBackend()
-torch._dynamo.register_backend(name="fxshard")(DEFAULT)
+compat.register_backend("fxshard", DEFAULT)

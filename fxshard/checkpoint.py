@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -69,13 +68,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fxshard.backend import sharding_of
 from fxshard.driver import state
 from fxshard.driver.compiler import Driver
 from fxshard.driver.runtime import slot_overlap
 from fxshard.driver.state import Source, StateDictError
+from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
+from fxshard.ir.compat import flatten_state_dict
 from fxshard.ir.errors import FxShardError
 
 __all__ = [

@@ -41,9 +41,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from fxshard.checkpoint import ChecksumError, read_checksums, verify_items, verify_metadata
+from fxshard.ir.compat import load_state_dict_from_keys as _load_state_dict_from_keys
 from fxshard.ir.errors import FxShardError
 
 _SAFETENSORS_DTYPES = {

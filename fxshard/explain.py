@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from fxshard.api import shard_module
 from fxshard.driver.compiler import Driver
 from fxshard.driver.dump import PassLog
 from fxshard.driver.report import Report
+from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
@@ -138,9 +138,8 @@ def explain(
     meta_args = pytree.tree_map(
         lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, args
     )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # The fake backend reads nothing from its store: any public store does.
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         driver = Driver(config, runs=False)
         with torch.set_grad_enabled(train):

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
+from fxshard.ir.compat import TorchDispatchMode
 
-_f = torch.ops._c10d_functional
+_f = compat.c10d_functional
 _c = torch.ops.c10d
 
 
@@ -29,7 +29,7 @@ def peak_memory(fn: Callable[[], Any], *track: Any) -> int:
     ``track`` are modules, optimizers and tensors created before the call
     whose memory counts (parameters, optimizer state, inputs).
     """
-    tracker = MemTracker()
+    tracker = compat.mem_tracker()()
     tracker.track_external(*track)
     with tracker:
         fn()
@@ -66,7 +66,7 @@ class CommCounter(TorchDispatchMode):
         elif func is _f.reduce_scatter_tensor.default:
             self._count("reduce_scatter", _nbytes(args[0]), args[2])
         elif func is _f.all_reduce.default:
-            group = torch.distributed.distributed_c10d._resolve_process_group(args[2])
+            group = compat.resolve_process_group(args[2])
             self._count("all_reduce", _nbytes(args[0]), group.size())
         elif func is _c.allreduce_.default:
             self._count("all_reduce", sum(_nbytes(t) for t in args[0]), _group_size(args[1]))

@@ -47,12 +47,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._guards import detect_fake_mode
-from torch._prims import rng_prims
 
-from fxshard.ir import meta, ops
+from fxshard.ir import compat, meta, ops
 from fxshard.ir import predicates as P
+from fxshard.ir.compat import detect_fake_mode, pytree, rng_prims
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.nodes import fake_value
 
@@ -132,13 +130,13 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    return (P.is_call(node) and isinstance(target, torch._ops.OpOverload)
+    return (P.is_call(node) and isinstance(target, compat.OpOverload)
             and torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _mutates(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return isinstance(target, compat.OpOverload) and compat.schema(target).is_mutable
 
 
 # (save in forward, replay in backward): fxshard's plain functions for graphs that run

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +24,8 @@ def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path
     rows = {r["system"]: r for r in report["results"]}
     assert set(rows) == set(systems)
     assert not any("failed" in r for r in rows.values()), rows
+    # Every row names the torch release it ran on (--append may keep rows of another).
+    assert {r["torch"] for r in rows.values()} == {report["meta"]["torch"]} == {torch.__version__}
     # Same units (one per block, resident root) -> the same bytes on the wire as FSDP2,
     # counted by the same counter, plus the ranks' agreement before forward and
     # backward (8 bytes from each of the 2 ranks, twice); DDP all-reduces 2x the parameters.

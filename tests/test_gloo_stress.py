@@ -33,7 +33,8 @@ ITERATIONS = 1000
 
 
 class _ManyThreads(c10d.ProcessGroupGloo):  # type: ignore[misc, name-defined]
-    def __init__(self, store, rank, size, timeout=None):  # type: ignore[no-untyped-def]
+    # torch 2.15 also passes enable_reconfigure (False unless asked for): 8 threads is what matters here.
+    def __init__(self, store, rank, size, timeout=None, **kwargs):  # type: ignore[no-untyped-def]
         options = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._threads = 8
         options._devices = [c10d.ProcessGroupGloo.create_default_device()]  # type: ignore[attr-defined]

@@ -10,15 +10,23 @@ definition of the gradient).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch.distributed._local_tensor import LocalTensorMode, rank_map
+from torch.distributed._local_tensor import LocalTensorMode, enabled_local_tensor_mode
 
 import fxshard
 
 from graph_utils import fake_world
 from models import CASES
+
+
+def rank_map(cb: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """One tensor per simulated rank (torch 2.13's module-level rank_map; 2.11 has only the mode's)."""
+    mode = enabled_local_tensor_mode()
+    assert mode is not None, "rank_map outside LocalTensorMode"
+    return mode.rank_map(cb)
 
 
 def _local(t: torch.Tensor, rank: int) -> torch.Tensor:

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import default_partition
-from torch.fx.graph import _BoxedCodeGen
 
-from fxshard.driver.runtime import Abandoned, World, collective_failure, no_python_context
-from fxshard.ir import meta, ops
+from fxshard.driver.runtime import Abandoned, World, collective_failure
+from fxshard.ir import compat, meta, ops
 from fxshard.ir.checkpointing import Checkpointing
+from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
@@ -131,7 +130,7 @@ class GraphCompiler:
                 "compute='eager' runs the same graph without Inductor."
             ) from e
         return _guarded(compiled, self.world.rank, kind, self.abandoned,
-                        boxed=getattr(compiled, "_boxed_call", False))
+                        boxed=compat.is_boxed(compiled))
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return self._compile("forward", gm, example_inputs)
@@ -175,9 +174,23 @@ def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
     signature, for reading and for calling by hand.
     """
     runnable = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    runnable.graph.set_codegen(_BoxedCodeGen())
+    runnable.graph.set_codegen(BoxedCodeGen())
     runnable.recompile()
     return runnable.forward
+
+
+class BoxedCodeGen(fx.graph.CodeGen):
+    """``def forward(self, args_list)``: the placeholders are taken from the list, which is
+    then cleared (torch's boxed calling convention, written on fx's public ``CodeGen``)."""
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **kwargs: Any) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        lines = [f"def forward(self, args_list){maybe_return_annotation}:"]
+        if names:
+            lines += ["    args_iter = iter(args_list)"]
+            lines += [f"    {name} = next(args_iter)" for name in names]
+            lines += ["    args_list.clear()"]
+        return "\n".join(lines)
 
 
 def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Abandoned,
@@ -188,7 +201,7 @@ def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Aban
 
     def run(args: list[Any]) -> Any:
         try:
-            with no_python_context():  # its collectives' Works: nothing a gloo thread must decref
+            with compat.no_python_context():  # its collectives' Works: nothing a gloo thread must decref
                 return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
@@ -197,5 +210,4 @@ def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Aban
                 raise
             raise failure from e
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return compat.boxed(run)

@@ -20,7 +20,6 @@ captured, ``explain`` a meta copy of the module on a fake process group (with
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -54,6 +53,7 @@ from fxshard.driver.runtime import (
     with_comm_groups,
 )
 from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
+from fxshard.ir import compat
 from fxshard.ir.analysis import first_use_order
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
@@ -509,7 +509,7 @@ def _check_cast_batch_norms(module: nn.Module, config: CompileConfig, device: to
     errors: list[str] = []
     probed: dict[tuple[torch.dtype, torch.dtype], str | None] = {}
     for name, mod in module.named_modules():
-        if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.weight is None \
+        if not isinstance(mod, compat.BatchNorm) or mod.weight is None \
                 or mod.running_mean is None:
             continue
         compute = precision.dtypes_for(mod.weight, mod)[0]
@@ -573,11 +573,7 @@ def emitted_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModul
 
 
 def _inductor_decompositions() -> dict[Any, Callable[..., Any]]:
-    # Load the lowerings the decomposition table consults.
-    importlib.import_module("torch._inductor.compile_fx")
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
+    return compat.inductor_decompositions()
 
 
 def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., Any]:
@@ -587,23 +583,18 @@ def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., 
     turns ``native_dropout`` into the random ops it can compile); its
     ``partition_fn`` runs them and hands the graph to the override.
     """
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import partition_fn
-    from torch._inductor.virtualized import V
-
     def run(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         vals = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
         # The passes read the fake mode from Inductor's virtualized state.
-        with V.set_fake_mode(detect_fake_mode(vals)):
-            return partition_fn(joint, joint_inputs, partitioner_fn_override=partition, **kwargs)
+        with compat.inductor_set_fake_mode(compat.detect_fake_mode(vals)):
+            return compat.inductor_partition_fn(joint, joint_inputs, partitioner_fn_override=partition,
+                                                **kwargs)
 
     return run
 
 
 def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    return compile_fx_inner(gm, example_inputs)
+    return compat.inductor_compile_fx_inner(gm, example_inputs)
 
 
 def _unit_modules(plan: ShardPlan) -> ByPredicate:

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from fxshard.driver.report import describe_tensors
-from fxshard.driver.runtime import World, comm_device, no_python_context, wait_within
+from fxshard.driver.runtime import World, comm_device, wait_within
+from fxshard.ir import compat
 from fxshard.ir.collectives import Collective
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 
@@ -42,8 +43,8 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     device = comm_device(group)
     mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)
-    with no_python_context():  # the backward's agreement runs inside a backward
-        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+    with compat.no_python_context():  # the backward's agreement runs inside a backward
+        work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     wait_within(work, seconds, lambda what: FxShardError(
         f"rank {world.rank}: the other ranks did not reach the {phase} of this step {what}: "
@@ -55,7 +56,7 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     if bool((everyone == mine).all()):
         return
     descriptions: list[Description | None] = [None] * world.size
-    with no_python_context():
+    with compat.no_python_context():
         dist.all_gather_object(descriptions, describe(), group=group)
     raise CollectiveMismatchError(_mismatch(descriptions, world.rank))
 

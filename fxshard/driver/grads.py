@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fxshard.ir import compat
+
 
 class ShardGrad(torch.Tensor):
     """A flat shard's gradient; ``fxshard_group`` is the process group it is sharded over."""
@@ -48,13 +50,13 @@ class ShardGrad(torch.Tensor):
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if func is torch.linalg.vector_norm and kwargs.get("dim", args[2] if len(args) > 2 else None) is None:
             return _global_norms([args[0]], [result], _ord(args, kwargs))[0]
-        if func is torch._foreach_norm:
+        if func is compat.foreach_norm:
             return _global_norms(list(args[0]), list(result), _ord(args, kwargs))
-        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+        if func is compat.amp_foreach_non_finite_check_and_unscale_:
             _agree_on_inf(list(args[0]), args[1] if len(args) > 1 else kwargs["found_inf"])
         return result
 

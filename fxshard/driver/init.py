@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxshard.driver.runtime import World, comm_device, slot_overlap
 from fxshard.ir import predicates as P
+from fxshard.ir.compat import OpOverload, TorchDispatchMode
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 
@@ -67,7 +67,7 @@ def _check_initialisable(module: nn.Module, init_fn: InitFn | None) -> None:
         )
 
 
-Write = tuple[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]]
+Write = tuple[OpOverload, tuple[Any, ...], dict[str, Any]]
 
 
 class _LaterWrites(TorchDispatchMode):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.ir import meta
+from fxshard.ir import compat, meta
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_kind
 from fxshard.ir.memory import simulate
@@ -161,6 +161,8 @@ def build_report(
         # user output, which the caller still holds.
         user_outputs = {a.name for a in fw_out[:num_user_outputs] if isinstance(a, fx.Node)}
         held = {k for k in carried if as_forward.get(k) in user_outputs}
+        if compat.BACKWARD_HOLDS_TANGENTS:  # torch 2.11: the tangents live through backward
+            held |= tangents
         bw, _ = simulate(backward, inputs, held, fw.end - sum(inputs[k] for k in carried), shared)
         curves["backward"] = tuple(bw.curve)
         if bw.peak > peak:

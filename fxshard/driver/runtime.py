@@ -6,11 +6,10 @@ the compiled graphs.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxshard.ir import compat
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ShardPlan
 
@@ -80,12 +80,7 @@ def comm_device(group: dist.ProcessGroup) -> torch.device:
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The timeout ``group`` was created with (torch's default for its backend if unknown)."""
-    backend = dist.get_backend(group)
-    try:
-        options = group._get_backend(torch.device("cpu")).options
-        return options._timeout
-    except (RuntimeError, AttributeError):
-        return dist.distributed_c10d._get_default_timeout(backend)
+    return compat.group_timeout(group)
 
 
 def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
@@ -253,38 +248,10 @@ def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
     group = world.comm[0] if world.comm else world.group
     with torch.no_grad():
         # What DDP calls: the buffers coalesced into few messages, copied back in place.
-        dist._broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+        compat.broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
-
-
-@contextlib.contextmanager
-def no_python_context() -> Iterator[None]:
-    """Issue collectives with no Python object in the thread-local state they copy.
-
-    torch (2.13) stashes ``contextvars.copy_context()`` in the C++ thread-local
-    state for every backward (``torch.autograd.graph._engine_run_backward``),
-    and a gloo collective copies that state into its Work (``AsyncWork::tls_``).
-    Whoever drops the last Work of a backward then decrefs that Context and
-    needs the GIL: often a gloo worker thread, just after the collective
-    completed. If the main thread is finalizing the interpreter by then,
-    ``take_gil`` calls ``pthread_exit``, whose unwind meets the noexcept
-    ``~AsyncWork``: std::terminate ("terminate called without an active
-    exception", SIGABRT at exit). Collectives issued inside this block hold no
-    Context. (Python objects the user put in that state, a TorchFunctionMode or
-    saved-tensor hooks, are still copied.)
-    """
-    key = "context"
-    if not hasattr(torch._C, "_is_key_in_tls") or not torch._C._is_key_in_tls(key):
-        yield  # torch 2.11 stashes no Context
-        return
-    saved = torch._C._get_obj_in_tls(key)
-    torch._C._remove_obj_from_tls(key)
-    try:
-        yield
-    finally:
-        torch._C._stash_obj_in_tls(key, saved)
 
 
 def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[str], Exception],
@@ -382,7 +349,7 @@ def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: fl
     if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
-    work = dist.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
+    work = compat.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
     wait_within(work, timeout, lambda what: FxShardError(
         f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
         f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "

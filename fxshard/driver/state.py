@@ -51,14 +51,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.driver.compiler import Driver
 from fxshard.driver.runtime import (
@@ -69,6 +61,16 @@ from fxshard.driver.runtime import (
     load_shards,
     slot_overlap,
 )
+from fxshard.ir import compat
+from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
+from fxshard.ir.compat import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
+from fxshard.ir.compat import reparametrize_module as _reparametrize_module
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ParamSlot
 
@@ -268,9 +270,8 @@ _ARRIVALS: dict[str, int] = {}
 def _arrival(group: dist.ProcessGroup, rank: int, size: int) -> Callable[[], list[int] | None]:
     """Mark this rank's arrival at the next agreement on ``group``; returns what tells which
     ranks have not arrived (None where the store cannot say)."""
-    try:
-        store = dist.distributed_c10d._world.pg_map[group][1]
-    except (KeyError, AttributeError):
+    store = compat.group_store(group)
+    if store is None:
         return lambda: None
     name = group.group_name
     seq = _ARRIVALS.get(name, 0)
@@ -546,7 +547,7 @@ def _group_of_shard(driver: Driver, optimizer: torch.optim.Optimizer) -> dict[in
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
     """Make the optimizer's state exist (torch's way: a step with zero gradients, lr 0)."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from fxshard.ir.compat import init_optim_state as _init_optim_state
 
     _init_optim_state(optimizer)
 

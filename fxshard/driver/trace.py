@@ -33,13 +33,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from fxshard.driver.guards import Recorder, recording
-from fxshard.ir import meta
+from fxshard.ir import compat, meta
+from fxshard.ir.compat import aot_module_simplified, pytree
 from fxshard.ir.errors import FxShardError, SourceLine, TraceError
 from fxshard.ir.plan import ROOT, ShardPlan
 from fxshard.ir.precision import MixedPrecision
@@ -83,6 +82,14 @@ def _register_dataclasses(obj: Any) -> None:
             _register_dataclasses(x)
 
 
+def _check_indices(mod: nn.Module, args: Any) -> None:
+    """Embedding indices must be integers. torch's fake embedding says so from 2.13 on; on 2.11
+    it traces float indices, and the step would fail only when it runs."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].dtype not in (torch.int64, torch.int32):
+        raise RuntimeError("Expected tensor for argument #1 'indices' to have one of the following "
+                           f"scalar types: Long, Int; but got {args[0].dtype} instead")
+
+
 class _ModuleScopes:
     """Forward hooks that annotate every traced node with its module path.
 
@@ -96,6 +103,8 @@ class _ModuleScopes:
         for name, mod in root.named_modules():
             self.handles.append(mod.register_forward_pre_hook(self._enter(name), prepend=True))
             self.handles.append(mod.register_forward_hook(self._exit))
+            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+                self.handles.append(mod.register_forward_pre_hook(_check_indices))
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:
@@ -283,7 +292,7 @@ def trace_step(
             source=source,
         )
     try:
-        with torch.fx.traceback.preserve_node_meta(), torch._functorch.config.patch(
+        with torch.fx.traceback.preserve_node_meta(), compat.functorch_config.patch(
             force_non_lazy_backward_lowering=True
         ), _compiling():
             # Typed for GraphModules, but lifts the parameters and buffers of any module.
@@ -334,17 +343,8 @@ def _compiling() -> Iterator[None]:
     experts implementation. ``torch.compile`` holds this same context around
     its whole compile, AOTAutograd included; AOTAutograd alone does not.
     """
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
-            yield
-        return
-    previous = torch.compiler._is_compiling_flag  # releases without the context manager
-    torch.compiler._is_compiling_flag = True
-    try:
+    with compat.compiling():
         yield
-    finally:
-        torch.compiler._is_compiling_flag = previous
 
 
 def _module_type(root: nn.Module, path: str | None) -> str:
@@ -389,7 +389,7 @@ _EMBEDDINGS = ("Embedding", "EmbeddingBag")
 
 
 def _is_symbolic_shape_error(e: BaseException, module_type: str) -> bool:
-    from torch._dynamo import exc as dynamo_exc
+    dynamo_exc = compat.dynamo_exc()
     from torch.fx.experimental import symbolic_shapes
 
     restart = getattr(dynamo_exc, "TensorifyScalarRestartAnalysis", None)
@@ -398,7 +398,7 @@ def _is_symbolic_shape_error(e: BaseException, module_type: str) -> bool:
 
 
 def _is_data_dependent(e: BaseException, module_type: str) -> bool:
-    from torch._subclasses import fake_tensor
+    fake_tensor = compat.fake_tensor
     from torch.fx.experimental import symbolic_shapes
 
     if isinstance(e, (fake_tensor.DataDependentOutputException,
@@ -408,13 +408,13 @@ def _is_data_dependent(e: BaseException, module_type: str) -> bool:
 
 
 def _is_dynamic_output_shape(e: BaseException, module_type: str) -> bool:
-    from torch._subclasses import fake_tensor
+    fake_tensor = compat.fake_tensor
 
     return isinstance(e, fake_tensor.DynamicOutputShapeException)
 
 
 def _is_unsupported_operator(e: BaseException, module_type: str) -> bool:
-    from torch._subclasses import fake_tensor
+    fake_tensor = compat.fake_tensor
 
     return isinstance(e, fake_tensor.UnsupportedOperatorException) or bool(_NO_FAKE_IMPL.search(str(e)))
 

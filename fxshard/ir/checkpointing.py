@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
+from fxshard.ir.compat import OpOverloadPacket
 from fxshard.ir.policies import SAVE_BY_DEFAULT, Policy, Selective, WrapQuery
 
 
@@ -29,7 +29,7 @@ class Checkpointing:
     # (overload packets) are saved and everything else is recomputed. In the
     # other regions everything is recomputed.
     selective: frozenset[str] = frozenset()
-    saved_ops: tuple[torch._ops.OpOverloadPacket, ...] = SAVE_BY_DEFAULT
+    saved_ops: tuple[OpOverloadPacket, ...] = SAVE_BY_DEFAULT
     policy: str = ""
 
     def region_of(self, path: str | None) -> str | None:

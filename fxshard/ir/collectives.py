@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.ir import meta
+from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 
 KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce"}
@@ -71,7 +71,7 @@ def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
             op = None
         elif P.is_all_reduce(node):
             _, op, name = node.args
-            size = torch.distributed.distributed_c10d._resolve_process_group(name).size()
+            size = compat.resolve_process_group(name).size()
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)

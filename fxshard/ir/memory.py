@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from fxshard.ir import compat
 from fxshard.ir import predicates as P
 
 
@@ -32,8 +33,8 @@ def _aliases_input(node: fx.Node) -> bool:
     if P.is_view(node):
         return True
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in target._schema.returns)
+    if isinstance(target, compat.OpOverload):
+        return any(r.alias_info is not None for r in compat.schema(target).returns)
     return False
 
 
@@ -169,7 +170,7 @@ def graph_timeline(gm: fx.GraphModule, persistent: set[fx.Node]) -> Timeline:
             continue
         val = node.meta.get("val")
         try:  # the StorageImpl's address: the same for views of one storage
-            key = val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else id(node)
+            key = compat.storage_key(val) if isinstance(val, torch.Tensor) else id(node)
         except (NotImplementedError, RuntimeError):
             key = id(node)
         if key in first_of:

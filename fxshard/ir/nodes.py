@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._guards import detect_fake_mode
 
+from fxshard.ir.compat import detect_fake_mode, pytree
 from fxshard.ir.errors import GraphInvariantError
 
 

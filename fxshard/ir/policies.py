@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fxshard.ir.compat import OpOverloadPacket, op_name
+
 
 @dataclass(frozen=True)
 class WrapQuery:
@@ -108,7 +110,7 @@ _aten = torch.ops.aten
 # What selective activation checkpointing saves by default: the outputs of
 # matmuls, convolutions and attention (torchtitan's and torch's SAC examples
 # save these); everything cheaper is recomputed.
-SAVE_BY_DEFAULT: tuple[torch._ops.OpOverloadPacket, ...] = (
+SAVE_BY_DEFAULT: tuple[OpOverloadPacket, ...] = (
     _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
     _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
     _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
@@ -121,12 +123,12 @@ class Selective(Policy):
     the outputs of the ``save`` operators are kept and the rest recomputed."""
 
     policy: Policy
-    save: tuple[torch._ops.OpOverloadPacket, ...] = SAVE_BY_DEFAULT
+    save: tuple[OpOverloadPacket, ...] = SAVE_BY_DEFAULT
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
             raise TypeError(f"selective takes a policy (by_class(Block), ...), got {self.policy!r}")
-        bad = [op for op in self.save if not isinstance(op, torch._ops.OpOverloadPacket)]
+        bad = [op for op in self.save if not isinstance(op, OpOverloadPacket)]
         if bad:
             raise TypeError(f"selective(save=...) takes aten operators such as torch.ops.aten.mm, got {bad}")
 
@@ -136,7 +138,7 @@ class Selective(Policy):
     def __repr__(self) -> str:
         if self.save == SAVE_BY_DEFAULT:
             return f"selective({self.policy!r})"
-        return f"selective({self.policy!r}, save=({', '.join(op._qualified_op_name for op in self.save)}))"
+        return f"selective({self.policy!r}, save=({', '.join(op_name(op) for op in self.save)}))"
 
 
 def by_size(min_params: int | float) -> Policy:
@@ -151,7 +153,7 @@ def by_predicate(fn: Callable[[str, nn.Module], bool]) -> Policy:
     return ByPredicate(fn)
 
 
-def selective(policy: Policy, save: tuple[torch._ops.OpOverloadPacket, ...] | None = None) -> Policy:
+def selective(policy: Policy, save: tuple[OpOverloadPacket, ...] | None = None) -> Policy:
     """For ``activation_checkpointing=``: recompute the regions ``policy`` selects except
     the outputs of ``save`` (default: matmuls, convolutions, attention)."""
     return Selective(policy, SAVE_BY_DEFAULT if save is None else tuple(save))

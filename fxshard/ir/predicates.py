@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.ir import meta, ops
+from fxshard.ir import compat, meta, ops
 
-_c10d = torch.ops._c10d_functional
+_c10d = compat.c10d_functional
 
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
@@ -80,7 +80,7 @@ _GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2}
 
 def _group_arg(node: fx.Node) -> int:
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target not in _GROUP_ARG:
+    if not isinstance(target, compat.OpOverload) or target not in _GROUP_ARG:
         raise ValueError(f"{node.name} ({target}) is not a lowered collective")
     return _GROUP_ARG[target]
 
@@ -115,7 +115,7 @@ def is_tangent(node: fx.Node) -> bool:
 
 def is_random(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(target, compat.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def is_view(node: fx.Node) -> bool:
@@ -131,9 +131,9 @@ def is_view(node: fx.Node) -> bool:
         parent = node.args[0]
         return isinstance(parent, fx.Node) and is_view(parent)
     target = node.target
-    if not (is_call(node) and isinstance(target, torch._ops.OpOverload)):
+    if not (is_call(node) and isinstance(target, compat.OpOverload)):
         return False
-    schema = target._schema
+    schema = compat.schema(target)
     if schema.is_mutable:
         return False
     return any(r.alias_info is not None for r in schema.returns)
@@ -142,7 +142,7 @@ def is_view(node: fx.Node) -> bool:
 def written_arguments(op: object, args: Sequence[Any]) -> list[Any]:
     """The positional ``args`` an operator writes to (its schema's mutable arguments); none
     for anything but an OpOverload. Works on fx nodes' args and on run-time tensors alike."""
-    schema = getattr(op, "_schema", None) if isinstance(op, torch._ops.OpOverload) else None
+    schema = compat.schema(op) if isinstance(op, compat.OpOverload) else None
     if schema is None or not schema.is_mutable:
         return []
     return [value for arg, value in zip(schema.arguments, args)
@@ -155,12 +155,12 @@ def allocates(node: fx.Node) -> bool:
     target = node.target
     return (
         is_call(node)
-        and isinstance(target, torch._ops.OpOverload)
+        and isinstance(target, compat.OpOverload)
         and target.namespace == "aten"
         and not is_view(node)
         and not is_random(node)
-        and not target._schema.is_mutable
-        and all(r.alias_info is None for r in target._schema.returns)
+        and not compat.schema(target).is_mutable
+        and all(r.alias_info is None for r in compat.schema(target).returns)
         and isinstance(node.meta.get("val"), torch.Tensor)
     )
 
