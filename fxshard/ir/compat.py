@@ -18,6 +18,13 @@ name here (torch's)                2.11                         2.13            
 ``compiling``                      absent: sets                 present                present
 (``torch.compiler._compile_        ``_is_compiling_flag``
 session_context``)                 itself
+``inductor_partition_fn``          no override: runs Inductor's present                present
+(``partition_fn``'s                joint-graph passes itself,
+``partitioner_fn_override``)       then fxshard's partitioner
+``BACKWARD_HOLDS_TANGENTS``        True: the tangents live      False: they die at     False
+(AOTAutograd's backward)           until the backward graph     their last use
+                                   returns; report() counts
+                                   them through backward
 =================================  ===========================  =====================  =====================
 
 Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table says otherwise):
@@ -67,7 +74,9 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
 - ``storage_key`` (``UntypedStorage._cdata``): liveness, one key per storage, on fake and meta
   tensors too (they have no data pointer).
 
-Beyond these names, the emitted graphs differ in one way: on 2.15 the reshape
+Beyond these names: 2.11's fake ``embedding`` accepts float indices, so the trace checks an
+``nn.Embedding``'s indices itself (``driver/trace.py``), as 2.13's does. The emitted graphs differ
+in one way: on 2.15 the reshape
 after each ``addmm`` of a linear layer is ``aten._unsafe_view`` where 2.11 and
 2.13 emit ``aten.view`` (docs/devices.md: the report is the same).
 
