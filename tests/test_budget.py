@@ -12,6 +12,7 @@ import torch
 
 import fxshard
 from fxshard import BudgetError
+from fxshard.ir import compat
 from fxshard.ir.budget import Candidate, Prediction, search
 from fxshard.measure import peak_memory
 from fxshard.policies import by_class
@@ -20,9 +21,18 @@ from dist_utils import run_ranks
 from models import Block, TinyGPT
 from test_checkpointing import _batch, _model, _step_holding_outputs, _train
 
+
+def _held_tangent(batch: int, seq: int, vocab: int = 61) -> int:
+    """torch before 2.13 keeps the gradient of the model's output (the fp32 logits) alive until
+    its backward graph returns (``compat.BACKWARD_HOLDS_TANGENTS``; docs/devices.md): every
+    peak of these models is higher by exactly those bytes there, and so is each budget."""
+    return batch * seq * vocab * 4 if compat.BACKWARD_HOLDS_TANGENTS else 0
+
+
 # Three budgets for _model() at 2 ranks, batch 8 x 32: the default schedule's
 # peak is about 2.4 MiB, every region fully recomputed about 1.1 MiB.
-BUDGETS = {"roomy": 2_600_000, "tight": 2_100_000, "tighter": 1_300_000}
+BUDGETS = {name: budget + _held_tangent(8, 32)
+           for name, budget in {"roomy": 2_600_000, "tight": 2_100_000, "tighter": 1_300_000}.items()}
 
 
 def worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -140,8 +150,9 @@ def test_a_budget_above_a_reachable_peak_is_met(kib: int) -> None:
         return fxshard.explain(model, torch.zeros(8, 16, dtype=torch.long), policy=by_class(Block),
                                world_size=4, memory_budget=budget)
 
-    report = explain(kib * 1024).report
-    assert report.budget is not None and report.predicted_peak_bytes <= kib * 1024
+    budget = kib * 1024 + _held_tangent(8, 16)  # TinyGPT's logits for 8 x 16 tokens
+    report = explain(budget).report
+    assert report.budget is not None and report.predicted_peak_bytes <= budget
     if kib == 540:
         with pytest.raises(BudgetError) as refused:
             explain(100 * 1024)
