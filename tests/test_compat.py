@@ -238,3 +238,14 @@ def test_the_declared_torch_range_is_the_one_ci_runs() -> None:
     tested |= {tuple(map(int, v.split(".")[:2])) for v in versions.group(1).split()}
     assert (low_major, low_minor) in tested and (high_major, high_minor - 1) in tested, (
         spec.group(0), sorted(tested))
+
+
+def test_names_that_differ_between_releases_are_reached_through_compat() -> None:
+    """Public names that some supported release lacks (``dist.all_gather_single``: 2.11) must
+    be called through compat; the private-name scan cannot see them."""
+    root = Path(__file__).resolve().parent.parent
+    offenders = [f"{path.relative_to(root)}:{n}" for folder in ("fxshard", "passes")
+                 for path in sorted((root / folder).rglob("*.py")) if path.name != "compat.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if "dist.all_gather_single" in line]
+    assert not offenders, offenders

@@ -305,7 +305,7 @@ def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collect
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     start = time.monotonic()
     try:
-        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+        work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
         assert work is not None
         if seconds is None:
             work.wait()
