@@ -312,7 +312,7 @@ _CAN_ABORT_NATIVELY = pytest.mark.xfail(
     reason="a save or load left by a timeout can abort natively (SIGABRT); not fixed yet")
 
 
-@_CAN_ABORT_NATIVELY
+#@_CAN_ABORT_NATIVELY
 @pytest.mark.parametrize("call", ["save", "load"])
 def test_save_or_load_on_one_rank_raises_a_clear_error_within_the_timeout(call: str) -> None:
     start = time.monotonic()
@@ -343,7 +343,7 @@ def stalled_writer_worker(rank: int, world_size: int, root: str) -> dict[str, An
             "previous": sorted(os.listdir(path))}
 
 
-@_CAN_ABORT_NATIVELY
+#@_CAN_ABORT_NATIVELY
 def test_a_stalled_writer_raises_on_every_rank_within_the_timeout() -> None:
     with tempfile.TemporaryDirectory() as root:
         r0, r1 = run_ranks(stalled_writer_worker, 2, root)

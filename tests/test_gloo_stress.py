@@ -1,13 +1,19 @@
 """Stress: fxshard's emitted collectives in a tight loop on 2 gloo ranks must not corrupt the heap.
 
-torch 2.13's gloo worker threads write the process group's status (the name
-of the last completed work, a heap string for the functional all_gather's
-"ALLGATHER_COALESCED") without a lock, so two collectives completing together
-on one group can free the same buffer twice (docs/devices.md). fxshard puts
-collectives that are in flight together on different groups
-(assign_groups_pass). To make a crash on a shared group certain within a few
-seconds, as the investigation did: 8 gloo worker threads per group and glibc's
-tcache off, so a double free aborts at once.
+``ProcessGroupGloo::runLoop`` writes the group's status (the name of the last
+completed work, a heap string for the functional all_gather's
+"ALLGATHER_COALESCED") from its worker threads without a lock, after the work
+is marked done (docs/devices.md). Two worker threads of one group can write it
+at once, and free the same buffer twice, in two ways:
+
+- two collectives in flight together on one group: fxshard puts those on
+  different groups (assign_groups_pass);
+- a collective waited and the next issued on the same group at once, the first
+  worker thread still writing: seen under load (a full CI run), never alone.
+  fxshard's gloo groups have one worker thread each (compat.one_thread_gloo).
+
+Both are checked structurally, every run. The loop itself, with glibc's
+tcache off so that a double free aborts at once, is the smoke test.
 """
 
 from __future__ import annotations
@@ -18,27 +24,18 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fxshard
+from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.policies import by_class
 
 from models import MLP
 
 ITERATIONS = 1000
-
-
-class _ManyThreads(c10d.ProcessGroupGloo):  # type: ignore[misc, name-defined]
-    # torch 2.15 also passes enable_reconfigure (False unless asked for): 8 threads is what matters here.
-    def __init__(self, store, rank, size, timeout=None, **kwargs):  # type: ignore[no-untyped-def]
-        options = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._threads = 8
-        options._devices = [c10d.ProcessGroupGloo.create_default_device()]  # type: ignore[attr-defined]
-        super().__init__(store, rank, size, options)
 
 
 def _shared_in_flight(schedule: list) -> list[str]:  # type: ignore[type-arg]
@@ -58,7 +55,6 @@ def _shared_in_flight(schedule: list) -> list[str]:  # type: ignore[type-arg]
 
 def _stress(rank: int, world_size: int, store_path: str) -> None:
     torch.set_num_threads(1)
-    c10d.ProcessGroupGloo = _ManyThreads  # type: ignore[misc]
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     torch.manual_seed(0)
@@ -81,6 +77,10 @@ def _stress(rank: int, world_size: int, store_path: str) -> None:
     shared = _shared_in_flight(schedule)
     if shared:  # deterministic, whether or not this run happens to crash
         raise AssertionError(f"collectives in flight together on one group: {shared}")
+    threads = {name: compat.gloo_threads(compat.resolve_process_group(name))
+               for name in {node.args[-1] for node, tensor in schedule if tensor is not None}}
+    if len(threads) < 2 or any(n != 1 for n in threads.values()):
+        raise AssertionError(f"fxshard's gloo groups must have one worker thread each: {threads}")
     for _ in range(ITERATIONS):
         issued = {}
         for node, tensor in schedule:

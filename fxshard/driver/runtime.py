@@ -90,7 +90,8 @@ def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
     a driver (``fxshard.compile``, ``fxshard.parameters``). Each waits
     ``timeout`` seconds (default: ``world.group``'s timeout) at the transport
     level too, so a rank whose peer is gone or stalled gets an error and its
-    process can exit. With one slot and no timeout of its own, the steps use
+    process can exit. Over gloo each has one worker thread
+    (``compat.one_thread_gloo``). With one slot and no timeout of its own, the steps use
     ``world.group`` itself.
     """
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
@@ -99,9 +100,11 @@ def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
     if slots == 1 and timeout is None:
         return replace(world, comm=(world.group,), timeout=limit)
     ranks = dist.get_process_group_ranks(world.group)
+    # gloo's: one worker thread each, so that a group's status is never written by two at once.
+    backend = compat.one_thread_gloo() if dist.get_backend(world.group) == "gloo" else None
     groups = []
     for _ in range(slots):
-        group = dist.new_group(ranks, timeout=limit, use_local_synchronization=False)
+        group = dist.new_group(ranks, timeout=limit, backend=backend, use_local_synchronization=False)
         assert group is not None
         groups.append(group)
     return replace(world, comm=tuple(groups), timeout=limit)
@@ -272,7 +275,32 @@ def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
+        settle(work, group)
         raise error(how_the_wait_ended(time.monotonic() - start, timeout, group, e)) from e
+
+
+# Collectives whose wait failed, for the life of the process: see settle.
+_FAILED: list[dist.Work] = []
+
+
+def settle(work: dist.Work, group: dist.ProcessGroup | None) -> None:
+    """After a wait for ``work`` failed: let the collective itself end, and keep it.
+
+    A wait that timed out leaves the collective running on a gloo worker thread
+    until the group's own (transport) timeout, which fxshard's groups share with
+    the wait's. The work holds the collective's tensors, whose Python objects
+    torch keeps alive for it; whoever drops the work last frees them and needs
+    the GIL. A worker thread that does so while the interpreter exits calls
+    ``pthread_exit`` through a noexcept destructor: std::terminate, SIGABRT. So
+    wait for the work to end (at most the group's timeout and a little more:
+    never a hang) and keep it referenced here, where only this thread drops it.
+    """
+    _FAILED.append(work)
+    limit = group_timeout(group).total_seconds() + 5.0 if group is not None else 5.0
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=limit))
+    except RuntimeError:
+        pass  # it ended with its error, or is past every timeout: nothing more to do
 
 
 def how_the_wait_ended(waited: float, timeout: float | None, group: dist.ProcessGroup | None,

@@ -59,6 +59,7 @@ from fxshard.driver.runtime import (
     full_parameters,
     gather_full,
     load_shards,
+    settle,
     slot_overlap,
 )
 from fxshard.ir import compat
@@ -304,6 +305,7 @@ def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collect
     everyone = torch.empty(world.size * len(values), dtype=torch.int64, device=device)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     start = time.monotonic()
+    work = None
     try:
         work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
         assert work is not None
@@ -312,8 +314,10 @@ def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collect
         else:
             work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
-        raise StateDictError(_not_arrived(collective, world.rank, missing(), seconds,
-                                          time.monotonic() - start, e)) from e
+        waited = time.monotonic() - start
+        if work is not None:
+            settle(work, group)
+        raise StateDictError(_not_arrived(collective, world.rank, missing(), seconds, waited, e)) from e
     return everyone.view(world.size, len(values)).cpu()
 
 

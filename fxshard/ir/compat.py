@@ -54,6 +54,9 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   (``torch._C``, ``torch``): ShardGrad's global norms inside ``clip_grad_norm_`` and its inf check
   inside GradScaler, which call these.
 - ``broadcast_coalesced`` (``torch.distributed``): DDP's buffer broadcast.
+- ``one_thread_gloo``, ``gloo_threads``: fxshard's own gloo groups, made with one worker thread
+  each (``ProcessGroupGloo``'s private options), so that no two threads of a group write its
+  status at once; see the function.
 - ``group_timeout``, ``default_timeout``: the timeout a process group was made with; torch has no
   public getter. ``group_store``: the store a group was made with (``_world.pg_map``), where
   checkpoint agreements mark each rank's arrival.
@@ -129,10 +132,10 @@ __all__ = [
     "amp_foreach_non_finite_check_and_unscale_",
     "aot_module_simplified", "broadcast_coalesced", "c10d_functional", "compiling",
     "default_partition", "default_timeout", "detect_fake_mode", "dynamo_exc", "fake_tensor",
-    "flatten_state_dict", "foreach_norm", "functorch_config", "group_timeout",
+    "flatten_state_dict", "foreach_norm", "functorch_config", "gloo_threads", "group_timeout",
     "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
     "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "load_state_dict_from_keys",
-    "mem_tracker", "op_name", "optimized_module_class", "original_module", "pytree",
+    "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
     "storage_key",
 ]
@@ -238,6 +241,43 @@ def group_store(group: dist.ProcessGroup) -> dist.Store | None:
         return dist.distributed_c10d._world.pg_map[group][1]
     except (KeyError, AttributeError, IndexError):
         return None
+
+
+ONE_THREAD_GLOO = "fxshard_gloo"
+
+
+def one_thread_gloo() -> str:
+    """The name of a backend for ``dist.new_group``: gloo with one worker thread per group.
+
+    ``ProcessGroupGloo::runLoop`` (every release here) writes the group's status,
+    a heap ``std::string`` among it, from its worker thread after the work is
+    marked done and without a lock. A rank that waits a collective and issues
+    the next on the same group can have a second worker thread finish that one
+    and write the same string while the first is still writing it: a double
+    free, under load (docs/devices.md). With one worker thread per group the
+    writes follow each other. ``init_process_group`` and ``new_group`` ignore
+    gloo's options (its thread count) in every release here, so the group is
+    made through torch's public backend registry with options of its own.
+    """
+    if not hasattr(dist.Backend, ONE_THREAD_GLOO.upper()):
+        dist.Backend.register_backend(ONE_THREAD_GLOO, _one_thread_gloo, devices=["cpu"])
+    return ONE_THREAD_GLOO
+
+
+def _one_thread_gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    gloo: Any = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._threads = 1
+    options._timeout = timeout
+    options._devices = [gloo.create_default_device()]
+    return gloo(store, rank, size, options)
+
+
+def gloo_threads(group: dist.ProcessGroup) -> int:
+    """How many worker threads ``group``'s gloo backend runs collectives on."""
+    options: Any = group._get_backend(torch.device("cpu")).options  # gloo's own options type
+    threads: int = options._threads
+    return threads
 
 
 def default_timeout(backend: str) -> datetime.timedelta:
