@@ -72,7 +72,7 @@ from torch.futures import Future
 from fxshard.backend import sharding_of
 from fxshard.driver import state
 from fxshard.driver.compiler import Driver
-from fxshard.driver.runtime import slot_overlap
+from fxshard.driver.runtime import settle, slot_overlap
 from fxshard.driver.state import Source, StateDictError
 from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
 from fxshard.ir.compat import flatten_state_dict
@@ -545,6 +545,7 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     except CheckpointException as e:  # a BaseException, raised on every rank: one callers catch
         raise StateDictError(f"{what}: writing it failed, {path} is unchanged:\n  {_failures(e)}") from e
     except RuntimeError as e:  # a collective of DCP's (DCP wraps everything else)
+        settle(None, _group(driver))
         raise StateDictError(_peer_failed(what, rank, e) + f" {path} is unchanged.") from e
     # dcp.save returns once the coordinator has written .metadata after every rank's files.
     problems = []
@@ -661,6 +662,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
                "earlier checkpoint.")
         ) from e
     except RuntimeError as e:  # a collective of DCP's
+        settle(None, _group(driver))
         raise StateDictError(_peer_failed(what, driver.world.rank, e) + " Nothing was changed.") from e
     if opts:
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)

@@ -304,15 +304,6 @@ def one_rank_worker(rank: int, world_size: int, root: str, call: str) -> dict[st
     return {"error": error, "seconds": time.monotonic() - start}
 
 
-# Known gap, not hidden: a rank whose save or load agreement timed out while its peer is still
-# inside DCP's collectives can die of SIGABRT (gloo::EnforceNotMet) instead of raising: in
-# most runs on torch 2.11, in some on 2.13. Open in the tracker (issue 21's item 4 for saves).
-_CAN_ABORT_NATIVELY = pytest.mark.xfail(
-    strict=False,
-    reason="a save or load left by a timeout can abort natively (SIGABRT); not fixed yet")
-
-
-#@_CAN_ABORT_NATIVELY
 @pytest.mark.parametrize("call", ["save", "load"])
 def test_save_or_load_on_one_rank_raises_a_clear_error_within_the_timeout(call: str) -> None:
     start = time.monotonic()
@@ -343,7 +334,6 @@ def stalled_writer_worker(rank: int, world_size: int, root: str) -> dict[str, An
             "previous": sorted(os.listdir(path))}
 
 
-#@_CAN_ABORT_NATIVELY
 def test_a_stalled_writer_raises_on_every_rank_within_the_timeout() -> None:
     with tempfile.TemporaryDirectory() as root:
         r0, r1 = run_ranks(stalled_writer_worker, 2, root)

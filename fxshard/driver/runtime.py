@@ -283,24 +283,41 @@ def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[
 _FAILED: list[dist.Work] = []
 
 
-def settle(work: dist.Work, group: dist.ProcessGroup | None) -> None:
-    """After a wait for ``work`` failed: let the collective itself end, and keep it.
+def settle(work: dist.Work | None, group: dist.ProcessGroup | None) -> None:
+    """After a collective on ``group`` failed: let it end, and let its worker thread let go of it.
 
     A wait that timed out leaves the collective running on a gloo worker thread
     until the group's own (transport) timeout, which fxshard's groups share with
-    the wait's. The work holds the collective's tensors, whose Python objects
-    torch keeps alive for it; whoever drops the work last frees them and needs
-    the GIL. A worker thread that does so while the interpreter exits calls
-    ``pthread_exit`` through a noexcept destructor: std::terminate, SIGABRT. So
-    wait for the work to end (at most the group's timeout and a little more:
-    never a hang) and keep it referenced here, where only this thread drops it.
+    the wait's. Even a collective that ended is still held for a moment by the
+    thread that ran it. It holds its tensors, whose Python objects torch keeps
+    alive for it, and whoever drops it last frees them and needs the GIL: a
+    worker thread that does so while the interpreter exits calls ``pthread_exit``
+    through a noexcept destructor (std::terminate, SIGABRT: a rank that raised
+    a clear error then aborts on its way out). So: wait for ``work`` to end (at
+    most the group's timeout and a little more: never a hang), then, on a group
+    with one worker thread (fxshard's own over gloo), run an empty collective
+    there: the thread takes it only after letting go of everything before it,
+    and it needs no peer. What this thread waited on is kept here, where only
+    this thread drops it.
     """
-    _FAILED.append(work)
-    limit = group_timeout(group).total_seconds() + 5.0 if group is not None else 5.0
+    if group is None:
+        return
+    if work is not None:
+        _FAILED.append(work)
+        limit = group_timeout(group).total_seconds() + 5.0
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=limit))
+        except RuntimeError:
+            pass  # it ended with its error, or is past every timeout: nothing more to do
     try:
-        work.wait(timeout=datetime.timedelta(seconds=limit))
-    except RuntimeError:
-        pass  # it ended with its error, or is past every timeout: nothing more to do
+        if dist.get_backend(group) != compat.ONE_THREAD_GLOO or compat.gloo_threads(group) != 1:
+            return
+        empty = dist.all_reduce(torch.empty(0), group=group, async_op=True)
+        assert empty is not None
+        _FAILED.append(empty)
+        empty.wait(timeout=datetime.timedelta(seconds=5.0))
+    except (RuntimeError, AttributeError, ValueError):
+        pass
 
 
 def how_the_wait_ended(waited: float, timeout: float | None, group: dist.ProcessGroup | None,
