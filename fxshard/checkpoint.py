@@ -72,7 +72,7 @@ from torch.futures import Future
 from fxshard.backend import sharding_of
 from fxshard.driver import state
 from fxshard.driver.compiler import Driver
-from fxshard.driver.runtime import settle, slot_overlap
+from fxshard.driver.runtime import settle
 from fxshard.driver.state import Source, StateDictError
 from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
 from fxshard.ir.compat import flatten_state_dict
@@ -708,7 +708,6 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: 
     expected: set[str] = set()
     missing: list[str] = []
     for group in plan.groups:
-        lo = group.shard_range(rank)[0]
         for i, slot in enumerate(group.params):
             expected.update(slot.names)
             name = next((n for n in slot.names if n in where), None)
@@ -721,9 +720,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: 
             if shape != slot.shape:
                 problems.append(f"{name!r}: shape {shape} in the file, {slot.shape} in the model")
                 continue
-            span = slot_overlap(group, slot.offset, slot.numel, rank)
-            if span is not None:
-                reads.append((group.index, span[0] - lo, i, name, state.owned_boxes(group, slot, rank)))
+            piece = group.piece(slot, rank)
+            if piece is not None:
+                reads.append((group.index, piece.shard.start, i, name, state.owned_boxes(group, slot, rank)))
     buffers = state.persistent_buffers(module)
     expected.update(buffers)
     for name, buffer in buffers.items():

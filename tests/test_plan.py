@@ -79,6 +79,30 @@ def test_flat_layout_offsets_padding_and_shards(world_size: int) -> None:
     assert plan.numel == sum(p.numel() for p in MLP().parameters())
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7, 64])
+def test_each_ranks_piece_of_a_parameter_is_where_the_flat_layout_puts_it(world_size: int) -> None:
+    # The oracle: number every element of the flat layout, cut it into shards by hand.
+    plan = make_plan(MLP(), by_class(nn.Linear), world_size, replicate_below=20)
+    assert any(g.replicated for g in plan.groups) and any(not g.replicated for g in plan.groups)
+    for g in plan.groups:
+        layout = torch.arange(g.padded_numel)
+        step = g.padded_numel if g.replicated else g.padded_numel // world_size
+        for slot in g.params:
+            ids = torch.arange(slot.offset, slot.offset + slot.numel)
+            held = torch.zeros(slot.numel, dtype=torch.int64)
+            for rank in range(world_size):
+                shard = layout[0:step] if g.replicated else layout[rank * step:(rank + 1) * step]
+                piece = g.piece(slot, rank)
+                if piece is None:
+                    assert not bool(((ids >= shard[0]) & (ids <= shard[-1])).any())
+                    continue
+                assert torch.equal(shard[piece.shard], ids[piece.param])
+                assert piece.numel == piece.param.stop - piece.param.start > 0
+                held[piece.param] += 1
+            # sharded: every element on exactly one rank; replicated: on every rank
+            assert bool((held == (world_size if g.replicated else 1)).all()), (g.index, slot.name)
+
+
 def test_tied_weights_merge_units_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="fxshard"):
         plan = make_plan(SharedUse(), by_class(nn.Linear), 2)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxshard.driver.runtime import World, comm_device, slot_overlap
+from fxshard.driver.runtime import World, comm_device
 from fxshard.ir import predicates as P
 from fxshard.ir.compat import OpOverload, TorchDispatchMode
 from fxshard.ir.errors import FxShardError
@@ -202,12 +202,9 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
                 if key in written:
                     continue
                 written.add(key)
-                span = slot_overlap(group, slot.offset, slot.numel, world.rank)
-                if span is not None:
-                    lo, _ = group.shard_range(world.rank)
-                    flat = value.detach().reshape(-1)
-                    shards[group.index][span[0] - lo:span[1] - lo].copy_(
-                        flat[span[0] - slot.offset:span[1] - slot.offset])
+                piece = group.piece(slot, world.rank)
+                if piece is not None:
+                    shards[group.index][piece.shard].copy_(value.detach().reshape(-1)[piece.param])
         finally:
             mod._parameters.update(originals)  # the meta parameters again: nothing full stays
             done.update({id(p): prefix + name for name, p in originals.items() if p is not None})

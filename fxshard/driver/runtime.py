@@ -110,12 +110,6 @@ def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
     return replace(world, comm=tuple(groups), timeout=limit)
 
 
-def slot_overlap(group: FlatGroup, offset: int, numel: int, rank: int) -> tuple[int, int] | None:
-    lo, hi = group.shard_range(rank)
-    start, stop = max(lo, offset), min(hi, offset + numel)
-    return (start, stop) if start < stop else None
-
-
 def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.device) -> list[nn.Parameter]:
     """This rank's flat shard of every group, copied from ``module``'s parameters.
 
@@ -125,14 +119,11 @@ def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.dev
     params = dict(module.named_parameters(remove_duplicate=False))
     shards = []
     for group in plan.groups:
-        lo, _ = group.shard_range(rank)
         shard = torch.zeros(group.shard_numel, dtype=group.dtype, device=device)
         for slot in group.params:
-            span = slot_overlap(group, slot.offset, slot.numel, rank)
-            if span is None:
-                continue
-            src = params[slot.name].detach().reshape(-1)
-            shard[span[0] - lo:span[1] - lo].copy_(src[span[0] - slot.offset:span[1] - slot.offset])
+            piece = group.piece(slot, rank)
+            if piece is not None:
+                shard[piece.shard].copy_(params[slot.name].detach().reshape(-1)[piece.param])
         shards.append(nn.Parameter(shard, requires_grad=group.requires_grad))
     return shards
 
@@ -421,10 +412,9 @@ def load_shards(shards: list[nn.Parameter], plan: ShardPlan, full: dict[str, tor
     """Copy this rank's part of the full parameters in ``full`` into the shards, in place."""
     with torch.no_grad():
         for group, shard in zip(plan.groups, shards):
-            lo, _ = group.shard_range(rank)
             for slot in group.params:
-                span = slot_overlap(group, slot.offset, slot.numel, rank)
-                if span is None:
+                piece = group.piece(slot, rank)
+                if piece is None:
                     continue
-                src = full[slot.name].detach().reshape(-1).to(shard.device, shard.dtype)
-                shard[span[0] - lo:span[1] - lo].copy_(src[span[0] - slot.offset:span[1] - slot.offset])
+                src = full[slot.name].detach().reshape(-1)[piece.param]
+                shard[piece.shard].copy_(src.to(shard.device, shard.dtype))

@@ -60,7 +60,6 @@ from fxshard.driver.runtime import (
     gather_full,
     load_shards,
     settle,
-    slot_overlap,
 )
 from fxshard.ir import compat
 from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
@@ -111,10 +110,10 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 def owned_boxes(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
     """The boxes of ``slot`` that ``rank`` holds, in flat order (none: empty)."""
-    span = slot_overlap(group, slot.offset, slot.numel, rank)
-    if span is None:
+    piece = group.piece(slot, rank)
+    if piece is None:
         return []
-    return boxes(slot.shape, span[0] - slot.offset, span[1] - slot.offset)
+    return boxes(slot.shape, piece.param.start, piece.param.stop)
 
 
 def _pieces(group: FlatGroup, slot: ParamSlot, rank: int) -> list[Box]:
@@ -146,8 +145,8 @@ def sharded_value(flat: torch.Tensor, group: FlatGroup, slot: ParamSlot, driver:
 
     everyone = [metadata(r, b) for r in range(world.size) for b in _pieces(group, slot, r)]
     local = []
-    span = slot_overlap(group, slot.offset, slot.numel, world.rank)
-    start = span[0] - group.shard_range(world.rank)[0] if span is not None else 0
+    piece = group.piece(slot, world.rank)
+    start = piece.shard.start if piece is not None else 0
     for box in _pieces(group, slot, world.rank):
         n = math.prod(box[1])
         local.append(Shard(flat[start:start + n].view(box[1]), metadata(world.rank, box)))
@@ -180,7 +179,7 @@ def _local_piece(value: Any, group: FlatGroup, slot: ParamSlot, driver: Driver, 
         problems.append(f"{what}: shape {shape if shape is not None else type(value).__name__} "
                         f"where the model has {slot.shape}")
         return None
-    span = slot_overlap(group, slot.offset, slot.numel, driver.world.rank)
+    piece = group.piece(slot, driver.world.rank)
     if isinstance(value, ShardedTensor):
         shards = sorted(value.local_shards(), key=lambda s: tuple(s.metadata.shard_offsets))
         got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in shards]
@@ -191,10 +190,10 @@ def _local_piece(value: Any, group: FlatGroup, slot: ParamSlot, driver: Driver, 
                             "the dict was made for another plan or world size. Load checkpoints "
                             "into the dict fxshard.get_state_dict returns for this model")
             return None
-        return torch.cat([s.tensor.reshape(-1) for s in shards]) if span is not None else None
-    if span is None:
+        return torch.cat([s.tensor.reshape(-1) for s in shards]) if piece is not None else None
+    if piece is None:
         return None
-    return value.detach().reshape(-1)[span[0] - slot.offset:span[1] - slot.offset]
+    return value.detach().reshape(-1)[piece.param]
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -429,7 +428,6 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
     updates: list[tuple[nn.Parameter, slice, torch.Tensor]] = []
     expected: set[str] = set()
     for group, shard in zip(plan.groups, driver.shards):
-        lo = group.shard_range(driver.world.rank)[0]
         for slot in group.params:
             expected.update(slot.names)
             name = next((n for n in slot.names if n in state), None)
@@ -442,10 +440,10 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
                 problems.append(f"{name!r}: dtype {value_dtype(value)} where the model's shards are "
                                 f"{group.dtype}; convert the state dict (or the model) first")
                 continue
-            piece = _local_piece(value, group, slot, driver, repr(name), problems)
-            span = slot_overlap(group, slot.offset, slot.numel, driver.world.rank)
-            if piece is not None and span is not None:
-                updates.append((shard, slice(span[0] - lo, span[1] - lo), piece))
+            local = _local_piece(value, group, slot, driver, repr(name), problems)
+            piece = group.piece(slot, driver.world.rank)
+            if local is not None and piece is not None:
+                updates.append((shard, piece.shard, local))
     buffers = persistent_buffers(module)
     expected.update(buffers)
     for name, buffer in buffers.items():
@@ -680,16 +678,15 @@ def _flat_state(group: FlatGroup, shard: torch.Tensor, saved: Mapping[str, Any],
         return {}
     result: dict[str, Any] = {}
     rank = driver.world.rank
-    lo = group.shard_range(rank)[0]
     for key in keys[first]:
         values = [entries[s.name][key] for s in group.params]
         if any(len(value_shape(v) or ()) > 0 for v in values):
             flat = torch.zeros_like(shard, dtype=value_dtype(values[0]))
             for slot, value in zip(group.params, values):
-                piece = _local_piece(value, group, slot, driver, f"{slot.name!r} state {key!r}", problems)
-                span = slot_overlap(group, slot.offset, slot.numel, rank)
-                if piece is not None and span is not None:
-                    flat[span[0] - lo:span[1] - lo] = piece
+                local = _local_piece(value, group, slot, driver, f"{slot.name!r} state {key!r}", problems)
+                piece = group.piece(slot, rank)
+                if local is not None and piece is not None:
+                    flat[piece.shard] = local
             result[key] = flat
         else:
             distinct = {float(v) if isinstance(v, torch.Tensor) else repr(v) for v in values}

@@ -52,6 +52,19 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that one rank's shard holds: the same elements at
+    ``shard`` in that shard and at ``param`` in the parameter, flattened."""
+
+    shard: slice
+    param: slice
+
+    @property
+    def numel(self) -> int:
+        return int(self.shard.stop - self.shard.start)
+
+
+@dataclass(frozen=True)
 class FlatGroup:
     """Parameters of one unit with one dtype and requires_grad, flattened and sharded."""
 
@@ -85,9 +98,19 @@ class FlatGroup:
         return self.padded_numel - self.numel
 
     def shard_range(self, rank: int) -> tuple[int, int]:
+        """Where ``rank``'s shard lies in the group's flat layout: [start, stop)."""
         if self.replicated:
             return 0, self.numel
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def piece(self, slot: ParamSlot, rank: int) -> Piece | None:
+        """The part of ``slot`` that ``rank``'s shard holds (None: none of it). Every copy
+        between parameters and shards goes through this."""
+        lo, hi = self.shard_range(rank)
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start >= stop:
+            return None
+        return Piece(slice(start - lo, stop - lo), slice(start - slot.offset, stop - slot.offset))
 
 
 @dataclass(frozen=True)
