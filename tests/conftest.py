@@ -6,3 +6,26 @@ os.environ.setdefault("FXSHARD_VERIFY", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 # Inductor compiles in-process: no worker pool to outlive a spawned rank.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+# -- tiers --------------------------------------------------------------------------------------
+# The README's test command runs the fast tier (``-m "not slow"``, from pyproject's addopts); .ci/run
+# runs the slow tier (``-m slow``) after it, and both on the other torch releases. The slow tier:
+# - a test's 3-rank case when the same test runs on 2 and 3 ranks (and perhaps 1) only: these spawn
+#   real ranks. The fast tier keeps the 2-rank case; uneven shards stay in it through
+#   test_checkpoint (1 and 3 ranks), test_plan and test_local_ranks (3, 5, 7 ranks, no spawn).
+# - tests marked ``@pytest.mark.slow`` in their file (the quick benchmark).
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    import pytest
+
+    sizes: dict[tuple[str, str], set[int]] = {}
+    for item in items:
+        size = getattr(item, "callspec", None) and item.callspec.params.get("world_size")
+        if isinstance(size, int):
+            sizes.setdefault((item.fspath.strpath, item.originalname), set()).add(size)
+    for item in items:
+        size = getattr(item, "callspec", None) and item.callspec.params.get("world_size")
+        if size == 3 and {2, 3} <= sizes[(item.fspath.strpath, item.originalname)] <= {1, 2, 3}:
+            item.add_marker(pytest.mark.slow)

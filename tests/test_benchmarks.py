@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the slowest test (about a minute); the table tests below stay in the fast tier
 def test_quick_benchmark_writes_results_and_agrees_with_fsdp2_on_volume(tmp_path: Path) -> None:
     systems = ["ddp", "fsdp2", "fxshard", "fxshard_onegroup", "fsdp2_bf16", "fxshard_bf16"]
     proc = subprocess.run(
