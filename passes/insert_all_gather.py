@@ -30,35 +30,30 @@ from .lowering import cast, replace_with_collective
 
 
 def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    replicated = [n for n in gm.graph.nodes if P.is_replicate_marker(n)]
-    for marker in replicated:
-        group = marker.args[1]
-        assert isinstance(group, int) and isinstance(marker.args[0], fx.Node)
-        dtype = marker.args[3] if len(marker.args) > 3 else None
-        marker.replace_all_uses_with(cast(gm, marker.args[0], dtype, marker, group, ctx.unit_of(group)))
-        gm.graph.erase_node(marker)
-    markers = [n for n in gm.graph.nodes if P.is_unshard_marker(n)]
+    found = [m for m in map(P.marker, gm.graph.nodes) if m is not None]
+    replicated = [m for m in found if m.kind is P.MarkerKind.REPLICATE]
+    for m in replicated:
+        m.node.replace_all_uses_with(cast(gm, m.value, m.compute_dtype, m.node, m.group, ctx.unit_of(m.group)))
+        gm.graph.erase_node(m.node)
+    markers = [m for m in found if m.kind is P.MarkerKind.UNSHARD]
     if not markers:
         if replicated:
             gm.recompile()
         return gm
-    for marker in markers:
-        shard, group, world_size = marker.args[:3]
-        dtype = marker.args[3] if len(marker.args) > 3 else None
-        if not isinstance(shard, fx.Node) or not isinstance(group, int):
-            raise GraphInvariantError(f"{marker.name}: malformed fxshard.unshard {marker.args}")
-        if world_size != ctx.world_size:
+    for m in markers:
+        unit = ctx.unit_of(m.group)
+        if m.world_size != ctx.world_size:
             raise GraphInvariantError(
-                f"{marker.name}: traced for world size {world_size}, lowering for {ctx.world_size}"
+                f"{m.node.name}: traced for world size {m.world_size}, lowering for {ctx.world_size}"
             )
         if ctx.group_name is None:
             if ctx.world_size != 1:
                 raise GraphInvariantError("world size > 1 needs a process group to gather over")
-            marker.replace_all_uses_with(cast(gm, shard, dtype, marker, group, ctx.unit_of(group)))
-            gm.graph.erase_node(marker)
+            m.node.replace_all_uses_with(cast(gm, m.value, m.compute_dtype, m.node, m.group, unit))
+            gm.graph.erase_node(m.node)
             continue
-        source = cast(gm, shard, dtype, marker, group, ctx.unit_of(group))  # gather half the bytes
-        replace_with_collective(gm, marker, P.ALL_GATHER, (source, ctx.world_size, ctx.group_name),
-                                meta.ALL_GATHER, group, ctx.unit_of(group))
+        source = cast(gm, m.value, m.compute_dtype, m.node, m.group, unit)  # gather half the bytes
+        replace_with_collective(gm, m.node, P.ALL_GATHER, (source, ctx.world_size, ctx.group_name),
+                                meta.ALL_GATHER, m.group, unit)
     gm.recompile()
     return gm

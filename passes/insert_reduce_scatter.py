@@ -59,18 +59,13 @@ def _no_gradient(marker: fx.Node) -> None:
 
 
 def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    markers = [n for n in gm.graph.nodes
-               if P.is_reduce_grad_marker(n) or P.is_allreduce_grad_marker(n)]
+    markers = [m for m in map(P.marker, gm.graph.nodes) if m is not None and m.kind.is_gradient]
     if not markers:
         return gm
-    for marker in markers:
-        grad, group, _world_size = marker.args[:3]
-        reduce_dtype = marker.args[3] if len(marker.args) > 3 else None
-        out_dtype = marker.args[4] if len(marker.args) > 4 else None
-        if not isinstance(grad, fx.Node) or not isinstance(group, int):
-            raise GraphInvariantError(f"{marker.name}: malformed fxshard.reduce_grad {marker.args}")
+    for m in markers:
+        marker, group, out_dtype = m.node, m.group, m.out_dtype
         unit = ctx.unit_of(group)
-        grad = cast(gm, grad, reduce_dtype, marker, group, unit)
+        grad = cast(gm, m.value, m.reduce_dtype, marker, group, unit)
         sync = ctx.grad_sync
         if sync.accumulate or group in sync.flush:
             with gm.graph.inserting_before(marker):
@@ -94,7 +89,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         divide = aten.div_.Tensor if fresh else aten.div.Tensor
         with gm.graph.inserting_before(marker):
             scaled = call(gm.graph, divide, (grad, ctx.world_size))
-        if P.is_allreduce_grad_marker(marker):
+        if m.kind is P.MarkerKind.ALLREDUCE_GRAD:
             wait = replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
                                            meta.ALL_REDUCE, group, unit)
         else:

@@ -91,6 +91,27 @@ def two_unit_forward(world_size: int = 2) -> fx.GraphModule:
     return b.done(b.op(aten.mm.default, h, w1))
 
 
+def test_markers_are_read_by_name_and_a_malformed_one_is_named() -> None:
+    b = Builder()
+    shard, grad = b.input("shard", 8), b.input("grad", 16, tag="is_backward")
+    nodes = [b.op(ops.UNSHARD, shard, 3, 2), b.op(ops.REPLICATE, shard, 4, 2, torch.bfloat16, torch.float32),
+             b.op(ops.REDUCE_GRAD, grad, 3, 2, torch.float32, torch.bfloat16, tag="is_backward"),
+             b.op(ops.ALLREDUCE_GRAD, grad, 4, 2, None, torch.bfloat16, tag="is_backward")]
+    read = [P.marker(n) for n in nodes]
+    assert [(m.kind, m.value.name, m.group, m.world_size, m.compute_dtype, m.reduce_dtype, m.out_dtype)
+            for m in read if m is not None] == [
+        (P.MarkerKind.UNSHARD, "shard", 3, 2, None, None, None),
+        (P.MarkerKind.REPLICATE, "shard", 4, 2, torch.bfloat16, torch.float32, None),
+        (P.MarkerKind.REDUCE_GRAD, "grad", 3, 2, None, torch.float32, torch.bfloat16),
+        (P.MarkerKind.ALLREDUCE_GRAD, "grad", 4, 2, None, None, torch.bfloat16),
+    ]
+    assert P.marker(shard) is None and P.marker(b.op(aten.relu.default, shard)) is None
+    bad = b.op(ops.UNSHARD, shard, 3, 2)
+    bad.args = (shard, "3", 2)  # a group that is not a flat group's index
+    with pytest.raises(GraphInvariantError, match=rf"{bad.name}: malformed fxshard.unshard marker"):
+        P.marker(bad)
+
+
 def test_insert_all_gather_lowers_each_marker_to_gather_and_wait() -> None:
     gm = two_unit_forward()
     assert normalised_ops(gm).count("fxshard.unshard") == 2

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.driver.runtime import Abandoned, World, collective_failure
-from fxshard.ir import compat, meta, ops
+from fxshard.ir import compat, meta
+from fxshard.ir import predicates as P
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
@@ -106,10 +107,9 @@ class GraphCompiler:
         # Without a process group the "buffer" is the shard itself: never freed.
         output = next(n for n in fw.graph.nodes if n.op == "output")
         for node in output.args[0][num_fwd_outputs:] if self.group_name is not None else ():
-            if isinstance(node, fx.Node) and node.target is ops.UNSHARD:
-                group = node.args[1]
-                assert isinstance(group, int)
-                self.saved_buffers[node.name] = group
+            m = P.marker(node) if isinstance(node, fx.Node) else None
+            if m is not None and m.kind is P.MarkerKind.UNSHARD:
+                self.saved_buffers[node.name] = m.group
         return fw, bw
 
     def _compile(self, kind: GraphKind, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:

@@ -90,9 +90,9 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
 def source_group(node: fx.Node) -> int | None:
     """The flat group a parameter-only node derives from, following first inputs."""
     while True:
-        if P.is_unshard_marker(node):
-            group = node.args[1]
-            return group if isinstance(group, int) else None
+        m = P.marker(node)
+        if m is not None and m.kind is P.MarkerKind.UNSHARD:
+            return m.group
         info = meta.get_info(node)
         if info is not None and (is_gather_wait(node) or is_saved_buffer(node)):
             return info.group
@@ -197,8 +197,9 @@ def first_use_order(graph: fx.Graph) -> list[int]:
     order = order_of(graph)
     first: dict[int, int] = {}
     for node in graph.nodes:
-        if P.is_unshard_marker(node):
-            group = node.args[1]
+        m = P.marker(node)
+        if m is not None and m.kind is P.MarkerKind.UNSHARD:
+            group = m.group
         elif is_gather_wait(node):
             group = buffer_group(node)
         else:

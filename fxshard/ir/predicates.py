@@ -1,19 +1,23 @@
 """Node classification: every ``is_*`` question a pass asks about a node.
 
 Passes call these instead of comparing targets or names themselves, so the
-answer to "is this a collective?" lives in one place.
+answer to "is this a collective?" lives in one place. ``marker`` reads a
+trace-time marker's arguments, the one place that knows their positions.
 """
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from fxshard.ir import compat, meta, ops
+from fxshard.ir.errors import GraphInvariantError
 
 _c10d = compat.c10d_functional
 
@@ -54,8 +58,61 @@ def is_allreduce_grad_marker(node: fx.Node) -> bool:
 
 
 def is_marker(node: fx.Node) -> bool:
-    return (is_unshard_marker(node) or is_reduce_grad_marker(node)
-            or is_replicate_marker(node) or is_allreduce_grad_marker(node))
+    return is_call(node) and node.target in _MARKERS
+
+
+class MarkerKind(enum.Enum):
+    """What a trace-time marker stands for (``fxshard.ir.ops``)."""
+
+    UNSHARD = "unshard"  # a flat shard becomes the full flat parameter: an all-gather
+    REPLICATE = "replicate"  # a flat parameter kept whole on every rank: no collective
+    REDUCE_GRAD = "reduce_grad"  # a full flat gradient becomes the shard's: a reduce-scatter
+    ALLREDUCE_GRAD = "allreduce_grad"  # a whole parameter's gradient: an all-reduce
+
+    @property
+    def is_gradient(self) -> bool:
+        return self in (MarkerKind.REDUCE_GRAD, MarkerKind.ALLREDUCE_GRAD)
+
+
+_MARKERS = {ops.UNSHARD: MarkerKind.UNSHARD, ops.REPLICATE: MarkerKind.REPLICATE,
+            ops.REDUCE_GRAD: MarkerKind.REDUCE_GRAD, ops.ALLREDUCE_GRAD: MarkerKind.ALLREDUCE_GRAD}
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A marker node's arguments, by name.
+
+    ``value`` is the node it stands on (the shard, or the gradient). Parameter
+    markers carry ``compute_dtype`` (gathered and computed in; None: the
+    shard's) and the ``reduce_dtype`` their gradient will be reduced in;
+    gradient markers carry ``reduce_dtype`` and ``out_dtype`` (the shard
+    gradient's, when it differs). None: no cast.
+    """
+
+    kind: MarkerKind
+    node: fx.Node
+    value: fx.Node
+    group: int
+    world_size: int
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+
+
+def marker(node: fx.Node) -> Marker | None:
+    """``node``'s marker arguments, or None if it is not a marker; raises on a malformed one."""
+    kind = _MARKERS.get(node.target) if is_call(node) else None  # type: ignore[call-overload]
+    if kind is None:
+        return None
+    args: list[Any] = list(node.args) + [None] * (5 - len(node.args))
+    value, group, world_size, first, second = args[:5]
+    if (len(node.args) > 5 or not isinstance(value, fx.Node) or not isinstance(group, int)
+            or not isinstance(world_size, int)
+            or not all(d is None or isinstance(d, torch.dtype) for d in (first, second))):
+        raise GraphInvariantError(f"{node.name}: malformed fxshard.{kind.value} marker {node.args}")
+    if kind.is_gradient:
+        return Marker(kind, node, value, group, world_size, reduce_dtype=first, out_dtype=second)
+    return Marker(kind, node, value, group, world_size, compute_dtype=first, reduce_dtype=second)
 
 
 def is_all_gather(node: fx.Node) -> bool:
