@@ -2,7 +2,7 @@
 
 Two ``_c10d_functional`` collectives in flight at once on one gloo process
 group corrupt the heap (torch 2.13; docs/devices.md). The driver creates one
-process group per in-flight slot (``ctx.inflight_groups``, the same on every
+process group per in-flight slot (``ctx.layout.shard.slots``, the same on every
 rank); this pass gives each collective, in graph order, the first slot whose
 previous collective has been waited::
 
@@ -25,13 +25,13 @@ from .context import PassContext
 
 
 def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    slots = ctx.inflight_groups
+    slots = ctx.layout.shard.slots
     collectives = [n for n in gm.graph.nodes if P.is_collective(n)]
     if not collectives:
         return gm
     if not slots:
         raise GraphInvariantError("assign_groups_pass needs the in-flight slots' process groups "
-                                  "(ctx.inflight_groups); build_pipeline leaves it out otherwise")
+                                  "(ctx.layout.shard.slots); build_pipeline leaves it out otherwise")
     # Moving a wait earlier changes no other node's relative order: positions
     # stay valid with the moved wait given one just below the new collective's.
     order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(gm.graph.nodes)}

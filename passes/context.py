@@ -10,6 +10,7 @@ import torch
 
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.layout import Layout
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
 
@@ -50,19 +51,16 @@ REDUCE = GradSync()
 @dataclass(frozen=True)
 class PassContext:
     plan: ShardPlan
-    world_size: int
-    # Name of the c10d process group the collectives run on. None means no
-    # process group (world size 1): markers lower to nothing, no collectives.
-    group_name: str | None
+    # Over which ranks the flat groups are sharded, and the process groups the
+    # collectives run on (fxshard.ir.layout). No process group (one rank):
+    # markers lower to nothing, no collectives.
+    layout: Layout
     graph: GraphKind
     # Forward graph of a training step: outputs past this index are the
     # tensors saved for backward (AOTAutograd's calling convention).
     num_user_outputs: int | None = None
     verify: bool = True
     options: ShardingOptions = ShardingOptions()
-    # Names of the process groups of the in-flight slots, when collectives in
-    # flight together must go on different groups (assign_groups_pass).
-    inflight_groups: tuple[str, ...] = ()
     grad_sync: GradSync = REDUCE
     # Flat group -> its unsharded gradient accumulator (no_sync), owned by the driver.
     accumulators: Mapping[int, torch.Tensor] = field(default_factory=dict, compare=False)

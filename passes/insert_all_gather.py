@@ -40,20 +40,19 @@ def insert_all_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         if replicated:
             gm.recompile()
         return gm
+    shard = ctx.layout.shard
     for m in markers:
         unit = ctx.unit_of(m.group)
-        if m.world_size != ctx.world_size:
+        if m.world_size != shard.size:
             raise GraphInvariantError(
-                f"{m.node.name}: traced for world size {m.world_size}, lowering for {ctx.world_size}"
+                f"{m.node.name}: traced for a shard degree of {m.world_size}, lowering for {shard.size}"
             )
-        if ctx.group_name is None:
-            if ctx.world_size != 1:
-                raise GraphInvariantError("world size > 1 needs a process group to gather over")
+        if shard.name is None:
             m.node.replace_all_uses_with(cast(gm, m.value, m.compute_dtype, m.node, m.group, unit))
             gm.graph.erase_node(m.node)
             continue
         source = cast(gm, m.value, m.compute_dtype, m.node, m.group, unit)  # gather half the bytes
-        replace_with_collective(gm, m.node, P.ALL_GATHER, (source, ctx.world_size, ctx.group_name),
+        replace_with_collective(gm, m.node, P.ALL_GATHER, (source, shard.size, shard.name),
                                 meta.ALL_GATHER, m.group, unit)
     gm.recompile()
     return gm

@@ -79,7 +79,8 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                 _no_gradient(marker)
                 gm.graph.erase_node(marker)
                 continue
-        if ctx.group_name is None:
+        shard = ctx.layout.shard
+        if shard.name is None:
             marker.replace_all_uses_with(cast(gm, grad, out_dtype, marker, group, unit))
             gm.graph.erase_node(marker)
             continue
@@ -88,13 +89,13 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         fresh = grad.target in (aten.cat.default, CONVERT) and set(grad.users) <= {marker}
         divide = aten.div_.Tensor if fresh else aten.div.Tensor
         with gm.graph.inserting_before(marker):
-            scaled = call(gm.graph, divide, (grad, ctx.world_size))
+            scaled = call(gm.graph, divide, (grad, ctx.layout.grad_divisor))
         if m.kind is P.MarkerKind.ALLREDUCE_GRAD:
-            wait = replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", ctx.group_name),
+            wait = replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", shard.name),
                                            meta.ALL_REDUCE, group, unit)
         else:
             wait = replace_with_collective(gm, marker, P.REDUCE_SCATTER,
-                                           (scaled, "sum", ctx.world_size, ctx.group_name),
+                                           (scaled, "sum", shard.size, shard.name),
                                            meta.REDUCE_SCATTER, group, unit)
         if out_dtype is not None:  # the reduced gradient in the shard's dtype
             users = list(wait.users)

@@ -91,7 +91,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         _check_joint_saves_no_parameter(graph, ctx)
     if final and ctx.graph != "joint":
         _check_windows(graph, ctx)
-    if final and ctx.inflight_groups:
+    if final and ctx.layout.shard.slots:
         _check_groups_in_flight(graph)
 
 

@@ -13,6 +13,7 @@ from fxshard.ir import ops
 from fxshard.ir import predicates as P
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.layout import Layout
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import make_plan
 from fxshard.passes import (
@@ -77,7 +78,8 @@ def ctx(graph: str = "forward", world_size: int = 2, group: str | None = "pg", *
     kw.setdefault("options", JIT)
     layers = [torch.nn.Linear(4, 4, bias=False) for _ in range(3)]
     plan = make_plan(torch.nn.Sequential(*layers), by_class(torch.nn.Linear), world_size)
-    return PassContext(plan, world_size, group, graph, **kw)  # type: ignore[arg-type]
+    slots = kw.pop("inflight_groups", ())
+    return PassContext(plan, Layout.flat(world_size, group, slots), graph, **kw)  # type: ignore[arg-type]
 
 
 def two_unit_forward(world_size: int = 2) -> fx.GraphModule:
@@ -89,6 +91,17 @@ def two_unit_forward(world_size: int = 2) -> fx.GraphModule:
     w1 = b.op(aten.view.default, b.op(ops.UNSHARD, s1, 1, world_size), [4, 4])
     h = b.op(aten.relu.default, b.op(aten.mm.default, x, w0))
     return b.done(b.op(aten.mm.default, h, w1))
+
+
+def test_a_layout_separates_shard_degree_from_gradient_divisor_and_refuses_no_group() -> None:
+    layout = Layout.flat(4, "pg", ("s0", "s1"))
+    assert (layout.shard.size, layout.grad_divisor, layout.world_size, layout.shard.slots) == \
+        (4, 4, 4, ("s0", "s1"))
+    assert Layout.flat(1, None).communicates is False
+    with pytest.raises(ValueError, match="2 ranks need a process group"):
+        Layout.flat(2, None)
+    with pytest.raises(ValueError, match="at least one rank"):
+        Layout.flat(0, "pg")
 
 
 def test_markers_are_read_by_name_and_a_malformed_one_is_named() -> None:
@@ -135,8 +148,8 @@ def test_insert_all_gather_without_process_group_uses_the_shard_itself() -> None
     assert [v.args[0].name for v in views] == ["shard0", "shard1"]
 
 
-def test_insert_all_gather_rejects_a_graph_traced_for_another_world_size() -> None:
-    with pytest.raises(GraphInvariantError, match="unshard.*world size 2.*3"):
+def test_insert_all_gather_rejects_a_graph_traced_for_another_shard_degree() -> None:
+    with pytest.raises(GraphInvariantError, match="unshard.*traced for a shard degree of 2, lowering for 3"):
         insert_all_gather_pass(two_unit_forward(world_size=2), ctx(world_size=3))
 
 

@@ -25,6 +25,7 @@ from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
+from fxshard.ir.layout import Layout
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
 from fxshard.passes.context import REDUCE, GradSync
@@ -70,11 +71,10 @@ class GraphCompiler:
         self.num_user_outputs: int | None = None
 
     def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
-        return PassContext(self.plan, self.world_size, self.group_name, graph,
+        slots = self.world.slot_names if self.config.inflight_groups else ()
+        return PassContext(self.plan, Layout.flat(self.world_size, self.group_name, slots), graph,
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
-                           options=self.config.options,
-                           inflight_groups=self.world.slot_names if self.config.inflight_groups else (),
-                           grad_sync=self.grad_sync, accumulators=self.accumulators,
+                           options=self.config.options, grad_sync=self.grad_sync, accumulators=self.accumulators,
                            checkpointing=self.checkpointing, compute=self.config.compute)
 
     def _run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,0 +1,66 @@
+"""The layout: over which ranks each flat group is sharded, and where its collectives run.
+
+A pass reads the layout from its context (``ctx.layout``) and never a world size
+alone, because two numbers hide behind one today and come apart on a mesh:
+
+- the **shard degree** (``layout.shard.size``): how many pieces a flat group is
+  cut into, the all-gather's and the reduce-scatter's group size;
+- the **gradient divisor** (``layout.grad_divisor``): how many ranks'
+  gradients are averaged, every rank of the job.
+
+With one flat process group (the only layout the driver builds so far) both are
+the world size. A replicated dimension (HSDP's dim 0 of a 2-D mesh) would add
+``replicate``: the shard degree stays the shard group's size and the divisor
+becomes the product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """One dimension of the layout: ``size`` ranks and the process groups its collectives use.
+
+    ``name`` is the c10d group name a collective names (None: no process group,
+    size 1, so collectives lower to nothing). ``slots`` are the groups of the
+    in-flight slots over the same ranks, when collectives in flight together must
+    go on different groups (``assign_groups_pass``; empty: all on ``name``).
+    """
+
+    size: int
+    name: str | None
+    slots: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a layout dimension needs at least one rank, not {self.size}")
+        if self.name is None and self.size != 1:
+            raise ValueError(f"{self.size} ranks need a process group to communicate over")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks hold every flat group: sharded over ``shard``."""
+
+    shard: CommGroup
+
+    @classmethod
+    def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:
+        """Every rank of one process group shards every flat group (FSDP's FULL_SHARD)."""
+        return cls(CommGroup(world_size, group_name, slots))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.shard.size
+
+    @property
+    def grad_divisor(self) -> int:
+        """Gradients are averaged over every rank of the job, as DDP does."""
+        return self.world_size
+
+    @property
+    def communicates(self) -> bool:
+        return self.shard.name is not None
