@@ -323,6 +323,10 @@ def compile(
     ``FXSHARD_VERIFY`` environment variable), ``on_pass(graph, pass_name,
     gm)`` (called with each graph as traced, pass name ``"traced"``, and after
     every pass; ``graph`` is "joint", "forward", "backward" or "inference"),
+    ``mesh`` (a ``DeviceMesh`` instead of ``process_group``, with FSDP2's
+    conventions: 1-D shards over its ranks, ``(N, 1)`` is NO_SHARD: every
+    parameter whole on every rank and its gradient all-reduced; HSDP's
+    ``(R, S)`` with both above 1 is refused, not run yet),
     ``timeout`` (seconds any collective of a step waits for the other ranks;
     default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
     ``disable_passes`` (pass names), and the scheduling options of

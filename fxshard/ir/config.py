@@ -41,6 +41,8 @@ _NOT_FOR: dict[str, dict[str, str]] = {
         "timeout": "explain runs nothing, so no collective can time out",
         "param_init_fn": "explain initialises nothing: its model stays on the meta device",
         "sync_module_states": "explain has no real ranks to broadcast between",
+        "mesh": "explain runs on a fake process group of its own, of world_size ranks; it "
+                "plans no mesh yet",
     },
 }
 
@@ -53,7 +55,11 @@ def env_flag(name: str) -> bool:
 class CompileConfig:
     policy: Policy | None = None
     # None: the default (WORLD) group if one is initialised, else world size 1.
+    # A mesh= argument sets it (from_mesh).
     process_group: dist.ProcessGroup | None = None
+    # FSDP's NO_SHARD (a (N, 1) mesh): every parameter whole on every rank, the
+    # gradients all-reduced, as DDP does.
+    no_shard: bool = False
     options: ShardingOptions = ShardingOptions()
     # "inductor": Inductor compiles the emitted graphs (its decompositions and
     # joint-graph passes run first; fxshard emits no explicit frees).
@@ -135,7 +141,7 @@ class CompileConfig:
     def build(cls, front_end: FrontEnd, **kwargs: Any) -> CompileConfig:
         """The configuration for ``front_end`` from its keyword arguments.
 
-        Takes ``policy``, ``process_group``, ``compute``, ``verify_passes``,
+        Takes ``policy``, ``process_group`` or ``mesh``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
         ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, and
@@ -145,8 +151,15 @@ class CompileConfig:
         if refused:
             reasons = "; ".join(f"{k}: {why}" for k, why in refused.items())
             raise TypeError(f"fxshard.{front_end} does not take {sorted(refused)}: {reasons}")
-        own = {f.name for f in fields(cls)} - {"options", "verify"}
+        own = {f.name for f in fields(cls)} - {"options", "verify", "no_shard"}
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+        if "mesh" in kwargs:
+            mesh = kwargs.pop("mesh")
+            if mesh is not None:
+                if mine.get("process_group") is not None:
+                    raise TypeError("pass mesh= or process_group=, not both: a mesh names its "
+                                    "process groups")
+                mine["process_group"], mine["no_shard"] = from_mesh(mesh)
         verify = kwargs.pop("verify_passes", None)
         mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else bool(verify)
         if mine.get("dump_dir") is None:
@@ -160,9 +173,38 @@ class CompileConfig:
         try:
             options = ShardingOptions.from_kwargs(**kwargs)
         except TypeError as e:
-            known = sorted(own | {"verify_passes"})
+            known = sorted(own | {"verify_passes", "mesh"})
             raise TypeError(f"{e}; fxshard.{front_end} also takes {known}") from None
         return cls(options=options, **mine)
 
     def with_options(self, **changes: Any) -> CompileConfig:
         return replace(self, **changes)
+
+
+def from_mesh(mesh: Any) -> tuple[dist.ProcessGroup, bool]:
+    """The process group a ``DeviceMesh`` shards over, and whether it means NO_SHARD.
+
+    FSDP2's conventions: a 1-D mesh shards over its ranks; a 2-D mesh
+    replicates over dim 0 and shards over dim 1 (HSDP). A 2-D mesh whose shard
+    dimension has one rank, ``(N, 1)``, is NO_SHARD; one whose replicate
+    dimension has one rank, ``(1, N)``, is FULL_SHARD over dim 1.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh "
+                        f"(init_device_mesh(device_type, shape)), got {type(mesh).__name__}")
+    shape = tuple(mesh.shape)
+    if len(shape) == 1:
+        return mesh.get_group(), False
+    if len(shape) == 2 and shape[1] == 1:
+        return mesh.get_group(0), True
+    if len(shape) == 2 and shape[0] == 1:
+        return mesh.get_group(1), False
+    if len(shape) == 2:
+        raise NotImplementedError(
+            f"a {shape[0]}x{shape[1]} mesh is HSDP (replicate over dim 0, shard over dim 1), "
+            "which fxshard does not run yet: pass a 1-D mesh (FULL_SHARD over every rank) or an "
+            f"({mesh.size()}, 1) mesh (NO_SHARD)")
+    raise ValueError(f"mesh has {len(shape)} dimensions {shape}: fxshard takes a 1-D mesh "
+                     "(shard) or a 2-D one (replicate, shard), as FSDP2 does")

@@ -234,6 +234,7 @@ def make_plan(
     *,
     bucket_bytes: int = 0,
     replicate_below: int = 0,
+    replicate_all: bool = False,
     mixed_precision: MixedPrecision | None = None,
 ) -> ShardPlan:
     """Partition ``module``'s parameters into FSDP units for ``world_size`` ranks.
@@ -243,7 +244,8 @@ def make_plan(
     module tree is walked (post-order, root last). ``bucket_bytes`` merges runs
     of adjacent units smaller than it (root excluded) into one unit, so they
     share one collective. Parameters with fewer than ``replicate_below``
-    elements go to a replicated group of their unit. With ``mixed_precision``
+    elements go to a replicated group of their unit; with ``replicate_all`` every
+    parameter does (NO_SHARD). With ``mixed_precision``
     each group records the dtypes it is gathered, computed and reduced in;
     parameters kept at full precision get groups of their own.
     """
@@ -334,7 +336,7 @@ def make_plan(
         keys: dict[tuple[Any, ...], list[int]] = {}
         for pid in pids:
             p = param_of[pid]
-            small = p.numel() < replicate_below
+            small = replicate_all or p.numel() < replicate_below
             compute, reduce = precision.get(pid, (None, None))
             keys.setdefault((p.dtype, p.requires_grad, small, compute, reduce), []).append(pid)
         group_ids = []
