@@ -327,6 +327,7 @@ def compile(
     conventions: 1-D shards over its ranks, ``(N, 1)`` is NO_SHARD: every
     parameter whole on every rank and its gradient all-reduced; HSDP's
     ``(R, S)`` with both above 1 is refused, not run yet),
+    ``replicate`` (a policy: the units it selects are NO_SHARD, whole on every rank),
     ``timeout`` (seconds any collective of a step waits for the other ranks;
     default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
     ``disable_passes`` (pass names), and the scheduling options of

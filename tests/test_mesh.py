@@ -1,4 +1,5 @@
-"""mesh= (a torch DeviceMesh), with FSDP2's conventions: 1-D shards, (N, 1) is NO_SHARD.
+"""mesh= (a torch DeviceMesh), with FSDP2's conventions: 1-D shards, (N, 1) is NO_SHARD; and
+replicate=, NO_SHARD for the units a policy selects.
 
 Graph structure on a fake process group of 4 ranks (in this process); training
 on 4 real gloo ranks against DDP.
@@ -18,11 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
 from fxshard.ir import predicates as P
-from fxshard.policies import by_class
+from fxshard.policies import by_class, by_predicate
 
 from dist_utils import run_ranks
-from graph_utils import fake_world, nodes
-from models import MLP
+from graph_utils import fake_world, nodes, units_of
+from models import MLP, FrozenNet
 
 
 def _collectives(sharded: Any) -> dict[str, list[str]]:
@@ -102,3 +103,54 @@ def test_no_shard_on_4_ranks_trains_like_ddp() -> None:
         assert r["state"].keys() == r["ref_state"].keys()
         for name, value in r["ref_state"].items():
             torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- NO_SHARD per unit: replicate= ----------------------------------------------------------------
+
+def _frozen(name: str, module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def test_replicate_keeps_the_selected_units_whole_and_gathers_only_the_others() -> None:
+    with fake_world(4):
+        torch.manual_seed(0)
+        sharded = fxshard.compile(FrozenNet(), policy=by_class(nn.Sequential), replicate=by_predicate(_frozen))
+        F.mse_loss(sharded(torch.randn(2, 10)), torch.randn(2, 3)).backward()
+        plan = sharded.plan
+        assert {plan.groups[g].unit: plan.groups[g].replicated for u in plan.units for g in u.groups} == \
+            {"features": True, "head": False}
+        assert "(replicated)" in str(plan)
+        gathered = units_of(sharded.graphs["forward"], P.is_all_gather)
+        assert gathered and set(gathered) == {"head"}  # the frozen backbone is never gathered
+        assert set(units_of(sharded.graphs["backward"], P.is_collective)) == {"head"}  # frozen: no gradient
+    with pytest.raises(TypeError, match="replicate takes a policy"):
+        fxshard.compile(FrozenNet(), replicate=_frozen)
+
+
+def replicate_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = FrozenNet()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(nn.Sequential), replicate=by_predicate(_frozen))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses, ref_losses = [], []
+    for _ in range(4):
+        x, y = torch.randn(6, 10, generator=gen), torch.randn(6, 3, generator=gen)
+        for module, optimizer, out in ((sharded, opt, losses), (ddp, ref_opt, ref_losses)):
+            loss = F.mse_loss(module(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "state": sharded.full_state_dict(),
+            "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+
+
+def test_a_replicated_frozen_backbone_trains_exactly_like_ddp() -> None:
+    for r in run_ranks(replicate_worker, 2):
+        assert r["losses"] == r["ref_losses"]
+        for name, value in r["ref_state"].items():
+            assert torch.equal(r["state"][name], value), name

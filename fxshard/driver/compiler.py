@@ -179,7 +179,8 @@ class Driver:
                                bucket_bytes=options.bucket_bytes,
                                replicate_below=options.replicate_below,
                                mixed_precision=self.config.mixed_precision,
-                               replicate_all=self.config.no_shard)
+                               replicate_all=self.config.no_shard,
+                               replicate=self.config.replicate)
         unknown = sorted((options.reshard_units or frozenset()) - {u.name for u in self._plan.units})
         if unknown:
             raise FxShardError(f"reshard_units names no unit of the plan: {unknown}; the units are "

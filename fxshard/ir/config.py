@@ -60,6 +60,9 @@ class CompileConfig:
     # FSDP's NO_SHARD (a (N, 1) mesh): every parameter whole on every rank, the
     # gradients all-reduced, as DDP does.
     no_shard: bool = False
+    # NO_SHARD per unit: the units whose modules this policy selects (never the
+    # root) keep their parameters whole on every rank, the rest are sharded.
+    replicate: Policy | None = None
     options: ShardingOptions = ShardingOptions()
     # "inductor": Inductor compiles the emitted graphs (its decompositions and
     # joint-graph passes run first; fxshard emits no explicit frees).
@@ -114,6 +117,11 @@ class CompileConfig:
                 f"policy must be built with fxshard.policies (by_size, by_class, by_predicate), "
                 f"got {self.policy!r}"
             )
+        if self.replicate is not None and not isinstance(self.replicate, Policy):
+            raise TypeError(
+                "replicate takes a policy built with fxshard.policies, selecting the units kept "
+                f"whole on every rank (by_class(...), by_predicate(...)), got {self.replicate!r}"
+            )
         if self.activation_checkpointing is not None and not isinstance(self.activation_checkpointing, Policy):
             raise TypeError(
                 "activation_checkpointing takes a policy built with fxshard.policies "
@@ -144,7 +152,7 @@ class CompileConfig:
         Takes ``policy``, ``process_group`` or ``mesh``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
-        ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, and
+        ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, ``replicate``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

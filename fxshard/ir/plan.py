@@ -235,6 +235,7 @@ def make_plan(
     bucket_bytes: int = 0,
     replicate_below: int = 0,
     replicate_all: bool = False,
+    replicate: Policy | None = None,
     mixed_precision: MixedPrecision | None = None,
 ) -> ShardPlan:
     """Partition ``module``'s parameters into FSDP units for ``world_size`` ranks.
@@ -245,7 +246,9 @@ def make_plan(
     of adjacent units smaller than it (root excluded) into one unit, so they
     share one collective. Parameters with fewer than ``replicate_below``
     elements go to a replicated group of their unit; with ``replicate_all`` every
-    parameter does (NO_SHARD). With ``mixed_precision``
+    parameter does (NO_SHARD), and with ``replicate`` every parameter of a unit
+    whose modules the policy selects (each asked with the unit's parameter count;
+    never the root). With ``mixed_precision``
     each group records the dtypes it is gathered, computed and reduced in;
     parameters kept at full precision get groups of their own.
     """
@@ -333,10 +336,13 @@ def make_plan(
         pids = unit_params.get(name, [])
         if not pids:
             continue
+        numel = sum(param_of[pid].numel() for pid in pids)
+        whole = replicate_all or (replicate is not None and ROOT not in comp and all(
+            replicate.wraps(WrapQuery(path, module.get_submodule(path), numel)) for path in comp))
         keys: dict[tuple[Any, ...], list[int]] = {}
         for pid in pids:
             p = param_of[pid]
-            small = replicate_all or p.numel() < replicate_below
+            small = whole or p.numel() < replicate_below
             compute, reduce = precision.get(pid, (None, None))
             keys.setdefault((p.dtype, p.requires_grad, small, compute, reduce), []).append(pid)
         group_ids = []
