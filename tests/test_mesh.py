@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -72,25 +73,38 @@ def test_hsdp_meshes_and_bad_arguments_are_refused_with_the_fix() -> None:
         fxshard.explain(MLP(), torch.randn(2, 12), world_size=4, mesh=None)
 
 
-def no_shard_worker(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = MLP()
+def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end: str = "compile",
+                 **options: Any) -> dict[str, Any]:
+    """Four SGD steps of ``model`` through ``front_end`` with ``options``, and of DDP beside it."""
     ddp = DDP(copy.deepcopy(model))
-    sharded = fxshard.compile(model, policy=by_class(nn.Linear), mesh=init_device_mesh("cpu", (world_size, 1)))
-    opt = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if front_end == "compile":
+        sharded = fxshard.compile(model, **options)
+        params = list(sharded.parameters())
+    else:
+        sharded = torch.compile(model, backend=fxshard.backend(**options), dynamic=False)
+        params = list(fxshard.parameters(sharded))
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     losses, ref_losses = [], []
     for _ in range(4):
-        x, y = torch.randn(4, 12, generator=gen), torch.randn(4, 5, generator=gen)
+        x, y = torch.randn(6, shape[0], generator=gen), torch.randn(6, shape[1], generator=gen)
         for module, optimizer, out in ((sharded, opt, losses), (ddp, ref_opt, ref_losses)):
             loss = F.mse_loss(module(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             out.append(loss.item())
-    return {"losses": losses, "ref_losses": ref_losses, "state": sharded.full_state_dict(),
+    full = StateDictOptions(full_state_dict=True)
+    state = {k: v.clone() for k, v in fxshard.get_model_state_dict(sharded, options=full).items()}
+    return {"losses": losses, "ref_losses": ref_losses, "state": state,
             "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+
+
+def no_shard_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
+                        mesh=init_device_mesh("cpu", (world_size, 1)))
 
 
 def test_no_shard_on_4_ranks_trains_like_ddp() -> None:
@@ -129,29 +143,15 @@ def test_replicate_keeps_the_selected_units_whole_and_gathers_only_the_others() 
         fxshard.compile(FrozenNet(), replicate=_frozen)
 
 
-def replicate_worker(rank: int, world_size: int) -> dict[str, Any]:
+def replicate_worker(rank: int, world_size: int, front_end: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = FrozenNet()
-    ddp = DDP(copy.deepcopy(model))
-    sharded = fxshard.compile(model, policy=by_class(nn.Sequential), replicate=by_predicate(_frozen))
-    opt = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses, ref_losses = [], []
-    for _ in range(4):
-        x, y = torch.randn(6, 10, generator=gen), torch.randn(6, 3, generator=gen)
-        for module, optimizer, out in ((sharded, opt, losses), (ddp, ref_opt, ref_losses)):
-            loss = F.mse_loss(module(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.item())
-    return {"losses": losses, "ref_losses": ref_losses, "state": sharded.full_state_dict(),
-            "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+    return _against_ddp(FrozenNet(), rank, (10, 3), front_end, policy=by_class(nn.Sequential),
+                        replicate=by_predicate(_frozen))
 
 
-def test_a_replicated_frozen_backbone_trains_exactly_like_ddp() -> None:
-    for r in run_ranks(replicate_worker, 2):
+@pytest.mark.parametrize("front_end", ["compile", "backend"])
+def test_a_replicated_frozen_backbone_trains_exactly_like_ddp(front_end: str) -> None:
+    for r in run_ranks(replicate_worker, 2, front_end):
         assert r["losses"] == r["ref_losses"]
         for name, value in r["ref_state"].items():
             assert torch.equal(r["state"][name], value), name
