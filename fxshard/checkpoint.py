@@ -479,8 +479,7 @@ class ChecksumReader(dcp.FileSystemReader):
 
 def _group(driver: Driver) -> dist.ProcessGroup | None:
     """Where save and load communicate: the driver's first group, made with its timeout."""
-    world = driver.world
-    return world.comm[0] if world.comm else world.group
+    return driver.world.comm_group if driver.world.group is not None else None
 
 
 def _failures(e: CheckpointException) -> str:

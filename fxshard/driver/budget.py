@@ -105,7 +105,7 @@ def _largest_over_ranks(world: World, nbytes: int) -> int:
     """The largest of the ranks' ``nbytes`` (a MAX all_reduce on fxshard's group)."""
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
         return nbytes
-    group = world.comm[0] if world.comm else world.group
+    group = world.comm_group
     value = torch.tensor([nbytes], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())

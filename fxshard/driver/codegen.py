@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.driver.runtime import Abandoned, World, collective_failure
+from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.checkpointing import Checkpointing
@@ -120,7 +120,7 @@ class GraphCompiler:
         if self.emit_only:
             return gm
         if self.finish is None:
-            return _guarded(_boxed(gm), self.world.rank, kind, self.abandoned, boxed=True)
+            return _guarded(_boxed(gm), self.world, kind, self.abandoned, boxed=True)
         try:
             compiled = self.finish(gm, example_inputs)
         except Exception as e:
@@ -129,7 +129,7 @@ class GraphCompiler:
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
                 "compute='eager' runs the same graph without Inductor."
             ) from e
-        return _guarded(compiled, self.world.rank, kind, self.abandoned,
+        return _guarded(compiled, self.world, kind, self.abandoned,
                         boxed=compat.is_boxed(compiled))
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -193,11 +193,12 @@ class BoxedCodeGen(fx.graph.CodeGen):
         return "\n".join(lines)
 
 
-def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Abandoned,
+def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: Abandoned,
              boxed: bool) -> Callable[..., Any]:
     """``compiled`` (boxed), marking the step abandoned when it raises: its collectives may be
-    in flight, its peers inside them (``runtime.Abandoned``). A collective that failed (a peer
-    gone or stalled) raises a clear FxShardError."""
+    in flight, its peers inside them (``runtime.Abandoned``), and no gloo worker thread may be
+    left holding one when the process exits (``runtime.settle``). A collective that failed (a
+    peer gone or stalled) raises a clear FxShardError."""
 
     def run(args: list[Any]) -> Any:
         try:
@@ -205,7 +206,8 @@ def _guarded(compiled: Callable[..., Any], rank: int, kind: str, abandoned: Aban
                 return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
-            failure = collective_failure(e, rank, f"{kind} graph")
+            settle(None, *world.comm)
+            failure = collective_failure(e, world.rank, f"{kind} graph")
             if failure is None:
                 raise
             raise failure from e

@@ -39,7 +39,7 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     """Every rank about to run ``phase`` with ``fingerprint`` meets here; raise unless all agree."""
     if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
         return  # nobody to agree with (torch's fake process group communicates nothing)
-    group = world.comm[0] if world.comm else world.group
+    group = world.comm_group
     device = comm_device(group)
     mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
     everyone = torch.empty(world.size, dtype=torch.int64, device=device)

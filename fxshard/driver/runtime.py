@@ -40,11 +40,16 @@ class World:
     timeout: datetime.timedelta | None = None
 
     @property
+    def comm_group(self) -> dist.ProcessGroup:
+        """The group the compiled steps, the agreement and checkpoints communicate on (the first
+        slot). Only where there is a process group."""
+        group = self.comm[0] if self.comm else self.group
+        assert group is not None, "no process group: nothing to communicate on"
+        return group
+
+    @property
     def group_name(self) -> str | None:
-        """The group the compiled steps communicate on (the first slot)."""
-        if self.comm:
-            return self.comm[0].group_name
-        return None if self.group is None else self.group.group_name
+        return None if self.group is None else self.comm_group.group_name
 
     @property
     def slot_names(self) -> tuple[str, ...]:
@@ -239,7 +244,7 @@ def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
         return
     if dist.get_backend(world.group) == "fake":
         return  # nothing is communicated on torch's fake process group
-    group = world.comm[0] if world.comm else world.group
+    group = world.comm_group
     with torch.no_grad():
         # What DDP calls: the buffers coalesced into few messages, copied back in place.
         compat.broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
@@ -274,8 +279,8 @@ def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[
 _FAILED: list[dist.Work] = []
 
 
-def settle(work: dist.Work | None, group: dist.ProcessGroup | None) -> None:
-    """After a collective on ``group`` failed: let it end, and let its worker thread let go of it.
+def settle(work: dist.Work | None, *groups: dist.ProcessGroup | None) -> None:
+    """After a collective on ``groups`` failed: let it end, and let their worker threads let go.
 
     A wait that timed out leaves the collective running on a gloo worker thread
     until the group's own (transport) timeout, which fxshard's groups share with
@@ -285,30 +290,40 @@ def settle(work: dist.Work | None, group: dist.ProcessGroup | None) -> None:
     worker thread that does so while the interpreter exits calls ``pthread_exit``
     through a noexcept destructor (std::terminate, SIGABRT: a rank that raised
     a clear error then aborts on its way out). So: wait for ``work`` to end (at
-    most the group's timeout and a little more: never a hang), then, on a group
-    with one worker thread (fxshard's own over gloo), run an empty collective
-    there: the thread takes it only after letting go of everything before it,
-    and it needs no peer. What this thread waited on is kept here, where only
-    this thread drops it.
+    most the groups' timeout and a little more: never a hang), then, on each
+    group with one worker thread (fxshard's own over gloo), run an empty
+    collective: the thread takes it only after letting go of everything before
+    it, and it needs no peer. All of them are waited within one 5 s deadline.
+    What this thread waited on is kept here, where only this thread drops it.
+    Afterwards the groups are out of step with the peers' (the empty collectives
+    took sequence numbers): only for groups that are unusable already.
     """
-    if group is None:
+    present = [g for g in groups if g is not None]
+    if not present:
         return
     if work is not None:
         _FAILED.append(work)
-        limit = group_timeout(group).total_seconds() + 5.0
+        limit = max(group_timeout(g).total_seconds() for g in present) + 5.0
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except RuntimeError:
             pass  # it ended with its error, or is past every timeout: nothing more to do
-    try:
-        if dist.get_backend(group) != compat.ONE_THREAD_GLOO or compat.gloo_threads(group) != 1:
-            return
-        empty = dist.all_reduce(torch.empty(0), group=group, async_op=True)
-        assert empty is not None
-        _FAILED.append(empty)
-        empty.wait(timeout=datetime.timedelta(seconds=5.0))
-    except (RuntimeError, AttributeError, ValueError):
-        pass
+    empties = []
+    for group in present:
+        try:
+            if dist.get_backend(group) == compat.ONE_THREAD_GLOO and compat.gloo_threads(group) == 1:
+                empty = dist.all_reduce(torch.empty(0), group=group, async_op=True)
+                assert empty is not None
+                _FAILED.append(empty)
+                empties.append(empty)
+        except (RuntimeError, AttributeError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for empty in empties:
+        try:
+            empty.wait(timeout=datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+        except RuntimeError:
+            pass
 
 
 def how_the_wait_ended(waited: float, timeout: float | None, group: dist.ProcessGroup | None,

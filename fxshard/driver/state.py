@@ -230,7 +230,7 @@ def agree_on(problems: list[str], driver: Driver, what: str, *,
         return
     if callable(source):
         source = source()
-    group = world.comm[0] if world.comm else world.group
+    group = world.comm_group
     digest = int.from_bytes(source.digest[:8].ljust(8, b"\0"), "little", signed=True) if source else 0
     flags = _exchange(world, group, [int(bool(problems)), digest], collective or what)
     if not bool(flags[:, 0].any()) and bool((flags[:, 1] == flags[0, 1]).all()):
