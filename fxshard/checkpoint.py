@@ -143,7 +143,7 @@ def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None =
     options = _options(options)
     module, driver = sharding_of(model)
     if options.full_state_dict:
-        return _offload(state.full_model_state(module, driver), options, driver.world.rank)
+        return _offload(state.full_model_state(module, driver), options, driver.world.job_rank)
     return state.model_state(module, driver)
 
 
@@ -153,7 +153,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
     options = _options(options)
     _, driver = sharding_of(model)
     result = state.optimizer_state(driver, _optimizers(optimizers), full=options.full_state_dict)
-    return _offload(result, options, driver.world.rank) if options.full_state_dict else result
+    return _offload(result, options, driver.world.job_rank) if options.full_state_dict else result
 
 
 def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
@@ -479,7 +479,7 @@ class ChecksumReader(dcp.FileSystemReader):
 
 def _group(driver: Driver) -> dist.ProcessGroup | None:
     """Where save and load communicate: the driver's first group, made with its timeout."""
-    return driver.world.comm_group if driver.world.group is not None else None
+    return driver.world.job_group if driver.world.group is not None else None
 
 
 def _failures(e: CheckpointException) -> str:
@@ -511,7 +511,7 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     ``StateDictError`` on every rank and leaves ``path`` as it was.
     """
     _, driver = sharding_of(model)
-    rank = driver.world.rank
+    rank = driver.world.job_rank
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     what = f"saving checkpoint {path}"
@@ -662,7 +662,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
         ) from e
     except RuntimeError as e:  # a collective of DCP's
         settle(None, _group(driver))
-        raise StateDictError(_peer_failed(what, driver.world.rank, e) + " Nothing was changed.") from e
+        raise StateDictError(_peer_failed(what, driver.world.job_rank, e) + " Nothing was changed.") from e
     if opts:
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
     else:

@@ -25,18 +25,24 @@ from .context import PassContext
 
 
 def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    slots = ctx.layout.shard.slots
     collectives = [n for n in gm.graph.nodes if P.is_collective(n)]
     if not collectives:
         return gm
-    if not slots:
+    # Each dimension of the layout (the shard group; HSDP's replicas) has slots of its own.
+    dims = [d for d in (ctx.layout.shard, ctx.layout.replicate) if d is not None]
+    if not all(d.slots for d in dims):
         raise GraphInvariantError("assign_groups_pass needs the in-flight slots' process groups "
                                   "(ctx.layout.shard.slots); build_pipeline leaves it out otherwise")
     # Moving a wait earlier changes no other node's relative order: positions
     # stay valid with the moved wait given one just below the new collective's.
     order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
-    busy: list[fx.Node | None] = [None] * len(slots)  # the wait each slot's collective ends at
+    busy_of: dict[int, list[fx.Node | None]] = {id(d): [None] * len(d.slots) for d in dims}
     for node in collectives:
+        dim = ctx.layout.dimension(P.group_name(node))
+        if dim is None:
+            raise GraphInvariantError(f"{node.name} runs on group {P.group_name(node)!r}, which is "
+                                      "no dimension of the layout")
+        slots, busy = dim.slots, busy_of[id(dim)]
         for i, wait in enumerate(busy):
             if wait is not None and order[wait] < order[node]:
                 busy[i] = None

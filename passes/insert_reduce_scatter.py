@@ -15,6 +15,12 @@ shard's gradient.
 A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
 ``div -> all_reduce(.., "sum") -> wait_tensor``.
 
+HSDP (``ctx.layout.replicate``): the reduced shard is then summed over the
+replicas, so only a shard crosses between them; N is every rank of the job::
+
+    ... -> reduce_scatter_tensor(cat, "sum", S, shard) -> wait_tensor
+        -> all_reduce(.., "sum", replicate) -> wait_tensor -> shard.grad
+
 Inside ``no_sync`` (``ctx.grad_sync.accumulate``) the gradient is instead
 added to its group's unsharded accumulator (a ``get_attr`` of the driver's
 buffer) and the shard gets no gradient; the first synced step after reduces
@@ -43,7 +49,7 @@ from fxshard.ir.nodes import attribute, call
 from fxshard.ir.ops import FREE
 
 from .context import PassContext
-from .lowering import CONVERT, cast, replace_with_collective
+from .lowering import CONVERT, cast, collective_after, replace_with_collective
 
 aten = torch.ops.aten
 
@@ -97,6 +103,10 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             wait = replace_with_collective(gm, marker, P.REDUCE_SCATTER,
                                            (scaled, "sum", shard.size, shard.name),
                                            meta.REDUCE_SCATTER, group, unit)
+        replicate = ctx.layout.replicate
+        if replicate is not None:  # HSDP: then over the ranks holding the same shard
+            wait = collective_after(gm, wait, P.ALL_REDUCE, (wait, "sum", replicate.name),
+                                    meta.ALL_REDUCE, group, unit)
         if out_dtype is not None:  # the reduced gradient in the shard's dtype
             users = list(wait.users)
             converted = cast(gm, wait, out_dtype, wait.next, group, unit)

@@ -35,6 +35,25 @@ def replace_with_collective(gm: fx.GraphModule, marker: fx.Node, collective: Any
     return wait
 
 
+def collective_after(gm: fx.GraphModule, value: fx.Node, collective: Any, args: tuple[Any, ...],
+                     role: str, group: int, unit: str) -> fx.Node:
+    """``wait_tensor(collective(*args))`` right after ``value``, which every other reader of
+    ``value`` reads instead; returns the wait. Provenance and ``NodeInfo`` as
+    :func:`replace_with_collective` gives them."""
+    users = list(value.users)
+    with gm.graph.inserting_after(value):
+        issued = call(gm.graph, collective, args)
+    with gm.graph.inserting_after(issued):
+        wait = call(gm.graph, P.WAIT, (issued,))
+    provenance = {k: v for k, v in value.meta.items() if k not in (meta.KEY, "val")}
+    for new, new_role in ((issued, role), (wait, meta.WAIT)):
+        new.meta.update(provenance)
+        meta.set_info(new, meta.NodeInfo(new_role, group, unit))
+    for user in users:
+        user.replace_input_with(value, wait)
+    return wait
+
+
 def cast(gm: fx.GraphModule, value: fx.Node, dtype: Any, before: fx.Node, group: int,
          unit: str) -> fx.Node:
     """``value`` converted to ``dtype`` (mixed precision), inserted before ``before``; ``value``

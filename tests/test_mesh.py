@@ -57,11 +57,38 @@ def test_an_n_by_1_mesh_is_no_shard_whole_parameters_and_all_reduced_gradients()
         assert sum(p.numel() for p in sharded.parameters()) == sum(p.numel() for p in MLP().parameters())
 
 
-def test_hsdp_meshes_and_bad_arguments_are_refused_with_the_fix() -> None:
+def test_a_2_by_2_mesh_is_hsdp_gathered_in_the_row_and_reduced_in_the_row_then_the_column() -> None:
+    with fake_world(4, rank=1):  # rank 1: row 0, column 1 of [[0, 1], [2, 3]]
+        sharded = _compiled(mesh=init_device_mesh("cpu", (2, 2)))
+        world = sharded._driver.world
+        row, column = ({g.group_name for g in world.comm},
+                       {g.group_name for g in world.replicas.comm})
+        assert torch.distributed.get_process_group_ranks(world.comm[0]) == [0, 1]
+        assert torch.distributed.get_process_group_ranks(world.replicas.comm[0]) == [1, 3]
+        assert torch.distributed.get_process_group_ranks(world.job_group) == [0, 1, 2, 3]
+        assert (world.rank, world.size, world.replicas.rank, world.job_rank) == (1, 2, 0, 1)
+        # Sharded in two, not four: this rank holds half of every flat group.
+        assert [p.numel() for p in sharded.parameters()] == [g.shard_numel for g in sharded.plan.groups]
+        assert all(g.shard_numel * 2 == g.padded_numel for g in sharded.plan.groups)
+        forward = [(n, P.group_name(n)) for n in nodes(sharded.graphs["forward"], P.is_collective)]
+        assert forward and all(P.is_all_gather(n) and g in row for n, g in forward)
+        backward = nodes(sharded.graphs["backward"], P.is_collective)
+        scatters = [n for n in backward if P.is_reduce_scatter(n)]
+        assert len(scatters) == len(sharded.plan.groups) and all(P.group_name(n) in row for n in scatters)
+        for scatter in scatters:  # its shard, then summed over the ranks holding the same shard
+            (wait,) = scatter.users
+            reduce = next(u for u in wait.users if P.is_collective(u))
+            assert P.is_all_reduce(reduce) and P.group_name(reduce) in column, reduce.name
+            assert reduce.meta["val"].shape == wait.meta["val"].shape
+        # Divided by every rank of the job, as DDP averages: 4, not the row's 2.
+        divs = [n for n in sharded.graphs["backward"].graph.nodes
+                if n.target in (torch.ops.aten.div_.Tensor, torch.ops.aten.div.Tensor)
+                and any(P.is_reduce_scatter(u) for u in n.users)]
+        assert divs and all(n.args[1] == 4 for n in divs)
+
+
+def test_bad_mesh_arguments_are_refused_with_the_fix() -> None:
     with fake_world(4):
-        with pytest.raises(NotImplementedError, match=r"a 2x2 mesh is HSDP .* pass a 1-D mesh .* or "
-                                                      r"an \(4, 1\) mesh \(NO_SHARD\)"):
-            fxshard.compile(MLP(), mesh=init_device_mesh("cpu", (2, 2)))
         with pytest.raises(TypeError, match="mesh= or process_group=, not both"):
             fxshard.compile(MLP(), mesh=init_device_mesh("cpu", (4,)),
                             process_group=torch.distributed.group.WORLD)
@@ -101,23 +128,80 @@ def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end:
             "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
 
 
-def no_shard_worker(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    return _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
-                        mesh=init_device_mesh("cpu", (world_size, 1)))
+def _next_step(sharded: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The full state after one more step on a batch every rank shares."""
+    gen = torch.Generator().manual_seed(99)
+    x, y = torch.randn(4, 12, generator=gen), torch.randn(4, 5, generator=gen)
+    F.mse_loss(sharded(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return sharded.full_state_dict()
 
 
-def test_no_shard_on_4_ranks_trains_like_ddp() -> None:
-    # Within an ulp-level bound, not bitwise: both all-reduce, but DDP's bucket holds the
-    # gradients in reverse parameter order, fxshard's flat group in parameter order, so gloo's
+def _resume(path: str, mesh: Any, rank: int) -> dict[str, Any]:
+    """Load ``path`` into a fresh model on ``mesh``: its state as loaded, and after a step."""
+    target, target_opt = _trained(mesh, 0, rank)
+    fxshard.checkpoint.load(path, target, target_opt)
+    return {"loaded": target.full_state_dict(), "next": _next_step(target, target_opt)}
+
+
+def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every 4-rank case in one spawn: NO_SHARD and HSDP against DDP; HSDP resuming a
+    2-rank FULL_SHARD checkpoint, and saving one for 2 ranks to resume."""
+    out = {}
+    for name, shape in (("no_shard", (world_size, 1)), ("hsdp", (2, world_size // 2))):
+        torch.manual_seed(0)
+        out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
+                                 mesh=init_device_mesh("cpu", shape))
+    hsdp = init_device_mesh("cpu", (2, world_size // 2))
+    out["resumed"] = _resume(f"{root}/full_shard", hsdp, rank)
+    source, source_opt = _trained(hsdp, 3, rank)
+    fxshard.checkpoint.save(f"{root}/hsdp", source, source_opt)
+    out["saved"] = {"state": source.full_state_dict(), "next": _next_step(source, source_opt)}
+    return out
+
+
+def two_rank_full_shard_worker(rank: int, world_size: int, root: str, what: str) -> dict[str, Any]:
+    full_shard = init_device_mesh("cpu", (world_size,))
+    if what == "resume":
+        return _resume(f"{root}/hsdp", full_shard, rank)
+    source, source_opt = _trained(full_shard, 3, rank)
+    fxshard.checkpoint.save(f"{root}/full_shard", source, source_opt)
+    return {"state": source.full_state_dict(), "next": _next_step(source, source_opt)}
+
+
+def _assert_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], exact: bool) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if exact:
+            assert torch.equal(got[name], value), name
+        else:
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_no_shard_and_hsdp_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2() -> None:
+    # Within an ulp-level bound, not bitwise. NO_SHARD: both all-reduce, but DDP's bucket holds
+    # the gradients in reverse parameter order, fxshard's flat group in parameter order, so gloo's
     # ring cuts them into other chunks and adds each element's four terms in another order
-    # (tests/test_parity.py bounds world size 3 the same way).
-    for r in run_ranks(no_shard_worker, 4):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
-                                   rtol=1e-5, atol=1e-6)
-        assert r["state"].keys() == r["ref_state"].keys()
-        for name, value in r["ref_state"].items():
-            torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # (tests/test_parity.py bounds world size 3 the same way). HSDP adds each element's two
+    # rows' sums, which DDP's ring adds in another order too.
+    with tempfile.TemporaryDirectory() as root:
+        (saved_on_2, _) = run_ranks(two_rank_full_shard_worker, 2, root, "save")
+        results = run_ranks(four_rank_worker, 4, root)
+        resumed_on_2 = run_ranks(two_rank_full_shard_worker, 2, root, "resume")
+    for r in results:
+        for name in ("no_shard", "hsdp"):
+            torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r[name]["ref_losses"]),
+                                       rtol=1e-5, atol=1e-6, msg=name)
+            _assert_states(r[name]["state"], r[name]["ref_state"], exact=False)
+        # FULL_SHARD on 2 ranks -> HSDP on 4: the very values, then the same next step
+        # (the gradient averaged over 4 ranks instead of 2: to rounding).
+        _assert_states(r["resumed"]["loaded"], saved_on_2["state"], exact=True)
+        _assert_states(r["resumed"]["next"], saved_on_2["next"], exact=False)
+    # HSDP on 4 ranks -> FULL_SHARD on 2, each value saved once and read back.
+    for r in resumed_on_2:
+        _assert_states(r["loaded"], results[0]["saved"]["state"], exact=True)
+        _assert_states(r["next"], results[0]["saved"]["next"], exact=False)
 
 
 # -- NO_SHARD per unit: replicate= ----------------------------------------------------------------

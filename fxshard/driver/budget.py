@@ -103,9 +103,9 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
 
 def _largest_over_ranks(world: World, nbytes: int) -> int:
     """The largest of the ranks' ``nbytes`` (a MAX all_reduce on fxshard's group)."""
-    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+    if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         return nbytes
-    group = world.comm_group
+    group = world.job_group
     value = torch.tensor([nbytes], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())

@@ -25,7 +25,7 @@ from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
-from fxshard.ir.layout import Layout
+from fxshard.ir.layout import CommGroup, Layout
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
 from fxshard.passes.context import REDUCE, GradSync
@@ -71,8 +71,7 @@ class GraphCompiler:
         self.num_user_outputs: int | None = None
 
     def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
-        slots = self.world.slot_names if self.config.inflight_groups else ()
-        return PassContext(self.plan, Layout.flat(self.world_size, self.group_name, slots), graph,
+        return PassContext(self.plan, layout_of(self.world, bool(self.config.inflight_groups)), graph,
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
                            options=self.config.options, grad_sync=self.grad_sync, accumulators=self.accumulators,
                            checkpointing=self.checkpointing, compute=self.config.compute)
@@ -193,6 +192,16 @@ class BoxedCodeGen(fx.graph.CodeGen):
         return "\n".join(lines)
 
 
+def layout_of(world: World, inflight: bool) -> Layout:
+    """The passes' layout of ``world``: its shard group and, for HSDP, its replicas, each
+    with its in-flight slots' groups where collectives in flight go on different groups."""
+    shard = CommGroup(world.size, world.group_name, world.slot_names if inflight else ())
+    if world.replicas is None:
+        return Layout(shard)
+    names = tuple(g.group_name for g in world.replicas.comm)
+    return Layout(shard, CommGroup(world.replicas.size, names[0], names if inflight else ()))
+
+
 def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: Abandoned,
              boxed: bool) -> Callable[..., Any]:
     """``compiled`` (boxed), marking the step abandoned when it raises: its collectives may be
@@ -206,7 +215,7 @@ def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: A
                 return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
-            settle(None, *world.comm)
+            settle(None, *world.comm, *(world.replicas.comm if world.replicas else ()))
             failure = collective_failure(e, world.rank, f"{kind} graph")
             if failure is None:
                 raise

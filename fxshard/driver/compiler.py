@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver import budget, grads
-from fxshard.driver.codegen import GraphCompiler
+from fxshard.driver.codegen import GraphCompiler, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
@@ -132,7 +132,7 @@ class Driver:
         self.pipelines: dict[str, tuple[PassSpec, ...]] = build_pipelines(config)
         self.config = config
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
-        self.world: World = with_comm_groups(world, slots, config.timeout)
+        self.world: World = with_comm_groups(world, slots, config.timeout, config.hsdp)
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
@@ -173,7 +173,7 @@ class Driver:
                 "move the whole model to this rank's device before sharding it"
             )
         on_meta = devices == {torch.device("meta")}
-        sync = self.config.sync_module_states and self.world.size > 1 and self.runs
+        sync = self.config.sync_module_states and self.world.job_size > 1 and self.runs
         options = self.config.options
         self._plan = make_plan(module, self.config.policy, self.world.size,
                                bucket_bytes=options.bucket_bytes,
@@ -339,7 +339,9 @@ class Driver:
             if first is not None:
                 self._plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
         compiled = CompiledStep(
-            fn, graphs, step.output_spec, step_collectives(graphs), compiler.num_user_outputs,
+            fn, graphs, step.output_spec,
+            step_collectives(graphs, layout_of(self.world, bool(self.config.inflight_groups)).dimensions()),
+            compiler.num_user_outputs,
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),

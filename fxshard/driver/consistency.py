@@ -37,17 +37,17 @@ AGREEMENT_BYTES = 8  # each rank's contribution to the agreement all_gather
 
 def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], world: World) -> None:
     """Every rank about to run ``phase`` with ``fingerprint`` meets here; raise unless all agree."""
-    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+    if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         return  # nobody to agree with (torch's fake process group communicates nothing)
-    group = world.comm_group
+    group = world.job_group
     device = comm_device(group)
     mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
-    everyone = torch.empty(world.size, dtype=torch.int64, device=device)
+    everyone = torch.empty(world.job_size, dtype=torch.int64, device=device)
     with compat.no_python_context():  # the backward's agreement runs inside a backward
         work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     wait_within(work, seconds, lambda what: FxShardError(
-        f"rank {world.rank}: the other ranks did not reach the {phase} of this step {what}: "
+        f"rank {world.job_rank}: the other ranks did not reach the {phase} of this step {what}: "
         "a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
         "some ranks only). Every rank must call the model the same number of times, in the "
         "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
@@ -55,10 +55,10 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     ), group)
     if bool((everyone == mine).all()):
         return
-    descriptions: list[Description | None] = [None] * world.size
+    descriptions: list[Description | None] = [None] * world.job_size
     with compat.no_python_context():
         dist.all_gather_object(descriptions, describe(), group=group)
-    raise CollectiveMismatchError(_mismatch(descriptions, world.rank))
+    raise CollectiveMismatchError(_mismatch(descriptions, world.job_rank))
 
 
 def with_buffer_broadcast(fingerprint: bytes) -> bytes:

@@ -122,7 +122,7 @@ def _replay(meta: torch.Tensor, writes: list[Write], real: torch.Tensor) -> None
 
 def agree_on_rng(world: World, device: torch.device) -> None:
     """Every rank continues with rank 0's random generator state (of ``device``'s generator)."""
-    if world.group is None or world.size == 1:
+    if world.group is None or world.job_size == 1:
         return
     if device.type == "cpu":
         state = torch.get_rng_state()
@@ -130,7 +130,8 @@ def agree_on_rng(world: World, device: torch.device) -> None:
         state = torch.get_device_module(device.type).get_rng_state(device)
     comm = comm_device(world.group)
     shared = state.to(comm)
-    dist.broadcast(shared, src=dist.get_global_rank(world.group, 0), group=world.group)
+    group = world.job_group
+    dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
     if device.type == "cpu":
         torch.set_rng_state(shared.cpu())
     else:
@@ -216,19 +217,20 @@ def broadcast_shards(module: nn.Module, plan: ShardPlan, world: World,
     """This rank's flat shards of rank 0's parameters (``sync_module_states``), and rank 0's
     buffers in ``module`` (made real on ``device`` where they are on the meta device)."""
     assert world.group is not None
-    src = dist.get_global_rank(world.group, 0)
+    job = world.job_group  # every replica gets rank 0's values
+    src = dist.get_global_rank(job, 0)
     comm = comm_device(world.group)
     params = dict(module.named_parameters(remove_duplicate=False))
-    if world.rank == 0 and any(p.is_meta for p in params.values()):
+    if world.job_rank == 0 and any(p.is_meta for p in params.values()):
         raise FxShardError("sync_module_states=True broadcasts rank 0's parameters, but rank 0's "
                            "model is on the meta device: build (or load) the real model on rank 0")
     shards = []
     for group in plan.groups:
         full = torch.zeros(group.padded_numel, dtype=group.dtype, device=comm)
-        if world.rank == 0:
+        if world.job_rank == 0:
             for slot in group.params:
                 full[slot.offset:slot.offset + slot.numel].copy_(params[slot.name].detach().reshape(-1))
-        dist.broadcast(full, src=src, group=world.group)
+        dist.broadcast(full, src=src, group=job)
         lo, hi = group.shard_range(world.rank)
         shards.append(nn.Parameter(full[lo:hi].to(device, copy=True), requires_grad=group.requires_grad))
         del full
@@ -237,6 +239,6 @@ def broadcast_shards(module: nn.Module, plan: ShardPlan, world: World,
             if b is None:
                 continue
             value = b.to(comm) if not b.is_meta else torch.empty(b.shape, dtype=b.dtype, device=comm)
-            dist.broadcast(value, src=src, group=world.group)
+            dist.broadcast(value, src=src, group=job)
             mod._buffers[name] = value.to(device)
     return shards

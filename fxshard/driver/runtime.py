@@ -6,9 +6,11 @@ the compiled graphs.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,12 +27,29 @@ from fxshard.ir.plan import FlatGroup, ShardPlan
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """HSDP's replicate dimension, as this rank sees it: ``size`` copies of the sharded model.
+
+    ``rank`` is this rank's replica (its row of the mesh), ``comm`` fxshard's own
+    groups over this rank's column (the ranks holding the same shard), in slot
+    order, and ``job`` one group of fxshard's over every rank of the mesh.
+    """
+
+    size: int
+    rank: int
+    comm: tuple[dist.ProcessGroup, ...]
+    job: dist.ProcessGroup
+
+
+@dataclass(frozen=True)
 class World:
     """Where this rank sits. ``group`` is None when no process group is initialised.
 
-    ``comm`` are the process groups the compiled steps' collectives run on, in
-    slot order (``with_comm_groups``): fxshard's own groups over the same
-    ranks, or ``group`` itself. ``timeout`` is how long any of them waits.
+    ``rank`` and ``size`` are this rank's place in the group a flat group is
+    sharded over, ``group``. ``comm`` are the process groups the compiled steps'
+    collectives run on, in slot order (``with_comm_groups``): fxshard's own
+    groups over the same ranks, or ``group`` itself. ``timeout`` is how long any
+    of them waits. ``replicas`` is HSDP's other dimension (None: one copy).
     """
 
     rank: int
@@ -38,14 +57,31 @@ class World:
     group: dist.ProcessGroup | None
     comm: tuple[dist.ProcessGroup, ...] = ()
     timeout: datetime.timedelta | None = None
+    replicas: Replicas | None = None
 
     @property
     def comm_group(self) -> dist.ProcessGroup:
-        """The group the compiled steps, the agreement and checkpoints communicate on (the first
-        slot). Only where there is a process group."""
+        """The group the compiled steps and full state dicts gather on (the first slot). Only
+        where there is a process group."""
         group = self.comm[0] if self.comm else self.group
         assert group is not None, "no process group: nothing to communicate on"
         return group
+
+    @property
+    def job_group(self) -> dist.ProcessGroup:
+        """The group over every rank of the job: the agreement, broadcasts, the memory budget's
+        maximum and checkpoints. The shard group itself without replicas."""
+        return self.replicas.job if self.replicas is not None else self.comm_group
+
+    @property
+    def job_rank(self) -> int:
+        """This rank's place in :attr:`job_group`."""
+        return self.replicas.rank * self.size + self.rank if self.replicas is not None else self.rank
+
+    @property
+    def job_size(self) -> int:
+        """Ranks in the job: the shard group's, times the replicas."""
+        return self.size * (self.replicas.size if self.replicas is not None else 1)
 
     @property
     def group_name(self) -> str | None:
@@ -88,7 +124,8 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     return compat.group_timeout(group)
 
 
-def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
+def with_comm_groups(world: World, slots: int, timeout: float | None,
+                     hsdp: tuple[tuple[int, ...], ...] | None = None) -> World:
     """``world`` with ``slots`` process groups of fxshard's own over the same ranks.
 
     A collective: every rank creates them, in the same order, when it builds
@@ -96,23 +133,49 @@ def with_comm_groups(world: World, slots: int, timeout: float | None) -> World:
     ``timeout`` seconds (default: ``world.group``'s timeout) at the transport
     level too, so a rank whose peer is gone or stalled gets an error and its
     process can exit. Over gloo each has one worker thread
-    (``compat.one_thread_gloo``). With one slot and no timeout of its own, the steps use
+    (``compat.one_thread_gloo``), always: every collective fxshard issues runs on
+    them, and at exit :func:`quiesce` makes sure their threads hold nothing.
+    Elsewhere, with one slot and no timeout of its own, the steps use
     ``world.group`` itself.
+
+    ``hsdp`` (the global ranks of an (R, S) mesh, rows shard) adds the
+    replicas: ``slots`` groups over this rank's column and one over the whole
+    mesh. Every rank creates every row's and column's groups, in the same
+    order (``new_group``'s rule), and keeps its own.
     """
-    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
-        return world
+    fake = world.group is not None and dist.get_backend(world.group) == "fake"
+    if world.group is None or (world.size == 1 or fake) and hsdp is None:
+        return world  # torch's fake process group: the graphs name its groups, nothing runs
     limit = datetime.timedelta(seconds=timeout) if timeout is not None else group_timeout(world.group)
-    if slots == 1 and timeout is None:
-        return replace(world, comm=(world.group,), timeout=limit)
-    ranks = dist.get_process_group_ranks(world.group)
     # gloo's: one worker thread each, so that a group's status is never written by two at once.
     backend = compat.one_thread_gloo() if dist.get_backend(world.group) == "gloo" else None
-    groups = []
-    for _ in range(slots):
+    if fake:
+        slots = 1
+    if slots == 1 and timeout is None and backend is None and hsdp is None:
+        return replace(world, comm=(world.group,), timeout=limit)
+
+    def own(ranks: list[int]) -> dist.ProcessGroup | None:
         group = dist.new_group(ranks, timeout=limit, backend=backend, use_local_synchronization=False)
-        assert group is not None
-        groups.append(group)
-    return replace(world, comm=tuple(groups), timeout=limit)
+        if backend is not None and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            _OWN_GROUPS.add(group)
+        return group if dist.get_rank() in ranks else None
+
+    def mine(groups_of: list[list[int]]) -> tuple[dist.ProcessGroup, ...]:
+        kept = [[own(ranks) for ranks in groups_of] for _ in range(slots)]
+        return tuple(g for slot in kept for g in slot if g is not None)
+
+    if hsdp is None:
+        return replace(world, comm=mine([dist.get_process_group_ranks(world.group)]), timeout=limit)
+    rows = [list(row) for row in hsdp]
+    columns = [list(column) for column in zip(*hsdp)]
+    comm = mine(rows)
+    replica_comm = mine(columns)
+    job = own(sorted(r for row in rows for r in row))
+    me = dist.get_rank()
+    replica = next(i for i, row in enumerate(rows) if me in row)
+    assert job is not None and len(comm) == len(replica_comm) == slots
+    return replace(world, comm=comm, timeout=limit,
+                   replicas=Replicas(len(rows), replica, replica_comm, job))
 
 
 def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.device) -> list[nn.Parameter]:
@@ -240,11 +303,11 @@ def strip_parameters(module: nn.Module, device: torch.device | None = None,
 
 def broadcast_buffers(buffers: list[torch.Tensor], world: World) -> None:
     """Copy rank 0's ``buffers`` to every rank, in place (a collective; DDP's broadcast_buffers)."""
-    if world.group is None or world.size == 1 or not buffers:
+    if world.group is None or world.job_size == 1 or not buffers:
         return
     if dist.get_backend(world.group) == "fake":
         return  # nothing is communicated on torch's fake process group
-    group = world.comm_group
+    group = world.job_group
     with torch.no_grad():
         # What DDP calls: the buffers coalesced into few messages, copied back in place.
         compat.broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)
@@ -278,25 +341,20 @@ def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[
 # Collectives whose wait failed, for the life of the process: see settle.
 _FAILED: list[dist.Work] = []
 
+# fxshard's own one-thread gloo groups still alive: quiesced when the interpreter exits.
+_OWN_GROUPS: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
 
 def settle(work: dist.Work | None, *groups: dist.ProcessGroup | None) -> None:
     """After a collective on ``groups`` failed: let it end, and let their worker threads let go.
 
     A wait that timed out leaves the collective running on a gloo worker thread
     until the group's own (transport) timeout, which fxshard's groups share with
-    the wait's. Even a collective that ended is still held for a moment by the
-    thread that ran it. It holds its tensors, whose Python objects torch keeps
-    alive for it, and whoever drops it last frees them and needs the GIL: a
-    worker thread that does so while the interpreter exits calls ``pthread_exit``
-    through a noexcept destructor (std::terminate, SIGABRT: a rank that raised
-    a clear error then aborts on its way out). So: wait for ``work`` to end (at
-    most the groups' timeout and a little more: never a hang), then, on each
-    group with one worker thread (fxshard's own over gloo), run an empty
-    collective: the thread takes it only after letting go of everything before
-    it, and it needs no peer. All of them are waited within one 5 s deadline.
-    What this thread waited on is kept here, where only this thread drops it.
-    Afterwards the groups are out of step with the peers' (the empty collectives
-    took sequence numbers): only for groups that are unusable already.
+    the wait's. So: wait for ``work`` to end (at most the groups' timeout and a
+    little more: never a hang), then :func:`quiesce` the groups. What this
+    thread waited on is kept here, where only this thread drops it. Afterwards
+    the groups are out of step with the peers' (quiesce's empty collectives took
+    sequence numbers): only for groups that are unusable already.
     """
     present = [g for g in groups if g is not None]
     if not present:
@@ -308,22 +366,56 @@ def settle(work: dist.Work | None, *groups: dist.ProcessGroup | None) -> None:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except RuntimeError:
             pass  # it ended with its error, or is past every timeout: nothing more to do
-    empties = []
-    for group in present:
+    quiesce(*present)
+
+
+def quiesce(*groups: dist.ProcessGroup, within: float = 5.0) -> bool:
+    """Return once the worker thread of each of ``groups`` holds no collective any more.
+
+    A gloo worker thread drops each collective it ran a moment after the
+    collective is marked done. Dropping it releases its tensors, and torch needs
+    the GIL for that: a worker thread that does it while the interpreter exits
+    calls ``pthread_exit`` through a noexcept destructor (std::terminate,
+    SIGABRT, after a run that succeeded). On each group with one worker thread
+    (fxshard's own over gloo, ``with_comm_groups``) this runs an empty
+    all-reduce, which needs no peer, and waits until the thread has let go of
+    it: having taken it last, the thread holds nothing from before. All within
+    one deadline of ``within`` seconds; True if every group got there. Other
+    groups are skipped.
+    """
+    deadline = time.monotonic() + within
+    pending = []
+    for group in groups:
+        if group not in _OWN_GROUPS:  # fxshard's own: one worker thread each
+            continue
+        empty = torch.empty(0)
         try:
-            if dist.get_backend(group) == compat.ONE_THREAD_GLOO and compat.gloo_threads(group) == 1:
-                empty = dist.all_reduce(torch.empty(0), group=group, async_op=True)
-                assert empty is not None
-                _FAILED.append(empty)
-                empties.append(empty)
-        except (RuntimeError, AttributeError, ValueError):
-            pass
-    deadline = time.monotonic() + 5.0
-    for empty in empties:
+            # The group's own method: it also runs on a group destroy_process_group dropped.
+            work = group.allreduce([empty])
+        except (RuntimeError, ValueError):
+            continue
+        pending.append((work, empty))
+    done = True
+    while pending:
+        work, empty = pending.pop(0)  # no reference to the Work left behind
         try:
-            empty.wait(timeout=datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            work.wait(timeout=datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
         except RuntimeError:
-            pass
+            _FAILED.append(work)  # still running: never dropped here, and not waited for
+            done = False
+            continue
+        del work
+        # 1: only this frame's reference is left (the Work, the thread's and c10d's are gone).
+        while compat.use_count(empty) > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        done = done and compat.use_count(empty) == 1
+    return done
+
+
+@atexit.register
+def _quiesce_own_groups() -> None:
+    """At exit, before the interpreter finalises: no worker thread of fxshard's holds anything."""
+    quiesce(*list(_OWN_GROUPS))
 
 
 def how_the_wait_ended(waited: float, timeout: float | None, group: dist.ProcessGroup | None,
@@ -400,12 +492,13 @@ def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: fl
     if world.group is None or group.replicated:
         return shard.detach().clone()
     out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
-    work = compat.all_gather_single(out, shard.detach().contiguous(), group=world.group, async_op=True)
+    work = compat.all_gather_single(out, shard.detach().contiguous(), group=world.comm_group,
+                                    async_op=True)
     wait_within(work, timeout, lambda what: FxShardError(
         f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
         f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "
         "collectives: every rank of the process group must call them, in the same order."
-    ), world.group)
+    ), world.comm_group)
     return out
 
 

@@ -225,17 +225,17 @@ def agree_on(problems: list[str], driver: Driver, what: str, *,
     collective when sharded, bounded by the driver's timeout: a rank that does not arrive is
     named as not having called ``collective`` (``what`` by default)."""
     world = driver.world
-    if world.group is None or world.size == 1 or dist.get_backend(world.group) == "fake":
+    if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         _raise(what, why, [(problems, None)], None)
         return
     if callable(source):
         source = source()
-    group = world.comm_group
+    group = world.job_group
     digest = int.from_bytes(source.digest[:8].ljust(8, b"\0"), "little", signed=True) if source else 0
     flags = _exchange(world, group, [int(bool(problems)), digest], collective or what)
     if not bool(flags[:, 0].any()) and bool((flags[:, 1] == flags[0, 1]).all()):
         return
-    found: list[Any] = [None] * world.size
+    found: list[Any] = [None] * world.job_size
     dist.all_gather_object(found, (problems, source.name if source else None), group=group)
     _raise(what, why, found, source if not bool((flags[:, 1] == flags[0, 1]).all()) else None,
            [int(d) for d in flags[:, 1]])
@@ -298,10 +298,10 @@ def _arrival(group: dist.ProcessGroup, rank: int, size: int) -> Callable[[], lis
 
 def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collective: str) -> torch.Tensor:
     """Every rank's ``values`` (one row per rank), within the driver's timeout."""
-    missing = _arrival(group, world.rank, world.size)
+    missing = _arrival(group, world.job_rank, world.job_size)
     device = comm_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = torch.empty(world.size * len(values), dtype=torch.int64, device=device)
+    everyone = torch.empty(world.job_size * len(values), dtype=torch.int64, device=device)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     start = time.monotonic()
     work = None
@@ -316,8 +316,8 @@ def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collect
         waited = time.monotonic() - start
         if work is not None:
             settle(work, group)
-        raise StateDictError(_not_arrived(collective, world.rank, missing(), seconds, waited, e)) from e
-    return everyone.view(world.size, len(values)).cpu()
+        raise StateDictError(_not_arrived(collective, world.job_rank, missing(), seconds, waited, e)) from e
+    return everyone.view(world.job_size, len(values)).cpu()
 
 
 def _not_arrived(collective: str, rank: int, missing: list[int] | None, seconds: float | None,
@@ -481,7 +481,7 @@ def full_model_state(module: nn.Module, driver: Driver, rank0_only: bool = False
                      timeout: float = 300.0) -> dict[str, torch.Tensor]:
     """What the unsharded module's own ``state_dict()`` returns (a collective)."""
     full = full_parameters(list(driver.shards), driver.plan, driver.world, timeout)
-    if rank0_only and driver.world.rank != 0:
+    if rank0_only and driver.world.job_rank != 0:
         return {}
     with materialised(module, full):
         state = module.state_dict()

@@ -7,6 +7,7 @@ fingerprint compared across ranks) and what the communication report adds up.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,10 @@ class Collective:
     group_size: int
     group_name: str
     reduce_op: str | None
+    # The layout's dimension the group belongs to ("shard"; HSDP's "replicate") and its slot
+    # there: the same on every rank, where HSDP's group names differ between rows.
+    dimension: str = ""
+    slot: int = 0
 
     @property
     def input_bytes(self) -> int:
@@ -44,7 +49,8 @@ class Collective:
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         op = f", {self.reduce_op}" if self.reduce_op else ""
-        return (f"{self.graph}: {self.kind}({dtype}{list(self.shape)}{op}, group={self.group_name} "
+        group = f"{self.dimension} slot {self.slot}" if self.dimension else self.group_name
+        return (f"{self.graph}: {self.kind}({dtype}{list(self.shape)}{op}, group={group} "
                 f"of {self.group_size}) for unit {self.unit or '<root>'!r}")
 
 
@@ -59,7 +65,10 @@ def bus_bytes(kind: str, input_bytes: int, group_size: int) -> int:
     raise ValueError(kind)
 
 
-def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
+def collectives(graph_name: str, gm: fx.GraphModule,
+                dimensions: Mapping[str, tuple[str, int]] | None = None) -> list[Collective]:
+    """The collectives ``gm`` issues, in order; ``dimensions`` names each process group's
+    dimension of the layout and slot there (``Layout.dimensions``)."""
     result = []
     for node in gm.graph.nodes:
         if not P.is_collective(node):
@@ -75,16 +84,18 @@ def collectives(graph_name: str, gm: fx.GraphModule) -> list[Collective]:
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)
+        dimension, slot = (dimensions or {}).get(name, ("", 0))
         result.append(Collective(graph_name, KINDS[node.target], info.unit if info else "?",
                                  tuple(val.shape), val.dtype, size, name,
-                                 op if isinstance(op, str) else None))
+                                 op if isinstance(op, str) else None, dimension, slot))
     return result
 
 
-def step_collectives(graphs: dict[str, fx.GraphModule]) -> list[Collective]:
+def step_collectives(graphs: dict[str, fx.GraphModule],
+                     dimensions: Mapping[str, tuple[str, int]] | None = None) -> list[Collective]:
     """Forward (or inference) then backward: the order one step issues them in."""
     order = ("forward", "inference", "backward")
-    return [c for name in order if name in graphs for c in collectives(name, graphs[name])]
+    return [c for name in order if name in graphs for c in collectives(name, graphs[name], dimensions)]
 
 
 def fingerprint(sequence: list[Collective], phase: str = "") -> bytes:

@@ -57,6 +57,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
 - ``one_thread_gloo``, ``gloo_threads``: fxshard's own gloo groups, made with one worker thread
   each (``ProcessGroupGloo``'s private options), so that no two threads of a group write its
   status at once; see the function.
+- ``use_count`` (``Tensor._use_count``): how many C++ references hold a tensor; ``runtime.quiesce``
+  waits until a gloo worker thread has let go of a collective's tensor.
 - ``group_timeout``, ``default_timeout``: the timeout a process group was made with; torch has no
   public getter. ``group_store``: the store a group was made with (``_world.pg_map``), where
   checkpoint agreements mark each rank's arrival.
@@ -402,3 +404,11 @@ def inductor_compile_fx_inner(gm: Any, example_inputs: Any) -> Callable[..., Any
 
     compiled: Callable[..., Any] = compile_fx_inner(gm, example_inputs)
     return compiled
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    """How many C++ references hold ``tensor``'s TensorImpl (``Tensor._use_count``, every
+    release here): a Python object alone is one."""
+    impl: Any = tensor  # _use_count is not in torch's type stubs
+    count: int = impl._use_count()
+    return count

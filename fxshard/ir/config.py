@@ -60,6 +60,9 @@ class CompileConfig:
     # FSDP's NO_SHARD (a (N, 1) mesh): every parameter whole on every rank, the
     # gradients all-reduced, as DDP does.
     no_shard: bool = False
+    # HSDP (an (R, S) mesh, both above 1): the global ranks of the mesh, R rows of S.
+    # Each row shards (``process_group`` is this rank's row); each column replicates.
+    hsdp: tuple[tuple[int, ...], ...] | None = None
     # NO_SHARD per unit: the units whose modules this policy selects (never the
     # root) keep their parameters whole on every rank, the rest are sharded.
     replicate: Policy | None = None
@@ -159,7 +162,7 @@ class CompileConfig:
         if refused:
             reasons = "; ".join(f"{k}: {why}" for k, why in refused.items())
             raise TypeError(f"fxshard.{front_end} does not take {sorted(refused)}: {reasons}")
-        own = {f.name for f in fields(cls)} - {"options", "verify", "no_shard"}
+        own = {f.name for f in fields(cls)} - {"options", "verify", "no_shard", "hsdp"}
         mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
         if "mesh" in kwargs:
             mesh = kwargs.pop("mesh")
@@ -167,7 +170,7 @@ class CompileConfig:
                 if mine.get("process_group") is not None:
                     raise TypeError("pass mesh= or process_group=, not both: a mesh names its "
                                     "process groups")
-                mine["process_group"], mine["no_shard"] = from_mesh(mesh)
+                mine["process_group"], mine["no_shard"], mine["hsdp"] = from_mesh(mesh)
         verify = kwargs.pop("verify_passes", None)
         mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else bool(verify)
         if mine.get("dump_dir") is None:
@@ -189,8 +192,9 @@ class CompileConfig:
         return replace(self, **changes)
 
 
-def from_mesh(mesh: Any) -> tuple[dist.ProcessGroup, bool]:
-    """The process group a ``DeviceMesh`` shards over, and whether it means NO_SHARD.
+def from_mesh(mesh: Any) -> tuple[dist.ProcessGroup, bool, tuple[tuple[int, ...], ...] | None]:
+    """The process group a ``DeviceMesh`` shards over, whether it means NO_SHARD, and for
+    HSDP the mesh's global ranks (rows shard, columns replicate).
 
     FSDP2's conventions: a 1-D mesh shards over its ranks; a 2-D mesh
     replicates over dim 0 and shards over dim 1 (HSDP). A 2-D mesh whose shard
@@ -204,15 +208,13 @@ def from_mesh(mesh: Any) -> tuple[dist.ProcessGroup, bool]:
                         f"(init_device_mesh(device_type, shape)), got {type(mesh).__name__}")
     shape = tuple(mesh.shape)
     if len(shape) == 1:
-        return mesh.get_group(), False
+        return mesh.get_group(), False, None
     if len(shape) == 2 and shape[1] == 1:
-        return mesh.get_group(0), True
+        return mesh.get_group(0), True, None
     if len(shape) == 2 and shape[0] == 1:
-        return mesh.get_group(1), False
+        return mesh.get_group(1), False, None
     if len(shape) == 2:
-        raise NotImplementedError(
-            f"a {shape[0]}x{shape[1]} mesh is HSDP (replicate over dim 0, shard over dim 1), "
-            "which fxshard does not run yet: pass a 1-D mesh (FULL_SHARD over every rank) or an "
-            f"({mesh.size()}, 1) mesh (NO_SHARD)")
+        rows = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+        return mesh.get_group(1), False, rows
     raise ValueError(f"mesh has {len(shape)} dimensions {shape}: fxshard takes a 1-D mesh "
                      "(shard) or a 2-D one (replicate, shard), as FSDP2 does")

@@ -8,10 +8,11 @@ alone, because two numbers hide behind one today and come apart on a mesh:
 - the **gradient divisor** (``layout.grad_divisor``): how many ranks'
   gradients are averaged, every rank of the job.
 
-With one flat process group (the only layout the driver builds so far) both are
-the world size. A replicated dimension (HSDP's dim 0 of a 2-D mesh) would add
-``replicate``: the shard degree stays the shard group's size and the divisor
-becomes the product.
+With one flat process group both are the world size. HSDP (a 2-D mesh)
+adds ``replicate``, the ranks holding the same shard: the shard degree stays the
+shard group's size and the divisor becomes the product. A gradient is then
+reduce-scattered over ``shard`` and its shard all-reduced over ``replicate``,
+so only a shard's worth crosses between replicas.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class CommGroup:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the ranks hold every flat group: sharded over ``shard``."""
+    """How the ranks hold every flat group: sharded over ``shard``, and for HSDP the same
+    shards held by every rank of ``replicate``."""
 
     shard: CommGroup
+    replicate: CommGroup | None = None
 
     @classmethod
     def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:
@@ -54,7 +57,7 @@ class Layout:
     @property
     def world_size(self) -> int:
         """Ranks in the job."""
-        return self.shard.size
+        return self.shard.size * (self.replicate.size if self.replicate is not None else 1)
 
     @property
     def grad_divisor(self) -> int:
@@ -64,3 +67,19 @@ class Layout:
     @property
     def communicates(self) -> bool:
         return self.shard.name is not None
+
+    def dimensions(self) -> dict[str, tuple[str, int]]:
+        """Each process group's dimension ("shard", "replicate") and slot there."""
+        named: dict[str, tuple[str, int]] = {}
+        for label, dim in (("shard", self.shard), ("replicate", self.replicate)):
+            if dim is not None and dim.name is not None:
+                named[dim.name] = (label, 0)
+                named.update({name: (label, i) for i, name in enumerate(dim.slots)})
+        return named
+
+    def dimension(self, group_name: str) -> CommGroup | None:
+        """The dimension a collective on ``group_name`` belongs to (its slots' or its own)."""
+        for dim in (self.shard, self.replicate):
+            if dim is not None and (group_name == dim.name or group_name in dim.slots):
+                return dim
+        return None
