@@ -145,6 +145,32 @@ def _resume(path: str, mesh: Any, rank: int) -> dict[str, Any]:
     return {"loaded": target.full_state_dict(), "next": _next_step(target, target_opt)}
 
 
+def _recipe_against_ddp(rank: int, mesh: Any) -> dict[str, Any]:
+    """Gradient accumulation under no_sync and clipping, fxshard on ``mesh`` and DDP beside it."""
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear), mesh=mesh)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(200 + rank)
+    norms, ref_norms = [], []
+    for _ in range(3):
+        batches = [(torch.randn(4, 12, generator=gen), torch.randn(4, 5, generator=gen)) for _ in range(2)]
+        for module, optimizer, out in ((sharded, opt, norms), (ddp, ref_opt, ref_norms)):
+            with module.no_sync():  # the first micro-batch adds up locally
+                F.mse_loss(module(batches[0][0]), batches[0][1]).backward()
+            F.mse_loss(module(batches[1][0]), batches[1][1]).backward()
+            if module is sharded:
+                out.append(float(sharded.clip_grad_norm_(0.1)))
+            else:
+                out.append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.1)))
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"norms": norms, "ref_norms": ref_norms, "state": sharded.full_state_dict(),
+            "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+
+
 def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Every 4-rank case in one spawn: NO_SHARD and HSDP against DDP; HSDP resuming a
     2-rank FULL_SHARD checkpoint, and saving one for 2 ranks to resume."""
@@ -154,6 +180,7 @@ def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
                                  mesh=init_device_mesh("cpu", shape))
     hsdp = init_device_mesh("cpu", (2, world_size // 2))
+    out["hsdp_recipe"] = _recipe_against_ddp(rank, hsdp)
     out["resumed"] = _resume(f"{root}/full_shard", hsdp, rank)
     source, source_opt = _trained(hsdp, 3, rank)
     fxshard.checkpoint.save(f"{root}/hsdp", source, source_opt)
@@ -180,6 +207,7 @@ def _assert_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 
 def test_no_shard_and_hsdp_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2() -> None:
+    """And HSDP with no_sync and gradient clipping, against DDP."""
     # Within an ulp-level bound, not bitwise. NO_SHARD: both all-reduce, but DDP's bucket holds
     # the gradients in reverse parameter order, fxshard's flat group in parameter order, so gloo's
     # ring cuts them into other chunks and adds each element's four terms in another order
@@ -194,6 +222,11 @@ def test_no_shard_and_hsdp_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume
             torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r[name]["ref_losses"]),
                                        rtol=1e-5, atol=1e-6, msg=name)
             _assert_states(r[name]["state"], r[name]["ref_state"], exact=False)
+        recipe = r["hsdp_recipe"]  # no_sync's local sums flushed over rows then columns; clipped
+        torch.testing.assert_close(torch.tensor(recipe["norms"]), torch.tensor(recipe["ref_norms"]),
+                                   rtol=1e-5, atol=1e-6)
+        assert min(recipe["norms"]) > 0.1  # every step clipped
+        _assert_states(recipe["state"], recipe["ref_state"], exact=False)
         # FULL_SHARD on 2 ranks -> HSDP on 4: the very values, then the same next step
         # (the gradient averaged over 4 ranks instead of 2: to rounding).
         _assert_states(r["resumed"]["loaded"], saved_on_2["state"], exact=True)
