@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
+from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.policies import by_class, by_predicate
 
@@ -85,6 +86,20 @@ def test_a_2_by_2_mesh_is_hsdp_gathered_in_the_row_and_reduced_in_the_row_then_t
                 if n.target in (torch.ops.aten.div_.Tensor, torch.ops.aten.div.Tensor)
                 and any(P.is_reduce_scatter(u) for u in n.users)]
         assert divs and all(n.args[1] == 4 for n in divs)
+        # The report's bytes per dimension are launching.md's formulas: per flat group of P
+        # bytes, each gather moves P/S x (S-1) and the reduce-scatter P x (S-1)/S inside the
+        # row; the column's all-reduce of the shard moves 2 x P/S x (R-1)/R.
+        gathers = {g.index: 0 for g in sharded.plan.groups}
+        for gm in (sharded.graphs["forward"], sharded.graphs["backward"]):
+            for n in nodes(gm, P.is_all_gather):
+                gathers[meta.get_info(n).group] += 1
+        size = {g.index: g.padded_numel * g.dtype.itemsize for g in sharded.plan.groups}
+        s, r = 2, 2
+        expected = {"shard": sum(gathers[g] * size[g] // s * (s - 1) + size[g] * (s - 1) // s for g in size),
+                    "replicate": sum(2 * (size[g] // s) * (r - 1) // r for g in size)}
+        report = sharded.report()
+        assert report.comm_bytes_per_dimension == expected
+        assert "between replicas" in str(report)
 
 
 def test_bad_mesh_arguments_are_refused_with_the_fix() -> None:

@@ -428,7 +428,7 @@ class Driver:
     def _buffers_to_broadcast(self) -> list[torch.Tensor]:
         """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""
         if not (self.config.broadcast_buffers and self._broadcast_next and self._module is not None
-                and self.world.size > 1):
+                and self.world.job_size > 1):
             return []
         return list(self._module.buffers())
 
@@ -436,10 +436,10 @@ class Driver:
 
     def report(self, step: CompiledStep) -> Report:
         phases = 2 if step.trains else 1  # an agreement before forward and before backward
-        agreement = phases * bus_bytes("all_gather", AGREEMENT_BYTES, self.world.size)
+        agreement = phases * bus_bytes("all_gather", AGREEMENT_BYTES, self.world.job_size)
         # A training step's forward starts by broadcasting (DDP's rule, steady state).
         broadcast = step.buffer_bytes if (self.config.broadcast_buffers and step.trains
-                                          and self.world.size > 1) else 0
+                                          and self.world.job_size > 1) else 0
         report = build_report(self.plan, self.world.rank, step.graphs, step.collectives,
                             list(self.shards), step.buffer_bytes, step.input_bytes,
                             step.num_user_outputs, agreement, broadcast,

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxshard.ir import compat, meta
 from fxshard.ir.budget import BudgetChoice
-from fxshard.ir.collectives import Collective, bytes_per_kind
+from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
 from fxshard.ir.memory import simulate
 from fxshard.ir.plan import ShardPlan
 
@@ -44,6 +44,9 @@ class Report:
     # 0's buffers, with broadcast_buffers (what each other rank receives).
     comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
+    # The steps' collectives' bus bytes per layout dimension: "shard" and, under HSDP,
+    # "replicate" (between replicas, what crosses nodes); the agreement is not counted.
+    comm_bytes_per_dimension: dict[str, int] = field(default_factory=dict)
     # no_sync: the unsharded gradient sums (one full gradient per flat group) that
     # a step inside no_sync, or the first after, keeps; counted in the peak.
     accumulator_bytes: int = 0
@@ -75,6 +78,11 @@ class Report:
         ]
         for kind, value in self.comm_bytes_per_step.items():
             lines.append(f"    {kind:<16}{value / mib:10.3f} MiB")
+        if "replicate" in self.comm_bytes_per_dimension:
+            lines.append("  the steps' collectives per mesh dimension:")
+            for dim, value in self.comm_bytes_per_dimension.items():
+                where = "inside the shard group" if dim == "shard" else "between replicas"
+                lines.append(f"    {dim:<16}{value / mib:10.3f} MiB  ({where})")
         header = ("unit", "gathered MiB", "shard MiB", "gathers", "comm MiB")
         rows = [(u.name or "<root>", f"{u.padded_bytes / mib:.3f}", f"{u.shard_bytes / mib:.3f}",
                  str(u.gathers), f"{u.comm_bytes / mib:.3f}") for u in self.units]
@@ -180,4 +188,5 @@ def build_report(
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
                   input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
-                  accumulator_bytes=accumulator_bytes, memory_curve=curves, at_peak=at_peak)
+                  bytes_per_dimension(sequence), accumulator_bytes=accumulator_bytes,
+                  memory_curve=curves, at_peak=at_peak)

@@ -104,6 +104,16 @@ def fingerprint(sequence: list[Collective], phase: str = "") -> bytes:
     return hashlib.sha256(text.encode()).digest()[:8]
 
 
+def bytes_per_dimension(sequence: list[Collective]) -> dict[str, int]:
+    """Bus bytes of the steps' collectives per layout dimension: "shard" (inside each shard
+    group) and, under HSDP, "replicate" (between replicas: what crosses nodes)."""
+    totals: dict[str, int] = {}
+    for c in sequence:
+        if c.dimension:
+            totals[c.dimension] = totals.get(c.dimension, 0) + c.bus_bytes
+    return totals
+
+
 def bytes_per_kind(sequence: list[Collective], agreement_bytes: int = 0,
                    broadcast_bytes: int = 0) -> dict[str, int]:
     """Bus bytes per kind and "total"; "broadcast" (rank 0's buffers) only where there is one."""
