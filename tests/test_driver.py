@@ -63,10 +63,11 @@ def test_front_ends_run_the_same_passes_and_emit_the_same_collectives() -> None:
     assert ("backward", "sink_allocations_pass") in passes and ("joint", "rematerialize_params_pass") in passes
     assert backend_hook.seen == compiled_hook.seen == explain_hook.seen
     assert list(e.pass_names) == passes == be.steps()[0].passes
-    expected = step_collectives(sm.graphs)
+    dimensions = {"0": ("shard", 0)}  # the fake group's one group: no in-flight slots there
+    expected = step_collectives(sm.graphs, dimensions)
     assert len(expected) == 8  # 3 units: 3 gathers forward, 2 backward, 3 reduce-scatters
     assert be.steps()[0].collectives == expected
-    assert step_collectives(e.graphs) == expected
+    assert step_collectives(e.graphs, dimensions) == expected
 
 
 def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
@@ -74,9 +75,9 @@ def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
     seen: list[float | None] = []
     real = driver_compiler.with_comm_groups
 
-    def spy(world: Any, slots: int, timeout: float | None) -> Any:
+    def spy(world: Any, slots: int, timeout: float | None, hsdp: Any = None) -> Any:
         seen.append(timeout)
-        return real(world, slots, timeout)
+        return real(world, slots, timeout, hsdp)
 
     monkeypatch.setattr(driver_compiler, "with_comm_groups", spy)
     return seen
