@@ -32,13 +32,15 @@ class Replicas:
 
     ``rank`` is this rank's replica (its row of the mesh), ``comm`` fxshard's own
     groups over this rank's column (the ranks holding the same shard), in slot
-    order, and ``job`` one group of fxshard's over every rank of the mesh.
+    order, and ``job`` one group of fxshard's over every rank of the mesh, in
+    which this rank is ``job_rank``.
     """
 
     size: int
     rank: int
     comm: tuple[dist.ProcessGroup, ...]
     job: dist.ProcessGroup
+    job_rank: int
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class World:
     @property
     def job_rank(self) -> int:
         """This rank's place in :attr:`job_group`."""
-        return self.replicas.rank * self.size + self.rank if self.replicas is not None else self.rank
+        return self.replicas.job_rank if self.replicas is not None else self.rank
 
     @property
     def job_size(self) -> int:
@@ -175,7 +177,7 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
     replica = next(i for i, row in enumerate(rows) if me in row)
     assert job is not None and len(comm) == len(replica_comm) == slots
     return replace(world, comm=comm, timeout=limit,
-                   replicas=Replicas(len(rows), replica, replica_comm, job))
+                   replicas=Replicas(len(rows), replica, replica_comm, job, dist.get_rank(job)))
 
 
 def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.device) -> list[nn.Parameter]:
