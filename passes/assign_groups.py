@@ -28,8 +28,9 @@ def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     collectives = [n for n in gm.graph.nodes if P.is_collective(n)]
     if not collectives:
         return gm
-    # Each dimension of the layout (the shard group; HSDP's replicas) has slots of its own.
-    dims = [d for d in (ctx.layout.shard, ctx.layout.replicate) if d is not None]
+    # Each dimension of the layout (the shard group; HSDP's replicas, hpZ's partition) has
+    # slots of its own.
+    dims = [d for _, d in ctx.layout.labelled()]
     if not all(d.slots for d in dims):
         raise GraphInvariantError("assign_groups_pass needs the in-flight slots' process groups "
                                   "(ctx.layout.shard.slots); build_pipeline leaves it out otherwise")

@@ -91,3 +91,14 @@ class PassContext:
     def reshards(self, group: int) -> bool:
         """Is this group's gathered buffer freed after forward and gathered again in backward?"""
         return self.options.reshards(self.unit_of(group))
+
+    def partitioned(self, group: int) -> bool:
+        """hpZ: does this group's forward keep a piece of its gathered buffer over the layout's
+        partition, which backward gathers within (``reshard_within_pass``)?"""
+        return (self.layout.partition is not None and self.reshards(group)
+                and not self.plan.groups[group].replicated)
+
+    def keeps_buffer(self, group: int) -> bool:
+        """In the joint graph: does backward read this group's forward buffer (not resharded,
+        or hpZ, whose forward then keeps only a piece of it) rather than gather it again?"""
+        return not self.reshards(group) or self.partitioned(group)

@@ -68,8 +68,8 @@ class BackwardCopies:
         if P.is_unshard_marker(node):
             group = source_group(node)
             assert group is not None, f"{node.name}: marker without a flat group"
-            if not self.ctx.reshards(group):
-                return node  # not resharded: backward reads the forward buffer
+            if self.ctx.keeps_buffer(group):
+                return node  # not resharded (or hpZ): backward reads the forward buffer
         new = self.copy(node, before, lambda a: self.parameter(a, before))
         group = source_group(node)
         if group is not None and meta.get_info(new) is None:

@@ -33,6 +33,7 @@ from .insert_all_gather import insert_all_gather_pass
 from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
+from .reshard_within import reshard_within_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
@@ -62,6 +63,8 @@ class PassSpec:
 
 _LOWERS_GATHERS = "the emitted graphs would keep fxshard.unshard markers, which raise when run"
 _LOWERS_GRADS = "the emitted graphs would keep fxshard.reduce_grad markers, which raise when run"
+_PARTITIONS = ("backward would read the whole gathered buffer kept from forward (ZeRO-2's memory), "
+               "not hpZ's piece gathered within the partition")
 _PLACES = ("every unit would be gathered at the start of the graph, where tracing puts the "
            "markers (the in-flight limit, invariant 8, fails)")
 _SORTS = ("the scheduling passes only record positions; without the sort every unit would be "
@@ -93,14 +96,24 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
         PassSpec(insert_all_gather_pass,
                  "lower markers early: every later pass reasons about real collectives",
                  required=_LOWERS_GATHERS),
-        PassSpec(place_gathers_pass,
-                 "first scheduling constraint: each gather just before its first reader; a "
-                 "prefetch is positioned relative to these",
-                 needs=("insert_all_gather_pass",), required=_PLACES),
     ]
+    specs += _partition(config)
+    specs.append(PassSpec(place_gathers_pass,
+                          "first scheduling constraint: each gather just before its first reader; "
+                          "a prefetch is positioned relative to these",
+                          needs=("insert_all_gather_pass",), required=_PLACES))
     specs += _prefetch(config, graph)
     specs += _finish(config)
     return specs
+
+
+def _partition(config: CompileConfig) -> list[PassSpec]:
+    if not config.options.partitions:
+        return []
+    return [PassSpec(reshard_within_pass,
+                     "after the gathers are lowered (it cuts a gathered buffer, and adds gathers of "
+                     "its own in backward); before placement, which places its gathers like any",
+                     needs=("insert_all_gather_pass",), required=_PARTITIONS)]
 
 
 def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
@@ -148,11 +161,12 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
         PassSpec(insert_reduce_scatter_pass,
                  "lower gradient markers before scheduling, which moves the reductions",
                  required=_LOWERS_GRADS),
-        PassSpec(place_gathers_pass,
-                 "first scheduling constraint: each gather just before its first reader; "
-                 "prefetches and reductions are positioned relative to these",
-                 needs=("insert_all_gather_pass",), required=_PLACES),
     ]
+    specs += _partition(config)
+    specs.append(PassSpec(place_gathers_pass,
+                          "first scheduling constraint: each gather just before its first reader; "
+                          "prefetches and reductions are positioned relative to these",
+                          needs=("insert_all_gather_pass",), required=_PLACES))
     specs += _prefetch(config, "backward")
     specs.append(PassSpec(schedule_reduce_scatter_pass,
                           "after the gathers are positioned: positions each reduction after the "
@@ -168,7 +182,7 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
 
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
-    everything = CompileConfig(inflight_groups=True, options=ShardingOptions())
+    everything = CompileConfig(inflight_groups=True, options=ShardingOptions(reshard_after_forward=2))
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):

@@ -113,11 +113,13 @@ def _check_groups_in_flight(graph: fx.Graph) -> None:
 
 
 def _kept(node: fx.Node, ctx: PassContext) -> bool:
-    """A unit's whole gathered buffer, for a unit that is not resharded: allowed to cross."""
+    """A unit's whole gathered buffer, for a unit that is not resharded, or hpZ's piece of it:
+    allowed to cross. (hpZ's whole buffer crosses until ``reshard_within_pass`` cuts it.)"""
     if P.is_unshard_marker(node) or is_gather_wait(node):
         group = source_group(node)
-        return group is not None and not ctx.reshards(group)
-    return False
+        return group is not None and ctx.keeps_buffer(group)
+    info = meta.get_info(node)
+    return info is not None and info.role == meta.PIECE
 
 
 def _check_nothing_gathered_is_saved(graph: fx.Graph, ctx: PassContext) -> None:

@@ -75,9 +75,9 @@ def _timeouts(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
     seen: list[float | None] = []
     real = driver_compiler.with_comm_groups
 
-    def spy(world: Any, slots: int, timeout: float | None, hsdp: Any = None) -> Any:
+    def spy(world: Any, slots: int, timeout: float | None, hsdp: Any = None, hpz: Any = None) -> Any:
         seen.append(timeout)
-        return real(world, slots, timeout, hsdp)
+        return real(world, slots, timeout, hsdp, hpz)
 
     monkeypatch.setattr(driver_compiler, "with_comm_groups", spy)
     return seen

@@ -1,5 +1,5 @@
-"""mesh= (a torch DeviceMesh), with FSDP2's conventions: 1-D shards, (N, 1) is NO_SHARD; and
-replicate=, NO_SHARD for the units a policy selects.
+"""mesh= (a torch DeviceMesh), with FSDP2's conventions: 1-D shards, (N, 1) is NO_SHARD, (R, S)
+is HSDP; replicate=, NO_SHARD for the units a policy selects; reshard_after_forward=h, hpZ.
 
 Graph structure on a fake process group of 4 ranks (in this process); training
 on 4 real gloo ranks against DDP.
@@ -102,6 +102,54 @@ def test_a_2_by_2_mesh_is_hsdp_gathered_in_the_row_and_reduced_in_the_row_then_t
         assert "between replicas" in str(report)
 
 
+def test_hpz_gathers_forward_in_the_shard_group_and_backward_within_the_partition() -> None:
+    """reshard_after_forward=2 on 4 ranks: forward saves this rank's half of each gathered
+    buffer (not the whole, not a quarter), backward gathers it back within 2 ranks."""
+    with fake_world(4, rank=1):  # partitions [0, 1], [2, 3]: rank 1 keeps the second half
+        sharded = _compiled(reshard_after_forward=2, verify_passes=True)
+        world = sharded._driver.world
+        shard, partition = {g.group_name for g in world.comm}, {g.group_name for g in world.partition.comm}
+        assert torch.distributed.get_process_group_ranks(world.partition.comm[0]) == [0, 1]
+        assert (world.partition.rank, world.partition.size) == (1, 2)
+        padded = {g.index: g.padded_numel for g in sharded.plan.groups}
+        forward, backward = sharded.graphs["forward"], sharded.graphs["backward"]
+        fw = nodes(forward, P.is_collective)
+        assert len(fw) == 3 and all(P.is_all_gather(n) and P.group_name(n) in shard for n in fw)
+        # What crosses to backward: a piece of the resharded units' buffers, half of each.
+        output = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        saved = output[sharded._driver.steps[0].num_user_outputs:]
+        pieces = {meta.get_info(n).group: n for n in saved if meta.get_info(n) is not None}
+        assert pieces and all(meta.get_info(n).role == meta.PIECE for n in pieces.values())
+        for group, piece in pieces.items():
+            assert piece.meta["val"].numel() * 2 == padded[group]
+            assert piece.target is torch.ops.aten.clone.default
+            (cut,) = piece.args
+            assert cut.args[1:] == (0, padded[group] // 2, padded[group])  # rank 1 of 2: the second half
+        gathers = nodes(backward, P.is_all_gather)
+        assert {meta.get_info(n).group for n in gathers} == set(pieces)
+        assert all(P.group_name(n) in partition and n.args[1] == 2 for n in gathers)
+        assert all(n.args[0].meta["val"].numel() * 2 == padded[meta.get_info(n).group] for n in gathers)
+        scatters = nodes(backward, P.is_reduce_scatter)
+        assert len(scatters) == 3 and all(P.group_name(n) in shard for n in scatters)
+        # Bytes per dimension (launching.md): backward's gathers move P x (h-1)/h each,
+        # inside the partition; the rest is FULL_SHARD's, inside the shard group.
+        size = {g: padded[g] * 4 for g in padded}
+        s, h = 4, 2
+        expected = {"shard": sum(size[g] * (s - 1) // s * 2 for g in size),  # forward gathers, scatters
+                    "partition": sum(size[g] * (h - 1) // h for g in pieces)}
+        report = sharded.report()
+        assert report.comm_bytes_per_dimension == expected
+        assert "inside hpZ's partitions" in str(report) and "rank 1 of 2 in its hpZ partition" in str(report)
+    with fake_world(4):
+        with pytest.raises(ValueError, match="groups of 3 do not divide; pass one of \\[1, 2, 4\\]"):
+            fxshard.compile(MLP(), reshard_after_forward=3)
+        with pytest.raises(ValueError, match="reshard_after_forward takes True"):
+            fxshard.compile(MLP(), reshard_after_forward=0)
+        # 4 is the shard group (True), 1 keeps the whole buffer (False): no partition.
+        assert _collectives(_compiled(reshard_after_forward=4)) == _collectives(_compiled())
+        assert _collectives(_compiled(reshard_after_forward=1)) == _collectives(_compiled(reshard_after_forward=False))
+
+
 def test_bad_mesh_arguments_are_refused_with_the_fix() -> None:
     with fake_world(4):
         with pytest.raises(TypeError, match="mesh= or process_group=, not both"):
@@ -194,6 +242,12 @@ def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         torch.manual_seed(0)
         out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
                                  mesh=init_device_mesh("cpu", shape))
+    flat = init_device_mesh("cpu", (world_size,))
+    for name, front_end, hpz in (("full_shard", "compile", True), ("hpz", "compile", 2),
+                                 ("hpz_backend", "backend", 2)):
+        torch.manual_seed(0)
+        out[name] = _against_ddp(MLP(), rank, (12, 5), front_end, policy=by_class(nn.Linear),
+                                 mesh=flat, reshard_after_forward=hpz)
     hsdp = init_device_mesh("cpu", (2, world_size // 2))
     out["hsdp_recipe"] = _recipe_against_ddp(rank, hsdp)
     out["resumed"] = _resume(f"{root}/full_shard", hsdp, rank)
@@ -221,19 +275,25 @@ def _assert_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_no_shard_and_hsdp_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2() -> None:
-    """And HSDP with no_sync and gradient clipping, against DDP."""
+def test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2() -> None:
+    """And HSDP with no_sync and gradient clipping, against DDP; hpZ (reshard_after_forward=2)
+    through both front ends against FULL_SHARD, bitwise."""
     # Within an ulp-level bound, not bitwise. NO_SHARD: both all-reduce, but DDP's bucket holds
     # the gradients in reverse parameter order, fxshard's flat group in parameter order, so gloo's
     # ring cuts them into other chunks and adds each element's four terms in another order
     # (tests/test_parity.py bounds world size 3 the same way). HSDP adds each element's two
-    # rows' sums, which DDP's ring adds in another order too.
+    # rows' sums, which DDP's ring adds in another order too; FULL_SHARD's reduce-scatter on
+    # 4 ranks, in another order again.
     with tempfile.TemporaryDirectory() as root:
         (saved_on_2, _) = run_ranks(two_rank_full_shard_worker, 2, root, "save")
         results = run_ranks(four_rank_worker, 4, root)
         resumed_on_2 = run_ranks(two_rank_full_shard_worker, 2, root, "resume")
     for r in results:
-        for name in ("no_shard", "hsdp"):
+        # hpZ moves the same values as FULL_SHARD, from another group: bit for bit the same.
+        for name in ("hpz", "hpz_backend"):
+            assert r[name]["losses"] == r["full_shard"]["losses"], name
+            _assert_states(r[name]["state"], r["full_shard"]["state"], exact=True)
+        for name in ("no_shard", "hsdp", "full_shard", "hpz"):
             torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r[name]["ref_losses"]),
                                        rtol=1e-5, atol=1e-6, msg=name)
             _assert_states(r[name]["state"], r[name]["ref_state"], exact=False)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
@@ -120,6 +121,11 @@ class GraphCompiler:
             return gm
         if self.finish is None:
             return _guarded(_boxed(gm), self.world, kind, self.abandoned, boxed=True)
+        if kind == "backward" and example_inputs is not None:  # hpZ's pieces are smaller
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            example_inputs = [n.meta["val"] if (info := meta.get_info(n)) is not None
+                              and info.role == meta.PIECE else x
+                              for n, x in zip(placeholders, example_inputs)]
         try:
             compiled = self.finish(gm, example_inputs)
         except Exception as e:
@@ -193,13 +199,20 @@ class BoxedCodeGen(fx.graph.CodeGen):
 
 
 def layout_of(world: World, inflight: bool) -> Layout:
-    """The passes' layout of ``world``: its shard group and, for HSDP, its replicas, each
-    with its in-flight slots' groups where collectives in flight go on different groups."""
+    """The passes' layout of ``world``: its shard group and, for HSDP, its replicas, for hpZ
+    its partition, each with its in-flight slots' groups where collectives in flight go on
+    different groups."""
+
+    def dimension(size: int, comm: tuple[dist.ProcessGroup, ...]) -> CommGroup:
+        names = tuple(g.group_name for g in comm)
+        return CommGroup(size, names[0], names if inflight else ())
+
     shard = CommGroup(world.size, world.group_name, world.slot_names if inflight else ())
-    if world.replicas is None:
-        return Layout(shard)
-    names = tuple(g.group_name for g in world.replicas.comm)
-    return Layout(shard, CommGroup(world.replicas.size, names[0], names if inflight else ()))
+    replicate = dimension(world.replicas.size, world.replicas.comm) if world.replicas else None
+    if world.partition is None:
+        return Layout(shard, replicate)
+    return Layout(shard, replicate, dimension(world.partition.size, world.partition.comm),
+                  world.partition.rank)
 
 
 def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: Abandoned,
@@ -215,7 +228,8 @@ def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: A
                 return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
-            settle(None, *world.comm, *(world.replicas.comm if world.replicas else ()))
+            settle(None, *world.comm, *(world.replicas.comm if world.replicas else ()),
+                   *(world.partition.comm if world.partition else ()))
             failure = collective_failure(e, world.rank, f"{kind} graph")
             if failure is None:
                 raise

@@ -132,7 +132,8 @@ class Driver:
         self.pipelines: dict[str, tuple[PassSpec, ...]] = build_pipelines(config)
         self.config = config
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
-        self.world: World = with_comm_groups(world, slots, config.timeout, config.hsdp)
+        hpz = config.options.hpz_size(world.size) if world.size > 1 and not config.no_shard else None
+        self.world: World = with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
@@ -447,7 +448,8 @@ class Driver:
                                                   for a in self.accumulators.values())
                             if step.grad_sync != REDUCE else 0)
         report = replace(report, step=("train step (forward and backward)" if step.trains
-                                       else "inference step") + f" on inputs {step.inputs or 'none'}")
+                                       else "inference step") + f" on inputs {step.inputs or 'none'}",
+                         topology=self.world.topology())
         if self.budget_choice is None:
             return report
         return replace(report, budget=self.budget_choice, budget_inputs=self.budget_inputs)

@@ -44,8 +44,9 @@ class Report:
     # 0's buffers, with broadcast_buffers (what each other rank receives).
     comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
-    # The steps' collectives' bus bytes per layout dimension: "shard" and, under HSDP,
-    # "replicate" (between replicas, what crosses nodes); the agreement is not counted.
+    # The steps' collectives' bus bytes per layout dimension: "shard", under HSDP
+    # "replicate" (between replicas, what crosses nodes), under hpZ "partition"
+    # (backward's gathers); the agreement is not counted.
     comm_bytes_per_dimension: dict[str, int] = field(default_factory=dict)
     # no_sync: the unsharded gradient sums (one full gradient per flat group) that
     # a step inside no_sync, or the first after, keeps; counted in the peak.
@@ -59,6 +60,9 @@ class Report:
     budget: BudgetChoice | None = field(default=None, compare=False)
     budget_inputs: str = field(default="", compare=False)
     step: str = field(default="", compare=False)  # which step this describes
+    # Where this rank sits beyond its shard group: "rank 3 of 4 in the job; replica 1
+    # of 2" under HSDP, hpZ's partition; "" on one flat group.
+    topology: str = field(default="", compare=False)
 
     @property
     def within_budget(self) -> bool | None:
@@ -69,7 +73,9 @@ class Report:
         mib = 1 << 20
         lines = [
             f"fxshard report: rank {self.rank} of {self.world_size}"
+            + (" in the shard group" if self.topology else "")
             + (f", the latest {self.step}" if self.step else ""),
+            *([f"  topology            {self.topology}"] if self.topology else []),
             f"  predicted peak      {self.predicted_peak_bytes / mib:10.3f} MiB  (at {self.peak_phase})",
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
@@ -78,11 +84,10 @@ class Report:
         ]
         for kind, value in self.comm_bytes_per_step.items():
             lines.append(f"    {kind:<16}{value / mib:10.3f} MiB")
-        if "replicate" in self.comm_bytes_per_dimension:
+        if set(self.comm_bytes_per_dimension) - {"shard"}:
             lines.append("  the steps' collectives per mesh dimension:")
             for dim, value in self.comm_bytes_per_dimension.items():
-                where = "inside the shard group" if dim == "shard" else "between replicas"
-                lines.append(f"    {dim:<16}{value / mib:10.3f} MiB  ({where})")
+                lines.append(f"    {dim:<16}{value / mib:10.3f} MiB  ({_WHERE[dim]})")
         header = ("unit", "gathered MiB", "shard MiB", "gathers", "comm MiB")
         rows = [(u.name or "<root>", f"{u.padded_bytes / mib:.3f}", f"{u.shard_bytes / mib:.3f}",
                  str(u.gathers), f"{u.comm_bytes / mib:.3f}") for u in self.units]
@@ -103,6 +108,10 @@ class Report:
                     "batch the first: call the model with it first, or pass it as example_inputs= "
                     "to fxshard.compile.")
         return "\n".join(lines)
+
+
+_WHERE = {"shard": "inside the shard group", "replicate": "between replicas",
+          "partition": "inside hpZ's partitions"}
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

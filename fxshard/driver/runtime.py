@@ -44,6 +44,21 @@ class Replicas:
 
 
 @dataclass(frozen=True)
+class Partition:
+    """hpZ (``reshard_after_forward=h``): the ``size`` consecutive ranks of this rank's shard
+    group that hold a resharded unit's parameters between forward and backward.
+
+    ``rank`` is this rank's place among them (which piece of a gathered buffer it
+    keeps), ``comm`` fxshard's own groups over them, in slot order: backward gathers
+    there.
+    """
+
+    size: int
+    rank: int
+    comm: tuple[dist.ProcessGroup, ...]
+
+
+@dataclass(frozen=True)
 class World:
     """Where this rank sits. ``group`` is None when no process group is initialised.
 
@@ -52,6 +67,7 @@ class World:
     collectives run on, in slot order (``with_comm_groups``): fxshard's own
     groups over the same ranks, or ``group`` itself. ``timeout`` is how long any
     of them waits. ``replicas`` is HSDP's other dimension (None: one copy).
+    ``partition`` is hpZ's groups inside the shard group (None: none).
     """
 
     rank: int
@@ -60,6 +76,7 @@ class World:
     comm: tuple[dist.ProcessGroup, ...] = ()
     timeout: datetime.timedelta | None = None
     replicas: Replicas | None = None
+    partition: Partition | None = None
 
     @property
     def comm_group(self) -> dist.ProcessGroup:
@@ -92,6 +109,17 @@ class World:
     @property
     def slot_names(self) -> tuple[str, ...]:
         return tuple(g.group_name for g in self.comm)
+
+    def topology(self) -> str:
+        """Where this rank sits beyond its shard group, for reports; "" on one flat group."""
+        parts = []
+        if self.replicas is not None:
+            parts += [f"rank {self.job_rank} of {self.job_size} in the job (HSDP, "
+                      f"{self.replicas.size} x {self.size})",
+                      f"replica {self.replicas.rank} of {self.replicas.size}"]
+        if self.partition is not None:
+            parts.append(f"rank {self.partition.rank} of {self.partition.size} in its hpZ partition")
+        return "; ".join(parts)
 
 
 def resolve_world(process_group: dist.ProcessGroup | None) -> World:
@@ -127,7 +155,7 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
 
 
 def with_comm_groups(world: World, slots: int, timeout: float | None,
-                     hsdp: tuple[tuple[int, ...], ...] | None = None) -> World:
+                     hsdp: tuple[tuple[int, ...], ...] | None = None, hpz: int | None = None) -> World:
     """``world`` with ``slots`` process groups of fxshard's own over the same ranks.
 
     A collective: every rank creates them, in the same order, when it builds
@@ -144,16 +172,19 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
     replicas: ``slots`` groups over this rank's column and one over the whole
     mesh. Every rank creates every row's and column's groups, in the same
     order (``new_group``'s rule), and keeps its own.
+
+    ``hpz`` (``reshard_after_forward=h``) adds ``slots`` groups over each block of
+    h consecutive ranks of every shard group (:class:`Partition`).
     """
     fake = world.group is not None and dist.get_backend(world.group) == "fake"
-    if world.group is None or (world.size == 1 or fake) and hsdp is None:
+    if world.group is None or (world.size == 1 or fake) and hsdp is None and hpz is None:
         return world  # torch's fake process group: the graphs name its groups, nothing runs
     limit = datetime.timedelta(seconds=timeout) if timeout is not None else group_timeout(world.group)
     # gloo's: one worker thread each, so that a group's status is never written by two at once.
     backend = compat.one_thread_gloo() if dist.get_backend(world.group) == "gloo" else None
     if fake:
         slots = 1
-    if slots == 1 and timeout is None and backend is None and hsdp is None:
+    if slots == 1 and timeout is None and backend is None and hsdp is None and hpz is None:
         return replace(world, comm=(world.group,), timeout=limit)
 
     def own(ranks: list[int]) -> dist.ProcessGroup | None:
@@ -166,11 +197,16 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
         kept = [[own(ranks) for ranks in groups_of] for _ in range(slots)]
         return tuple(g for slot in kept for g in slot if g is not None)
 
-    if hsdp is None:
-        return replace(world, comm=mine([dist.get_process_group_ranks(world.group)]), timeout=limit)
-    rows = [list(row) for row in hsdp]
-    columns = [list(column) for column in zip(*hsdp)]
+    rows = [list(row) for row in hsdp] if hsdp is not None else [dist.get_process_group_ranks(world.group)]
     comm = mine(rows)
+    if hpz is not None:  # blocks of h consecutive ranks of each row, in the row's rank order
+        blocks = [row[i:i + hpz] for row in rows for i in range(0, len(row), hpz)]
+        partition = Partition(hpz, world.rank % hpz, mine(blocks))
+        assert len(partition.comm) == slots
+        world = replace(world, partition=partition)
+    if hsdp is None:
+        return replace(world, comm=comm, timeout=limit)
+    columns = [list(column) for column in zip(*hsdp)]
     replica_comm = mine(columns)
     job = own(sorted(r for row in rows for r in row))
     me = dist.get_rank()

@@ -13,6 +13,11 @@ adds ``replicate``, the ranks holding the same shard: the shard degree stays the
 shard group's size and the divisor becomes the product. A gradient is then
 reduce-scattered over ``shard`` and its shard all-reduced over ``replicate``,
 so only a shard's worth crosses between replicas.
+
+hpZ (``reshard_after_forward=h``) adds ``partition``: blocks of h consecutive
+ranks of the shard group. Forward gathers over ``shard`` as always; each rank
+then keeps its ``partition_rank``-th piece of a resharded unit's gathered
+buffer (1/h of it, not 1/S), and backward gathers within ``partition`` only.
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ class Layout:
 
     shard: CommGroup
     replicate: CommGroup | None = None
+    partition: CommGroup | None = None
+    partition_rank: int = 0  # this rank's place in its partition: the piece it keeps
+
+    def __post_init__(self) -> None:
+        if self.partition is not None and (self.shard.size % self.partition.size
+                                           or not 0 <= self.partition_rank < self.partition.size):
+            raise ValueError(f"a partition of {self.partition.size} ranks (rank "
+                             f"{self.partition_rank}) does not divide a shard group of "
+                             f"{self.shard.size}")
 
     @classmethod
     def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:
@@ -68,18 +82,23 @@ class Layout:
     def communicates(self) -> bool:
         return self.shard.name is not None
 
+    def labelled(self) -> tuple[tuple[str, CommGroup], ...]:
+        """The layout's dimensions by name: "shard", then "replicate" and "partition" where set."""
+        dims = (("shard", self.shard), ("replicate", self.replicate), ("partition", self.partition))
+        return tuple((label, dim) for label, dim in dims if dim is not None)
+
     def dimensions(self) -> dict[str, tuple[str, int]]:
-        """Each process group's dimension ("shard", "replicate") and slot there."""
+        """Each process group's dimension ("shard", "replicate", "partition") and slot there."""
         named: dict[str, tuple[str, int]] = {}
-        for label, dim in (("shard", self.shard), ("replicate", self.replicate)):
-            if dim is not None and dim.name is not None:
+        for label, dim in self.labelled():
+            if dim.name is not None:
                 named[dim.name] = (label, 0)
                 named.update({name: (label, i) for i, name in enumerate(dim.slots)})
         return named
 
     def dimension(self, group_name: str) -> CommGroup | None:
         """The dimension a collective on ``group_name`` belongs to (its slots' or its own)."""
-        for dim in (self.shard, self.replicate):
-            if dim is not None and (group_name == dim.name or group_name in dim.slots):
+        for _, dim in self.labelled():
+            if group_name == dim.name or group_name in dim.slots:
                 return dim
         return None

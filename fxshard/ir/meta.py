@@ -32,6 +32,7 @@ FREE = "free"
 REMAT = "remat"  # backward copy of a parameter-only computation
 CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient around its reduction
 SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
+PIECE = "kept_piece"  # hpZ: this rank's piece of a gathered buffer, kept from forward for backward
 
 # Backward copies of forward values (rematerialized parameter chains,
 # recomputed activations) name the forward node they copy under this key.

@@ -24,8 +24,12 @@ REMOVED = {
 @dataclass(frozen=True)
 class ShardingOptions:
     # ZeRO-3 (True): gathered parameters are freed after forward and gathered
-    # again in backward. ZeRO-2 (False): kept from forward to backward.
-    reshard_after_forward: bool = True
+    # again in backward. ZeRO-2 (False): kept from forward to backward. An int
+    # h (FSDP2's; ZeRO++'s hpZ): after forward each rank keeps its piece of the
+    # gathered parameters over groups of h consecutive ranks of the shard group,
+    # and backward gathers within those groups only. h must divide the shard
+    # group's size; h equal to it is True, 1 is False.
+    reshard_after_forward: bool | int = True
     # The root unit, as in FSDP2, is not resharded by default: backward needs
     # it first. True reshards it like every other unit.
     reshard_root: bool = False
@@ -51,6 +55,13 @@ class ShardingOptions:
     replicate_below: int = 0
 
     def __post_init__(self) -> None:
+        hpz = self.reshard_after_forward
+        if not isinstance(hpz, int) or not isinstance(hpz, bool) and hpz < 1:
+            raise ValueError(
+                "reshard_after_forward takes True (reshard to the shard group), False (keep the "
+                "gathered parameters for backward) or a number of ranks h >= 1 dividing the shard "
+                f"group's size (keep them sharded over groups of h ranks: hpZ), got {hpz!r}"
+            )
         if self.reshard_units is not None:
             if isinstance(self.reshard_units, str) or not all(isinstance(u, str) for u in self.reshard_units):
                 raise TypeError("reshard_units takes unit names, e.g. {'blocks.0', ''} ('' is the root), "
@@ -89,4 +100,28 @@ class ShardingOptions:
         """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
         if self.reshard_units is not None:
             return unit in self.reshard_units
-        return self.reshard_root if unit == "" else self.reshard_after_forward
+        if unit == "":
+            return self.reshard_root
+        return self.reshard_after_forward is True or self.reshard_after_forward not in (False, 1)
+
+    @property
+    def partitions(self) -> bool:
+        """Is ``reshard_after_forward`` a number of ranks (hpZ, unless it is the shard group's)?"""
+        return not isinstance(self.reshard_after_forward, bool) and self.reshard_after_forward > 1
+
+    def hpz_size(self, shard_size: int) -> int | None:
+        """The ranks a resharded unit's parameters stay sharded over between forward and
+        backward when that is fewer than the shard group's ``shard_size`` (hpZ); None when
+        resharding is to the whole shard group, or there is none. Raises for a size that
+        does not divide ``shard_size``."""
+        h = self.reshard_after_forward
+        if isinstance(h, bool) or h in (1, shard_size):
+            return None
+        if shard_size % h:
+            divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+            raise ValueError(
+                f"reshard_after_forward={h}: the shard group has {shard_size} ranks, which groups "
+                f"of {h} do not divide; pass one of {divisors} (1 keeps the whole parameters, as "
+                f"False does; {shard_size} reshards to the shard group, as True does)"
+            )
+        return h
