@@ -454,31 +454,41 @@ def compile_scaling(depths: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def planning_at_scale(world_sizes: list[int], models: list[str]) -> list[dict[str, Any]]:
+def planning_at_scale(world_sizes: list[int], models: list[str],
+                      meshes: tuple[tuple[str, tuple[int, int]], ...] = ()) -> list[dict[str, Any]]:
+    """explain's wall time and predictions for each model at each world size (one flat
+    group), then for each (model, mesh shape) in ``meshes`` (HSDP: rank 1 of the last row)."""
     import fxshard
 
     from llama import LLAMA3_8B, LLAMA3_70B, Llama, TransformerBlock
 
+    configs = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+    cases: list[tuple[str, int, tuple[int, int] | None]] = [(m, n, None) for m in models for n in world_sizes]
+    cases += [(m, shape[0] * shape[1], shape) for m, shape in meshes]
     rows = []
-    for name in models:
-        config = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}[name]
-        for n in world_sizes:
-            with torch.device("meta"):
-                model = Llama(config)
-            start = time.perf_counter()
-            e = fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long),
-                                policy=fxshard.policies.by_class(TransformerBlock), world_size=n)
-            seconds = time.perf_counter() - start
-            psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
-            largest = max(u.padded_bytes for u in e.report.units)
-            # shards + gradients + two Adam states, over N; plus the largest unit gathered
-            # (times the prefetch depth, 2).
-            formula = 4 * psi // n + 2 * largest
-            rows.append({"model": name, "world_size": n, "seconds": seconds,
-                         "predicted_peak_bytes": e.report.predicted_peak_bytes,
-                         "shards_grads_adam_over_n_plus_2_units": formula})
-            print(f"  explain {name} at {n}: {seconds:.1f}s, predicted peak "
-                  f"{e.report.predicted_peak_bytes / 2**30:.1f} GiB", flush=True)
+    for name, n, mesh in cases:
+        with torch.device("meta"):
+            model = Llama(configs[name])
+        where: dict[str, Any] = ({"world_size": n} if mesh is None else
+                                 {"mesh_shape": mesh, "rank": n - mesh[1] + 1})
+        start = time.perf_counter()
+        e = fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long),
+                            policy=fxshard.policies.by_class(TransformerBlock), **where)
+        seconds = time.perf_counter() - start
+        psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
+        shard = e.report.world_size  # the shard group's size: n, or the mesh's S
+        largest = max(u.padded_bytes for u in e.report.units)
+        # shards + gradients + two Adam states, over the shard group; plus the largest unit
+        # gathered (times the prefetch depth, 2).
+        formula = 4 * psi // shard + 2 * largest
+        rows.append({"model": name, "world_size": n, "seconds": seconds,
+                     "mesh": "x".join(map(str, mesh)) if mesh else None,
+                     "shard_bytes": e.report.shard_bytes, "psi_bytes": psi,
+                     "predicted_peak_bytes": e.report.predicted_peak_bytes,
+                     "shards_grads_adam_over_n_plus_2_units": formula,
+                     "comm_bytes_per_dimension": e.report.comm_bytes_per_dimension})
+        print(f"  explain {name} at {rows[-1]['mesh'] or n}: {seconds:.1f}s, predicted peak "
+              f"{e.report.predicted_peak_bytes / 2**30:.1f} GiB", flush=True)
     return rows
 
 
@@ -622,11 +632,14 @@ def scaling_markdown(scaling: dict[str, Any]) -> str:
     gib = 1 << 30
     lines = ["| layers (GPT, width 512) | trace + plan + passes + recompile |", "|---:|---:|"]
     lines += [f"| {r['layers']} | {r['seconds']:.1f} s |" for r in scaling["compile_scaling"]]
-    lines += ["", "| model | world size | explain wall time | predicted peak / rank | "
-              "shards+grads+Adam/N + 2 largest units |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['world_size']} | {r['seconds']:.1f} s | "
-              f"{r['predicted_peak_bytes'] / gib:.1f} GiB | "
-              f"{r['shards_grads_adam_over_n_plus_2_units'] / gib:.1f} GiB |" for r in scaling["planning"]]
+    lines += ["", "| model | ranks | explain wall time | shard / rank | predicted peak / rank | "
+              "shards+grads+Adam/S + 2 largest units |", "|---|---:|---:|---:|---:|---:|"]
+    for r in scaling["planning"]:
+        ranks = f"{r['world_size']}" + (f" (mesh {r['mesh']})" if r.get("mesh") else "")
+        shard = f"{r['shard_bytes'] / gib:.1f} GiB" if "shard_bytes" in r else "–"
+        lines.append(f"| {r['model']} | {ranks} | {r['seconds']:.1f} s | {shard} | "
+                     f"{r['predicted_peak_bytes'] / gib:.1f} GiB | "
+                     f"{r['shards_grads_adam_over_n_plus_2_units'] / gib:.1f} GiB |")
     return "\n".join(lines) + "\n"
 
 
@@ -736,7 +749,8 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"meta": meta, "results": results}
     if args.scaling:
         scaling = {"torch": torch.__version__, "compile_scaling": compile_scaling([12, 24, 48]),
-                   "planning": planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"])}
+                   "planning": planning_at_scale([8, 64, 256, 1024], ["llama3-8b", "llama3-70b"],
+                                                 meshes=(("llama3-70b", (128, 8)),))}
         (out / "scaling.json").write_text(json.dumps(scaling, indent=1))
         (out / "scaling.md").write_text(scaling_markdown(scaling))
         print(scaling_markdown(scaling))

@@ -1,6 +1,6 @@
 """The ``fxshard`` command line.
 
-    fxshard explain MODULE:FACTORY --world-size N --policy "by_class(Block) | by_size(1e6)" \\
+    fxshard explain MODULE:FACTORY (--world-size N | --mesh RxS) --policy "by_class(Block)" \\
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] \\
         [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB]
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
@@ -198,6 +198,17 @@ def _passes(items: list[str]) -> int:
     return 0
 
 
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    """"128x8" -> (128, 8); "8" -> (8,)."""
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not 1 <= len(shape) <= 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--mesh takes RxS (e.g. 128x8) or S, got {text!r}")
+    return shape
+
+
 def main(argv: list[str] | None = None) -> int:
     from fxshard.explain import explain
 
@@ -205,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="plan, graphs and predicted memory at any world size, no cluster")
     ex.add_argument("factory", help="MODULE:FACTORY returning the model")
-    ex.add_argument("--world-size", type=int, required=True)
+    size = ex.add_mutually_exclusive_group(required=True)
+    size.add_argument("--world-size", type=int)
+    size.add_argument("--mesh", type=_mesh_shape, default=None, metavar="RxS",
+                      help="a device mesh: RxS is HSDP (R replicas of S-way shards), Nx1 NO_SHARD, "
+                           "S alone FULL_SHARD; --rank is a rank of the whole mesh")
     ex.add_argument("--rank", type=int, default=0)
     ex.add_argument("--policy", default=None, help='e.g. "by_class(Block) | by_size(1e6)"')
     ex.add_argument("--input-shape", action="append", default=[], help="comma-separated; repeat per input")
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)
         result = explain(model, inputs, parse_policy(args.policy, module), args.world_size,
-                         rank=args.rank, train=not args.eval, dump_dir=args.dump, **options)
+                         mesh_shape=args.mesh, rank=args.rank, train=not args.eval, dump_dir=args.dump, **options)
     except (FxShardError, TypeError, ValueError) as e:
         note = ""
         if isinstance(e, TraceError) and e.kind in ("index-dtype", "dtype") and not args.input_dtype:

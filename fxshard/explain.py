@@ -10,9 +10,10 @@ N-rank job would emit.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from fxshard.driver.compiler import Driver
 from fxshard.driver.dump import PassLog
 from fxshard.driver.report import Report
 from fxshard.ir.compat import pytree
-from fxshard.ir.config import CompileConfig
+from fxshard.ir.config import CompileConfig, from_mesh
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
@@ -107,23 +108,40 @@ def explain(
     model: nn.Module,
     example_inputs: Any,
     policy: Policy | None = None,
-    world_size: int = 1,
+    world_size: int | None = None,
     *,
+    mesh_shape: tuple[int, ...] | None = None,
     rank: int = 0,
     train: bool = True,
     **options: Any,
 ) -> Explanation:
-    """Plan, emitted graphs and report of ``model`` sharded over ``world_size`` ranks.
+    """Plan, emitted graphs and report of ``model`` sharded over ``world_size`` ranks, or
+    laid out on a device mesh of ``mesh_shape``.
 
-    ``example_inputs`` is a tensor or a tuple of positional arguments (only
-    shapes and dtypes matter; any device). ``model`` is left untouched.
-    ``train=False`` explains an inference step. Options are those of
+    ``mesh_shape`` follows ``mesh=``'s conventions (FSDP2's): ``(S,)`` shards over
+    S ranks, ``(R, S)`` is HSDP (R replicas of S-way shards), ``(N, 1)`` is
+    NO_SHARD; ``rank`` is then a rank of the whole mesh (row-major), and the
+    report splits the bytes moved inside the shard groups from those moved
+    between replicas. ``example_inputs`` is a tensor or a tuple of positional
+    arguments (only shapes and dtypes matter; any device). ``model`` is left
+    untouched. ``train=False`` explains an inference step. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
-    unit graph there), except ``process_group`` and ``timeout``: explain
-    runs nothing, on a fake process group of its own.
+    unit graph there), except ``process_group``, ``mesh`` and ``timeout``:
+    explain runs nothing, on a fake process group of its own.
     """
     config = CompileConfig.build("explain", policy=policy, **options)
+    if mesh_shape is not None:
+        shape = tuple(mesh_shape)
+        if not 1 <= len(shape) <= 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
+            raise FxShardError(f"explain: mesh_shape takes (S,) or (R, S) with positive sizes, "
+                               f"got {mesh_shape!r}")
+        ranks = math.prod(shape)
+        if world_size not in (None, ranks):
+            raise FxShardError(f"explain: world_size={world_size} but mesh_shape={shape} has {ranks} "
+                               "ranks; pass one of them")
+        world_size = ranks
+    world_size = 1 if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise FxShardError(f"explain: need 0 <= rank < world_size, got rank {rank} of {world_size}")
     if dist.is_initialized():
@@ -141,6 +159,11 @@ def explain(
     # The fake backend reads nothing from its store: any public store does.
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
+        if mesh_shape is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            process_group, no_shard, hsdp = from_mesh(init_device_mesh("cpu", tuple(mesh_shape)))
+            config = replace(config, process_group=process_group, no_shard=no_shard, hsdp=hsdp)
         driver = Driver(config, runs=False)
         with torch.set_grad_enabled(train):
             sharded = shard_module(meta_model, driver, meta_args, allow_meta=True)

@@ -42,6 +42,67 @@ def test_explain_meta_model_at_world_size_64_follows_zero3() -> None:
     assert all(p.device.type == "meta" for p in model.parameters())  # untouched
 
 
+def test_explain_lays_fake_ranks_out_on_a_mesh_shape() -> None:
+    """mesh_shape=(R, S) is HSDP at any size: this rank holds 1/S, the report splits the bytes
+    moved inside the shard group from those moved between replicas, as launching.md's
+    formulas say; rank is a rank of the whole mesh."""
+    with torch.device("meta"):
+        model = TinyGPT(dim=64, layers=2)
+    r, s = 16, 4
+    e = fxshard.explain(model, torch.randint(0, 61, (2, 16)), policy=by_class(Block),
+                        mesh_shape=(r, s), rank=39, reshard_root=True)  # row 9, column 3
+    assert not dist.is_initialized()
+    psi = sum(g.padded_numel * g.dtype.itemsize for g in e.plan.groups)
+    assert e.report.shard_bytes * s == psi
+    assert (e.report.rank, e.report.world_size) == (3, s)
+    assert "rank 39 of 64 in the job (HSDP, 16 x 4); replica 9 of 16" in str(e.report)
+    sizes = [g.padded_numel * g.dtype.itemsize for g in e.plan.groups]
+    assert e.report.comm_bytes_per_dimension == {
+        "shard": sum(2 * p // s * (s - 1) + p * (s - 1) // s for p in sizes),  # 2 gathers, 1 scatter
+        "replicate": sum(2 * (p // s) * (r - 1) // r for p in sizes),
+    }
+    flat = fxshard.explain(model, torch.randint(0, 61, (2, 16)), policy=by_class(Block),
+                           mesh_shape=(s,), reshard_root=True)
+    assert flat.report.comm_bytes_per_dimension == {"shard": e.report.comm_bytes_per_dimension["shard"]}
+    no_shard = fxshard.explain(model, torch.randint(0, 61, (2, 16)), mesh_shape=(s, 1))
+    assert no_shard.report.shard_bytes == sum(g.padded_numel * g.dtype.itemsize
+                                              for g in no_shard.plan.groups)
+    with pytest.raises(FxShardError, match="world_size=8 but mesh_shape=\\(16, 4\\) has 64 ranks"):
+        fxshard.explain(model, torch.randint(0, 61, (2, 16)), world_size=8, mesh_shape=(r, s))
+    with pytest.raises(FxShardError, match="mesh_shape takes"):
+        fxshard.explain(model, torch.randint(0, 61, (2, 16)), mesh_shape=(2, 2, 2))
+    with pytest.raises(TypeError, match="pass mesh_shape"):
+        fxshard.explain(model, torch.randint(0, 61, (2, 16)), mesh=None)
+
+
+def test_cli_explain_takes_a_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    code = cli.main(["explain", "models:TinyGPT", "--mesh", "4x2", "--rank", "5", "--input-shape", "2,16"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "replica 2 of 4" in captured.out and "(between replicas)" in captured.out
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "models:TinyGPT", "--mesh", "4by2", "--input-shape", "2,16"])
+    assert "--mesh takes RxS" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_explain_plans_llama3_70b_on_a_128_by_8_mesh() -> None:
+    """Issue's scale: every rank of 1024 holds its 1/8 of Llama-3-70B's parameters.
+    (Its time is the benchmark's: benchmarks/run.py's planning rows.)"""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llama import LLAMA3_70B, Llama, TransformerBlock
+
+    with torch.device("meta"):
+        model = Llama(LLAMA3_70B)
+    e = fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), policy=by_class(TransformerBlock),
+                        mesh_shape=(128, 8), rank=1001)
+    psi = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert e.report.shard_bytes * 8 == psi  # every unit's numel divides by 8: no padding
+    assert set(e.report.comm_bytes_per_dimension) == {"shard", "replicate"}
+
+
 def test_explain_leaves_a_real_model_untouched() -> None:
     torch.manual_seed(0)
     model = MLP()

@@ -41,8 +41,8 @@ _NOT_FOR: dict[str, dict[str, str]] = {
         "timeout": "explain runs nothing, so no collective can time out",
         "param_init_fn": "explain initialises nothing: its model stays on the meta device",
         "sync_module_states": "explain has no real ranks to broadcast between",
-        "mesh": "explain runs on a fake process group of its own, of world_size ranks; it "
-                "plans no mesh yet",
+        "mesh": "explain runs on a fake process group of its own: pass mesh_shape=(R, S) "
+                "(or (S,)) instead, and it lays the fake ranks out on that mesh",
     },
 }
 
