@@ -234,6 +234,45 @@ def _recipe_against_ddp(rank: int, mesh: Any) -> dict[str, Any]:
             "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
 
 
+def _hsdp_features(rank: int, mesh: Any) -> dict[str, Any]:
+    """HSDP with bf16 (FSDP2's MixedPrecisionPolicy), three ways that must compute the same
+    numbers: from an eager model through fxshard.compile; from a meta model initialised by
+    fxshard, with activation checkpointing and a memory budget; through the backend."""
+    bf16 = fxshard.MixedPrecision(param_dtype=torch.bfloat16)
+    out = {}
+    budget = None
+    for name in ("eager", "meta_ac_budget", "backend"):
+        torch.manual_seed(0)
+        options: dict[str, Any] = {"policy": by_class(nn.Linear), "mesh": mesh, "mixed_precision": bf16}
+        if name == "meta_ac_budget":
+            with torch.device("meta"):
+                model = MLP()
+            torch.manual_seed(0)  # meta init draws as eager init does, module by module
+            options.update(activation_checkpointing=by_class(nn.Linear), memory_budget=budget)
+        else:
+            model = MLP()
+        if name == "backend":
+            sharded = torch.compile(model, backend=fxshard.backend(**options), dynamic=False)
+            params = list(fxshard.parameters(sharded))
+        else:
+            sharded = fxshard.compile(model, **options)
+            params = list(sharded.parameters())
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(300 + rank)
+        losses = []
+        for _ in range(3):
+            loss = F.mse_loss(sharded(torch.randn(6, 12, generator=gen)), torch.randn(6, 5, generator=gen))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if name == "eager":  # the budget the next one plans within: this schedule's peak
+            budget = sharded.report().predicted_peak_bytes
+        full = StateDictOptions(full_state_dict=True)
+        out[name] = {"losses": losses, "state": dict(fxshard.get_model_state_dict(sharded, options=full))}
+    return out
+
+
 def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Every 4-rank case in one spawn: NO_SHARD and HSDP against DDP; HSDP resuming a
     2-rank FULL_SHARD checkpoint, and saving one for 2 ranks to resume."""
@@ -250,6 +289,7 @@ def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
                                  mesh=flat, reshard_after_forward=hpz)
     hsdp = init_device_mesh("cpu", (2, world_size // 2))
     out["hsdp_recipe"] = _recipe_against_ddp(rank, hsdp)
+    out["hsdp_features"] = _hsdp_features(rank, hsdp)
     out["resumed"] = _resume(f"{root}/full_shard", hsdp, rank)
     source, source_opt = _trained(hsdp, 3, rank)
     fxshard.checkpoint.save(f"{root}/hsdp", source, source_opt)
@@ -302,6 +342,12 @@ def test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_re
                                    rtol=1e-5, atol=1e-6)
         assert min(recipe["norms"]) > 0.1  # every step clipped
         _assert_states(recipe["state"], recipe["ref_state"], exact=False)
+        # HSDP in bf16: meta init, activation checkpointing and a memory budget, and the
+        # backend, each bit for bit like fxshard.compile of the eager model.
+        features = r["hsdp_features"]
+        for name in ("meta_ac_budget", "backend"):
+            assert features[name]["losses"] == features["eager"]["losses"], name
+            _assert_states(features[name]["state"], features["eager"]["state"], exact=True)
         # FULL_SHARD on 2 ranks -> HSDP on 4: the very values, then the same next step
         # (the gradient averaged over 4 ranks instead of 2: to rounding).
         _assert_states(r["resumed"]["loaded"], saved_on_2["state"], exact=True)
