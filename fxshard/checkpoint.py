@@ -114,9 +114,18 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
 
 
 def _optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
-    return list(optimizers)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    found = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if any(isinstance(o, ZeroRedundancyOptimizer) for o in found):
+        raise FxShardError(
+            "a ZeroRedundancyOptimizer's state lives on one rank per parameter, which this state "
+            "dict cannot name: each rank would save or load only its own part. Save the model with "
+            "fxshard.checkpoint (or get_model_state_dict) and the optimizer as torch documents it: "
+            "optimizer.consolidate_state_dict(to=0), then optimizer.state_dict() on rank 0 "
+            "(load_state_dict on every rank to resume)."
+        )
+    return found
 
 
 def _offload(values: dict[str, Any], options: StateDictOptions, rank: int) -> dict[str, Any]:

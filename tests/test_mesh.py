@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
@@ -163,9 +164,19 @@ def test_bad_mesh_arguments_are_refused_with_the_fix() -> None:
         fxshard.explain(MLP(), torch.randn(2, 12), world_size=4, mesh=None)
 
 
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _zero1(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The same SGD, its state sharded over the ranks (torch's ZeroRedundancyOptimizer)."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
 def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end: str = "compile",
-                 **options: Any) -> dict[str, Any]:
-    """Four SGD steps of ``model`` through ``front_end`` with ``options``, and of DDP beside it."""
+                 optimizer: Any = _sgd, after: Any = None, **options: Any) -> dict[str, Any]:
+    """Four SGD steps of ``model`` through ``front_end`` with ``options``, and of DDP beside it;
+    ``after(sharded, optimizer)`` adds what it returns to the result."""
     ddp = DDP(copy.deepcopy(model))
     if front_end == "compile":
         sharded = fxshard.compile(model, **options)
@@ -173,7 +184,7 @@ def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end:
     else:
         sharded = torch.compile(model, backend=fxshard.backend(**options), dynamic=False)
         params = list(fxshard.parameters(sharded))
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    opt = optimizer(params)
     ref_opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     losses, ref_losses = [], []
@@ -188,7 +199,34 @@ def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end:
     full = StateDictOptions(full_state_dict=True)
     state = {k: v.clone() for k, v in fxshard.get_model_state_dict(sharded, options=full).items()}
     return {"losses": losses, "ref_losses": ref_losses, "state": state,
-            "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+            "ref_state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()},
+            **(after(sharded, opt) if after is not None else {})}
+
+
+def _zero1_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """ZeRO-1: NO_SHARD with torch's ZeroRedundancyOptimizer, against DDP; and what is refused."""
+    torch.manual_seed(0)
+    no_shard = init_device_mesh("cpu", (world_size, 1))
+    refused: list[str] = []
+
+    def after(sharded: Any, opt: Any) -> dict[str, Any]:
+        try:  # its state is on one rank per parameter: a sharded checkpoint cannot hold it
+            fxshard.checkpoint.save(f"{root}/zero1", sharded, opt)
+        except fxshard.FxShardError as e:
+            refused.append(str(e))
+        return {"held": len(opt.optim.state)}  # flat groups whose optimizer state this rank holds
+
+    run = _against_ddp(MLP(), rank, (12, 5), optimizer=_zero1, after=after, policy=by_class(nn.Linear),
+                       mesh=no_shard)
+    run["refused"] = refused
+    torch.manual_seed(0)
+    full_shard = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    F.mse_loss(full_shard(torch.randn(2, 12)), torch.randn(2, 5)).backward()
+    try:  # over shards, its broadcast would overwrite the other ranks' shards
+        _zero1(list(full_shard.parameters())).step()
+    except fxshard.FxShardError as e:
+        run["refused"].append(str(e))
+    return run
 
 
 def _next_step(sharded: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -281,6 +319,7 @@ def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         torch.manual_seed(0)
         out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
                                  mesh=init_device_mesh("cpu", shape))
+    out["zero1"] = _zero1_cases(rank, world_size, root)
     flat = init_device_mesh("cpu", (world_size,))
     for name, front_end, hpz in (("full_shard", "compile", True), ("hpz", "compile", 2),
                                  ("hpz_backend", "backend", 2)):
@@ -333,7 +372,14 @@ def test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_re
         for name in ("hpz", "hpz_backend"):
             assert r[name]["losses"] == r["full_shard"]["losses"], name
             _assert_states(r[name]["state"], r["full_shard"]["state"], exact=True)
-        for name in ("no_shard", "hsdp", "full_shard", "hpz"):
+        # ZeRO-1: NO_SHARD's gradients, the same SGD steps, each rank holding part of its state.
+        zero1 = r["zero1"]
+        assert zero1["losses"] == r["no_shard"]["losses"]
+        _assert_states(zero1["state"], r["no_shard"]["state"], exact=True)
+        assert 0 <= zero1["held"] < 3
+        assert "consolidate_state_dict(to=0)" in zero1["refused"][0]
+        assert "would overwrite every other rank's different shard" in zero1["refused"][1]
+        for name in ("no_shard", "hsdp", "full_shard", "hpz", "zero1"):
             torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r[name]["ref_losses"]),
                                        rtol=1e-5, atol=1e-6, msg=name)
             _assert_states(r[name]["state"], r[name]["ref_state"], exact=False)
@@ -353,6 +399,7 @@ def test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_re
         _assert_states(r["resumed"]["loaded"], saved_on_2["state"], exact=True)
         _assert_states(r["resumed"]["next"], saved_on_2["next"], exact=False)
     # HSDP on 4 ranks -> FULL_SHARD on 2, each value saved once and read back.
+    assert sum(r["zero1"]["held"] for r in results) == 3  # each flat group's state on one rank
     for r in resumed_on_2:
         _assert_states(r["loaded"], results[0]["saved"]["state"], exact=True)
         _assert_states(r["next"], results[0]["saved"]["next"], exact=False)

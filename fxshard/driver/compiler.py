@@ -206,7 +206,7 @@ class Driver:
         else:
             self.shards = make_shards(module, self._plan, self.world.rank,
                                       torch.device("meta") if on_meta else self.device)
-        check_steps(self.shards, self._refuse_step_over_pending_sums)
+        check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
@@ -264,6 +264,32 @@ class Driver:
                 "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
             )
         self.requires_gradient_sync = requires
+
+    def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refuse_zero_over_shards(optimizer)
+        self._refuse_step_over_pending_sums(optimizer)
+
+    def _refuse_zero_over_shards(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's ZeroRedundancyOptimizer (ZeRO-1, FairScale's OSS) steps each parameter on
+        one rank and broadcasts it to the others: right for parameters whole on every rank
+        (NO_SHARD, replicated groups), and a silent overwrite of every other rank's shard
+        for sharded ones."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if not isinstance(optimizer, ZeroRedundancyOptimizer) or self.world.job_size == 1:
+            return
+        ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        sharded = sorted({g.unit or "<root>" for g, shard in zip(self.plan.groups, self.shards)
+                          if id(shard) in ids and not g.replicated})
+        if sharded:
+            raise FxShardError(
+                f"ZeroRedundancyOptimizer.step() over the sharded flat groups of units {sharded}: it "
+                "steps each parameter on one rank and broadcasts the result to the others, which "
+                "would overwrite every other rank's different shard. Sharded groups already shard "
+                "their optimizer state with the parameters: use a plain optimizer. For ZeRO-1 "
+                "(parameters and gradients whole, optimizer state sharded), compile with a "
+                "(world, 1) mesh (NO_SHARD) and wrap the optimizer in ZeroRedundancyOptimizer."
+            )
 
     def _refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer step while no_sync's sums wait to be reduced would step over shards
