@@ -483,3 +483,21 @@ def test_a_checkpoint_resumes_across_no_shard_and_full_shard_both_ways() -> None
                 assert source.keys() == target.keys(), name
                 for key in source:
                     assert torch.equal(source[key], target[key]), (name, key)
+
+
+def hpz_inductor_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out = {}
+    for name, hpz in (("full_shard", True), ("hpz", 2)):
+        torch.manual_seed(0)
+        out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear),
+                                 reshard_after_forward=hpz, compute="inductor")
+    return out
+
+
+@pytest.mark.slow
+def test_hpz_under_inductor_trains_like_full_shard() -> None:
+    """Inductor compiles backward for the piece forward saves (1/h of the buffer), not the
+    buffer AOTAutograd traced."""
+    for r in run_ranks(hpz_inductor_worker, 4):
+        assert r["hpz"]["losses"] == r["full_shard"]["losses"]
+        _assert_states(r["hpz"]["state"], r["full_shard"]["state"], exact=True)
