@@ -636,7 +636,7 @@ def scaling_markdown(scaling: dict[str, Any]) -> str:
               "shards+grads+Adam/S + 2 largest units |", "|---|---:|---:|---:|---:|---:|"]
     for r in scaling["planning"]:
         ranks = f"{r['world_size']}" + (f" (mesh {r['mesh']})" if r.get("mesh") else "")
-        shard = f"{r['shard_bytes'] / gib:.1f} GiB" if "shard_bytes" in r else "–"
+        shard = f"{r['shard_bytes'] / gib:.2f} GiB" if "shard_bytes" in r else "–"
         lines.append(f"| {r['model']} | {ranks} | {r['seconds']:.1f} s | {shard} | "
                      f"{r['predicted_peak_bytes'] / gib:.1f} GiB | "
                      f"{r['shards_grads_adam_over_n_plus_2_units'] / gib:.1f} GiB |")
