@@ -228,8 +228,7 @@ def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: A
                 return compiled(args) if boxed else compiled(*args)
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
-            settle(None, *world.comm, *(world.replicas.comm if world.replicas else ()),
-                   *(world.partition.comm if world.partition else ()))
+            settle(None, *world.all_comm)
             failure = collective_failure(e, world.rank, f"{kind} graph")
             if failure is None:
                 raise

@@ -110,6 +110,13 @@ class World:
     def slot_names(self) -> tuple[str, ...]:
         return tuple(g.group_name for g in self.comm)
 
+    @property
+    def all_comm(self) -> tuple[dist.ProcessGroup, ...]:
+        """Every group the compiled steps' collectives run on: the shard group's slots, then
+        HSDP's replicas' and hpZ's partition's."""
+        return (*self.comm, *(self.replicas.comm if self.replicas else ()),
+                *(self.partition.comm if self.partition else ()))
+
     def topology(self) -> str:
         """Where this rank sits beyond its shard group, for reports; "" on one flat group."""
         parts = []
