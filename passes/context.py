@@ -98,6 +98,26 @@ class PassContext:
         return (self.layout.partition is not None and self.reshards(group)
                 and not self.plan.groups[group].replicated)
 
+    def topology(self, group: int) -> str:
+        """How this group is held, the lowering table's first key (``passes/lowering.py``):
+        "local" (one rank: no collective), "replicated" (whole on every rank: NO_SHARD),
+        "sharded" (over the shard group), "hybrid" (HSDP: sharded, and replicated over
+        ``layout.replicate``)."""
+        if not self.layout.communicates:
+            return "local"
+        if self.plan.groups[group].replicated:
+            return "replicated"
+        return "hybrid" if self.layout.replicate is not None else "sharded"
+
+    def wire(self, group: int) -> str:
+        """How a gather's bytes travel: "dtype", the group's compute dtype (its shard's, or
+        mixed precision's param_dtype)."""
+        return "dtype"
+
+    def placement(self, group: int) -> str:
+        """Where the group's shard lives: "device", where it computes."""
+        return "device"
+
     def keeps_buffer(self, group: int) -> bool:
         """In the joint graph: does backward read this group's forward buffer (not resharded,
         or hpZ, whose forward then keeps only a piece of it) rather than gather it again?"""

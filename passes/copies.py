@@ -73,5 +73,5 @@ class BackwardCopies:
         new = self.copy(node, before, lambda a: self.parameter(a, before))
         group = source_group(node)
         if group is not None and meta.get_info(new) is None:
-            meta.set_info(new, meta.NodeInfo(meta.REMAT, group, self.ctx.unit_of(group)))
+            meta.set_info(new, meta.NodeInfo(meta.Role.REMAT, group, self.ctx.unit_of(group)))
         return new

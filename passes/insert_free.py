@@ -5,6 +5,9 @@
     before:  w = wait(all_gather(shard)); v = view(split(w)[i]); y = mm(x, v); ...
     after:   w = wait(all_gather(shard)); v = view(split(w)[i]); y = mm(x, v); fxshard.free(w); ...
 
+The buffer is each gather chain's result (``fxshard.ir.chains``), whatever its
+lowering put between the wait and compute; the free joins the chain.
+
 "Last use" counts every user of the buffer and of its views. ``free``
 releases the storage shared by all those views, so the gathered parameters
 occupy memory only inside their unit's window.
@@ -31,7 +34,9 @@ import torch.fx as fx
 
 from fxshard.ir import meta, ops
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import aliases, buffer_group, gathered_buffers, is_saved_buffer
+from fxshard.ir.analysis import aliases
+from fxshard.ir.chains import gather_chains
+from fxshard.ir.meta import Role
 from fxshard.ir.nodes import call
 
 from .context import PassContext
@@ -41,27 +46,25 @@ log = logging.getLogger("fxshard")
 
 def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    waits = [n for n in gathered_buffers(graph) if not is_saved_buffer(n)]
-    if not waits:
+    gathers = [c for c in gather_chains(graph) if c.gathers]
+    if not gathers:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
-    for wait in waits:
-        views = aliases(wait, order)
+    for chain in gathers:
+        buffer = chain.result
+        views = aliases(buffer, order)
         users = {u for v in views for u in v.users if u not in views}
         if any(P.is_output(u) for u in users):
-            group = buffer_group(wait)
-            if ctx.reshards(group):
+            if ctx.reshards(chain.group):
                 log.warning("fxshard: %s (unit %r) escapes through the graph outputs and is not "
-                            "freed", wait.name, ctx.unit_of(group))
+                            "freed", buffer.name, chain.unit)
             continue  # not resharded: kept for backward, which frees it
         last = max(users | set(views), key=order.__getitem__)
-        plans.append((wait, last))
-    for wait, last in plans:
+        plans.append((chain, last))
+    for chain, last in plans:
         with graph.inserting_after(last):
-            node = call(graph, ops.FREE, (wait,))
-        info = meta.get_info(wait)
-        if info is not None:
-            meta.set_info(node, meta.NodeInfo(meta.FREE, info.group, info.unit))
+            node = call(graph, ops.FREE, (chain.result,))
+        meta.set_info(node, meta.NodeInfo(Role.FREE, chain.group, chain.unit, chain.tag))
     gm.recompile()
     return gm

@@ -35,6 +35,10 @@ shard's dtype; the gradient is cast around the reduction::
 
     cat(bf16) -> convert(fp32) -> div_ -> reduce_scatter_tensor -> wait_tensor -> shard.grad
     cat(bf16) -> div_ -> reduce_scatter_tensor(bf16) -> wait_tensor -> convert(fp32) -> shard.grad
+
+Each marker is lowered by its row of the lowering table (``lowering.LOWERINGS``:
+"reduce_scatter", "reduce_scatter_all_reduce" under HSDP, "all_reduce" for a
+replicated group), which tags the nodes it makes as one collective chain.
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ import torch.fx as fx
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.meta import Role
 from fxshard.ir.nodes import attribute, call
 from fxshard.ir.ops import FREE
 
 from .context import PassContext
-from .lowering import CONVERT, cast, collective_after, replace_with_collective
+from .lowering import lower, untagged_cast
 
 aten = torch.ops.aten
 
@@ -68,49 +73,26 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     markers = [m for m in map(P.marker, gm.graph.nodes) if m is not None and m.kind.is_gradient]
     if not markers:
         return gm
+    sync = ctx.grad_sync
     for m in markers:
-        marker, group, out_dtype = m.node, m.group, m.out_dtype
-        unit = ctx.unit_of(group)
-        grad = cast(gm, m.value, m.reduce_dtype, marker, group, unit)
-        sync = ctx.grad_sync
-        if sync.accumulate or group in sync.flush:
-            with gm.graph.inserting_before(marker):
-                acc = attribute(gm, f"fxshard_accumulated_{group}", ctx.accumulators[group], grad)
+        value = m.value
+        if sync.accumulate or m.group in sync.flush:
+            unit = ctx.unit_of(m.group)
+            grad = untagged_cast(gm, m.value, m.reduce_dtype, m.node, m.group, unit)
+            with gm.graph.inserting_before(m.node):
+                acc = attribute(gm, f"fxshard_accumulated_{m.group}", ctx.accumulators[m.group], grad)
                 if sync.accumulate:  # no_sync: add up unsharded, no collective
-                    call(gm.graph, aten.add_.Tensor, (acc, grad))
+                    added = call(gm.graph, aten.add_.Tensor, (acc, grad))
+                    done = [added]
                 else:  # the first synced step after: reduce the sum, release the accumulator
-                    grad = call(gm.graph, aten.add.Tensor, (grad, acc))
-                    call(gm.graph, FREE, (acc,))
+                    value = call(gm.graph, aten.add.Tensor, (grad, acc))
+                    done = [value, call(gm.graph, FREE, (acc,))]
+            for node in done:
+                meta.set_info(node, meta.NodeInfo(Role.ACCUMULATE, m.group, unit))
             if sync.accumulate:
-                _no_gradient(marker)
-                gm.graph.erase_node(marker)
+                _no_gradient(m.node)
+                gm.graph.erase_node(m.node)
                 continue
-        shard = ctx.layout.shard
-        if shard.name is None:
-            marker.replace_all_uses_with(cast(gm, grad, out_dtype, marker, group, unit))
-            gm.graph.erase_node(marker)
-            continue
-        # A cat's result is a fresh buffer read only here: divide it in place,
-        # rather than hold a second full-size copy until the reduction is issued.
-        fresh = grad.target in (aten.cat.default, CONVERT) and set(grad.users) <= {marker}
-        divide = aten.div_.Tensor if fresh else aten.div.Tensor
-        with gm.graph.inserting_before(marker):
-            scaled = call(gm.graph, divide, (grad, ctx.layout.grad_divisor))
-        if m.kind is P.MarkerKind.ALLREDUCE_GRAD:
-            wait = replace_with_collective(gm, marker, P.ALL_REDUCE, (scaled, "sum", shard.name),
-                                           meta.ALL_REDUCE, group, unit)
-        else:
-            wait = replace_with_collective(gm, marker, P.REDUCE_SCATTER,
-                                           (scaled, "sum", shard.size, shard.name),
-                                           meta.REDUCE_SCATTER, group, unit)
-        replicate = ctx.layout.replicate
-        if replicate is not None:  # HSDP: then over the ranks holding the same shard
-            wait = collective_after(gm, wait, P.ALL_REDUCE, (wait, "sum", replicate.name),
-                                    meta.ALL_REDUCE, group, unit)
-        if out_dtype is not None:  # the reduced gradient in the shard's dtype
-            users = list(wait.users)
-            converted = cast(gm, wait, out_dtype, wait.next, group, unit)
-            for user in users:
-                user.replace_input_with(wait, converted)
+        lower(gm, m, ctx, value)
     gm.recompile()
     return gm

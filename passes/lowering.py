@@ -1,7 +1,43 @@
-"""Shared by the lowering passes: replace a marker by a collective and its wait."""
+"""The lowering table: what each marker becomes, keyed by topology, wire format and placement.
+
+A lowering turns one marker (``predicates.Marker``) into a collective chain:
+the nodes that prepare and issue the collectives, the collectives, their
+waits, and the node that takes the marker's place. It makes every node with a
+``ChainBuilder``, which tags it with the chain (``meta.ChainTag``) and a role,
+so later passes read the chain (``fxshard.ir.chains``), never the nodes'
+shapes. The two lowering passes look the lowering up in ``LOWERINGS``:
+
+=========  ================  ==========  =========  ==========================================
+direction  topology          wire        placement  lowering
+=========  ================  ==========  =========  ==========================================
+gather     local,            dtype       device     ``keep_whole``: a cast to the compute dtype
+           replicated                               at most; no chain (nothing crosses)
+gather     sharded           dtype       device     ``all_gather``: cast, all_gather over the
+                                                    shard group, wait
+gather     partition         dtype       device     ``all_gather_within``: hpZ's kept piece
+                                                    gathered over the partition (backward)
+reduce     local             dtype       device     ``keep_local``: the cast back at most
+reduce     sharded           dtype       device     ``reduce_scatter``: cast, divide,
+                                                    reduce_scatter over the shard group, wait,
+                                                    cast back
+reduce     hybrid            dtype       device     ``reduce_scatter_all_reduce``: HSDP; the
+                                                    reduce_scatter's shard then all_reduced
+                                                    over the replicas
+reduce     replicated        dtype       device     ``all_reduce``: NO_SHARD; all_reduce over
+                                                    the shard group (then the replicas)
+=========  ================  ==========  =========  ==========================================
+
+``wire`` is how a gather's bytes travel ("dtype": the compute dtype, a plain cast
+when it differs from the shard's) and ``placement`` where the shard lives
+("device": where it computes). A new wire format or placement is one more row
+and the option that selects it; docs/architecture.md names the two planned
+(fp8 all-gather, CPU offload).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,59 +45,181 @@ import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.chains import next_chain_id
+from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.meta import ChainTag, Direction, Role
 from fxshard.ir.nodes import call
 
+from .context import PassContext
+
 CONVERT = torch.ops.prims.convert_element_type.default
+aten = torch.ops.aten
 
 
-def replace_with_collective(gm: fx.GraphModule, marker: fx.Node, collective: Any,
-                            args: tuple[Any, ...], role: str, group: int, unit: str) -> fx.Node:
-    """``marker`` becomes ``wait_tensor(collective(*args))``; returns the wait.
+@dataclass(frozen=True)
+class LoweringKey:
+    direction: Direction
+    topology: str  # PassContext.topology(group): "local", "sharded", "hybrid", "replicated"; "partition"
+    wire: str = "dtype"
+    placement: str = "device"
 
-    Both new nodes keep the marker's provenance (stack trace, module path,
-    partitioner tag), get ``meta["val"]`` from running the collective under
-    the fake mode, and an fxshard ``NodeInfo`` naming their role, flat group
-    and unit.
-    """
-    with gm.graph.inserting_before(marker):
-        issued = call(gm.graph, collective, args)
-        wait = call(gm.graph, P.WAIT, (issued,))
-    provenance = {k: v for k, v in marker.meta.items() if k not in (meta.KEY, "val")}
-    for new, new_role in ((issued, role), (wait, meta.WAIT)):
-        new.meta.update(provenance)
-        meta.set_info(new, meta.NodeInfo(new_role, group, unit))
-    marker.replace_all_uses_with(wait)
-    gm.graph.erase_node(marker)
-    return wait
+    def __str__(self) -> str:
+        return f"{self.direction.value}/{self.topology}/{self.wire}/{self.placement}"
 
 
-def collective_after(gm: fx.GraphModule, value: fx.Node, collective: Any, args: tuple[Any, ...],
-                     role: str, group: int, unit: str) -> fx.Node:
-    """``wait_tensor(collective(*args))`` right after ``value``, which every other reader of
-    ``value`` reads instead; returns the wait. Provenance and ``NodeInfo`` as
-    :func:`replace_with_collective` gives them."""
-    users = list(value.users)
-    with gm.graph.inserting_after(value):
-        issued = call(gm.graph, collective, args)
-    with gm.graph.inserting_after(issued):
-        wait = call(gm.graph, P.WAIT, (issued,))
-    provenance = {k: v for k, v in value.meta.items() if k not in (meta.KEY, "val")}
-    for new, new_role in ((issued, role), (wait, meta.WAIT)):
-        new.meta.update(provenance)
-        meta.set_info(new, meta.NodeInfo(new_role, group, unit))
-    for user in users:
-        user.replace_input_with(value, wait)
-    return wait
+@dataclass(frozen=True)
+class Site:
+    """Where a lowering works: the marker (or, for hpZ's backward gather, the saved piece) it
+    lowers, the value it gathers or reduces (a ``no_sync`` flush's sum), and the node its
+    nodes go before."""
+
+    gm: fx.GraphModule
+    marker: P.Marker
+    value: fx.Node
+    before: fx.Node
 
 
-def cast(gm: fx.GraphModule, value: fx.Node, dtype: Any, before: fx.Node, group: int,
-         unit: str) -> fx.Node:
-    """``value`` converted to ``dtype`` (mixed precision), inserted before ``before``; ``value``
-    itself when it already has that dtype or ``dtype`` is None."""
+class ChainBuilder:
+    """Makes the nodes of one chain, each tagged with it, a role, and the provenance (stack
+    trace, module path, partitioner tag) of the node it lowers."""
+
+    def __init__(self, site: Site, direction: Direction, lowering: str, unit: str):
+        self.gm, self.like, self.at = site.gm, site.marker.node, site.before
+        self.group, self.unit = site.marker.group, unit
+        self.tag = ChainTag(next_chain_id(site.gm.graph), direction, lowering)
+
+    def tag_node(self, node: fx.Node, role: Role) -> fx.Node:
+        meta.set_info(node, meta.NodeInfo(role, self.group, self.unit, self.tag))
+        return node
+
+    def add(self, target: Any, args: tuple[Any, ...], role: Role, *, before: fx.Node | None = None,
+            after: fx.Node | None = None) -> fx.Node:
+        where = self.gm.graph.inserting_after(after) if after is not None \
+            else self.gm.graph.inserting_before(before or self.at)
+        with where:
+            node = call(self.gm.graph, target, args)
+        node.meta.update({k: v for k, v in self.like.meta.items() if k not in (meta.KEY, "val")})
+        return self.tag_node(node, role)
+
+    def cast(self, value: fx.Node, dtype: torch.dtype | None, role: Role = Role.CAST,
+             **where: fx.Node) -> fx.Node:
+        """``value`` converted to ``dtype``; ``value`` itself when it has it or ``dtype`` is None."""
+        if dtype is None or value.meta["val"].dtype == dtype:
+            return value
+        return self.add(CONVERT, (value, dtype), role, **where)
+
+    def collective(self, collective: Any, args: tuple[Any, ...], role: Role,
+                   **where: fx.Node) -> fx.Node:
+        """``wait_tensor(collective(*args))``; returns the wait."""
+        issued = self.add(collective, args, role, **where)
+        return self.add(P.WAIT, (issued,), Role.WAIT, after=issued)
+
+
+def untagged_cast(gm: fx.GraphModule, value: fx.Node, dtype: torch.dtype | None, before: fx.Node,
+                  group: int, unit: str) -> fx.Node:
+    """A cast that belongs to no chain (a replicated group's parameter, one rank's shard)."""
     if dtype is None or value.meta["val"].dtype == dtype:
         return value
     with gm.graph.inserting_before(before):
         node = call(gm.graph, CONVERT, (value, dtype))
     node.meta.update({k: v for k, v in before.meta.items() if k not in (meta.KEY, "val")})
-    meta.set_info(node, meta.NodeInfo(meta.CAST, group, unit))
+    meta.set_info(node, meta.NodeInfo(Role.CAST, group, unit))
     return node
+
+
+# A lowering: where it works, and what it is told -> the node that takes the marker's place.
+Lowering = Callable[[Site, PassContext], fx.Node]
+
+
+def keep_whole(site: Site, ctx: PassContext) -> fx.Node:
+    m = site.marker
+    return untagged_cast(site.gm, site.value, m.compute_dtype, site.before, m.group, ctx.unit_of(m.group))
+
+
+def all_gather(site: Site, ctx: PassContext) -> fx.Node:
+    shard = ctx.layout.shard
+    b = ChainBuilder(site, Direction.GATHER, "all_gather", ctx.unit_of(site.marker.group))
+    source = b.cast(site.value, site.marker.compute_dtype)  # gather half the bytes
+    return b.collective(P.ALL_GATHER, (source, shard.size, shard.name), Role.ALL_GATHER)
+
+
+def all_gather_within(site: Site, ctx: PassContext) -> fx.Node:
+    partition = ctx.layout.partition
+    assert partition is not None
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_within", ctx.unit_of(site.marker.group))
+    return b.collective(P.ALL_GATHER, (site.value, partition.size, partition.name), Role.ALL_GATHER)
+
+
+def keep_local(site: Site, ctx: PassContext) -> fx.Node:
+    """One rank: the gradient is the shard's, rounded to the reduce dtype as a reduction would."""
+    m, unit = site.marker, ctx.unit_of(site.marker.group)
+    grad = untagged_cast(site.gm, site.value, m.reduce_dtype, site.before, m.group, unit)
+    return untagged_cast(site.gm, grad, m.out_dtype, site.before, m.group, unit)
+
+
+def _scaled(b: ChainBuilder, site: Site, ctx: PassContext) -> fx.Node:
+    """The gradient in its reduce dtype, divided by the ranks it is averaged over (DDP's order:
+    divide, then sum). A fresh ``cat`` or cast read only here is divided in place, rather than
+    held twice until the reduction is issued."""
+    grad = b.cast(site.value, site.marker.reduce_dtype)
+    fresh = grad.target in (aten.cat.default, CONVERT) and set(grad.users) <= {site.marker.node}
+    return b.add(aten.div_.Tensor if fresh else aten.div.Tensor, (grad, ctx.layout.grad_divisor),
+                 Role.SCALE)
+
+
+def _reduction(name: str, first: str) -> Lowering:
+    def lower(site: Site, ctx: PassContext) -> fx.Node:
+        shard, replicate = ctx.layout.shard, ctx.layout.replicate
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.marker.group))
+        scaled = _scaled(b, site, ctx)
+        if first == "reduce_scatter":
+            wait = b.collective(P.REDUCE_SCATTER, (scaled, "sum", shard.size, shard.name),
+                                Role.REDUCE_SCATTER)
+        else:
+            wait = b.collective(P.ALL_REDUCE, (scaled, "sum", shard.name), Role.ALL_REDUCE)
+        if replicate is not None:  # HSDP: then over the ranks holding the same shard
+            wait = b.collective(P.ALL_REDUCE, (wait, "sum", replicate.name), Role.ALL_REDUCE,
+                                after=wait)
+        return b.cast(wait, site.marker.out_dtype, Role.CAST_BACK, after=wait)
+    lower.__name__ = name
+    return lower
+
+
+reduce_scatter = _reduction("reduce_scatter", "reduce_scatter")
+reduce_scatter_all_reduce = _reduction("reduce_scatter_all_reduce", "reduce_scatter")
+all_reduce = _reduction("all_reduce", "all_reduce")
+
+G, R = Direction.GATHER, Direction.REDUCE
+LOWERINGS: dict[LoweringKey, Lowering] = {
+    LoweringKey(G, "local"): keep_whole,
+    LoweringKey(G, "replicated"): keep_whole,
+    LoweringKey(G, "sharded"): all_gather,
+    LoweringKey(G, "hybrid"): all_gather,  # HSDP gathers within its shard group
+    LoweringKey(G, "partition"): all_gather_within,
+    LoweringKey(R, "local"): keep_local,
+    LoweringKey(R, "sharded"): reduce_scatter,
+    LoweringKey(R, "hybrid"): reduce_scatter_all_reduce,
+    LoweringKey(R, "replicated"): all_reduce,
+}
+
+
+def lowering_for(key: LoweringKey) -> Lowering:
+    found = LOWERINGS.get(key)
+    if found is None:
+        raise GraphInvariantError(f"no lowering for {key}; the table has {sorted(map(str, LOWERINGS))}")
+    return found
+
+
+def key_for(m: P.Marker, ctx: PassContext, topology: str | None = None) -> LoweringKey:
+    direction = Direction.REDUCE if m.kind.is_gradient else Direction.GATHER
+    return LoweringKey(direction, topology or ctx.topology(m.group), ctx.wire(m.group),
+                       ctx.placement(m.group))
+
+
+def lower(gm: fx.GraphModule, m: P.Marker, ctx: PassContext, value: fx.Node | None = None) -> fx.Node:
+    """Lower marker ``m`` by its table entry (``value``: what it reduces, if not the marker's
+    own); its readers read the result, and it is erased."""
+    result = lowering_for(key_for(m, ctx))(Site(gm, m, value or m.value, m.node), ctx)
+    m.node.replace_all_uses_with(result)
+    gm.graph.erase_node(m.node)
+    return result

@@ -22,6 +22,7 @@ and the in-flight limit treat it as any gather), and freed after its last::
     before:  w (saved, L) -> split -> view -> mm(grad, t)
     after:   piece (saved, L/h) -> all_gather(piece, h, partition_pg) -> wait -> split -> ...
 
+The backward gather is the lowering table's "partition" row (``all_gather_within``).
 Only the piece (1/h) crosses from forward to backward, and backward's gathers
 stay inside the partition (a node's ranks, when h is the ranks per node).
 """
@@ -33,11 +34,14 @@ import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import aliases, buffer_group, is_gather_wait, is_saved_buffer, order_of
+from fxshard.ir.analysis import aliases, order_of
+from fxshard.ir.chains import chain_of, gather_chains
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.meta import Role
 from fxshard.ir.nodes import call
 
 from .context import PassContext
+from .lowering import LoweringKey, Site, lowering_for
 
 aten = torch.ops.aten
 
@@ -68,13 +72,12 @@ def _keep_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     output = next(n for n in graph.nodes if P.is_output(n))
     outputs = list(output.args[0])
     order = order_of(graph)
+    found = [c for c in gather_chains(graph) if c.gathers]
     for i in range(ctx.num_user_outputs or 0, len(outputs)):
         buffer = outputs[i]
-        if not (isinstance(buffer, fx.Node) and is_gather_wait(buffer)
-                and ctx.partitioned(buffer_group(buffer))):
+        chain = chain_of(buffer, found) if isinstance(buffer, fx.Node) else None
+        if chain is None or buffer is not chain.result or not ctx.partitioned(chain.group):
             continue
-        info = meta.get_info(buffer)
-        assert info is not None
         views = aliases(buffer, order)
         readers = {u for v in views for u in v.users if u not in views and not P.is_output(u)}
         last = max(readers | set(views), key=order.__getitem__)
@@ -83,34 +86,33 @@ def _keep_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
             piece = call(graph, aten.slice.Tensor, (buffer, 0, start, start + length))
         with graph.inserting_after(piece):
             kept = call(graph, aten.clone.default, (piece,))
-        for node in (piece, kept):
+        for node in (piece, kept):  # part of the gather's chain: its kept piece
             node.meta.update({k: v for k, v in buffer.meta.items() if k not in (meta.KEY, "val")})
-            meta.set_info(node, meta.NodeInfo(meta.PIECE, info.group, info.unit))
+            meta.set_info(node, meta.NodeInfo(Role.PIECE, chain.group, chain.unit, chain.tag))
         outputs[i] = kept
     output.args = (tuple(outputs),)
 
 
 def _gather_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
-    partition = ctx.layout.partition
-    assert partition is not None and partition.name is not None
     graph = gm.graph
-    saved = [n for n in graph.nodes if is_saved_buffer(n) and ctx.partitioned(buffer_group(n))]
+    saved = [c for c in gather_chains(graph)
+             if c.lowering == "saved" and ctx.partitioned(c.group)]
     if not saved:
         return
+    partition = ctx.layout.partition
+    assert partition is not None
     first = next(n for n in graph.nodes if not P.is_placeholder(n))
-    for buffer in saved:
-        info = meta.get_info(buffer)
-        assert info is not None
+    for chain in saved:
+        gather = lowering_for(LoweringKey(meta.Direction.GATHER, "partition", ctx.wire(chain.group),
+                                          ctx.placement(chain.group)))
+        buffer = chain.result
         full = buffer.meta["val"]
         _, length = _piece_bounds(buffer, ctx)
         buffer.meta["val"] = full.new_empty(length)  # what forward now saves (fake)
-        meta.set_info(buffer, meta.NodeInfo(meta.PIECE, info.group, info.unit))
+        meta.set_info(buffer, meta.NodeInfo(Role.PIECE, chain.group, chain.unit))  # an input
         readers = list(buffer.users)
-        with graph.inserting_before(first):
-            issued = call(graph, P.ALL_GATHER, (buffer, partition.size, partition.name))
-            wait = call(graph, P.WAIT, (issued,))
-        for new, role in ((issued, meta.ALL_GATHER), (wait, meta.WAIT)):
-            meta.set_info(new, meta.NodeInfo(role, info.group, info.unit))
+        marker = P.Marker(P.MarkerKind.UNSHARD, buffer, buffer, chain.group, partition.size)
+        wait = gather(Site(gm, marker, buffer, first), ctx)
         if tuple(wait.meta["val"].shape) != tuple(full.shape):
             raise GraphInvariantError(f"{buffer.name}: gathered back to {tuple(wait.meta['val'].shape)}, "
                                       f"not the {tuple(full.shape)} forward gathered")

@@ -44,15 +44,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxshard.ir.analysis import (
-    buffer_bytes,
-    buffer_group,
-    buffer_uses,
-    is_gather_wait,
-    issue_nodes,
-    order_of,
-    parameter_chain,
-)
+from fxshard.ir.analysis import buffer_bytes, buffer_uses, order_of, parameter_chain
+from fxshard.ir.chains import Chain, gather_chains
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.schedule import ISSUE, POST, PREFETCH, WAIT, Schedule, schedule_of
 
@@ -62,22 +55,21 @@ from .context import PassContext
 def place_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = schedule_of(gm)
     order = order_of(gm.graph)
-    for wait in [n for n in gm.graph.nodes if is_gather_wait(n)]:
-        chain = parameter_chain(wait, order)
-        inside = {wait, *chain}
+    for gather in [c for c in gather_chains(gm.graph) if c.gathers]:
+        params = parameter_chain(gather.result, order)
+        inside = {gather.result, *params, *gather.kept}
         outside = [u for n in inside for u in n.users if u not in inside]
         if not outside:
             continue
         first = schedule.first(outside)
-        assert isinstance(wait.args[0], fx.Node)
-        schedule.place(issue_nodes(wait.args[0]), first, ISSUE)
-        schedule.place([wait, *chain], first, WAIT)
+        schedule.place(gather.issue, first, ISSUE)
+        schedule.place([*gather.tail, *params], first, WAIT)
     return gm
 
 
 @dataclass
 class _Window:
-    buffer: fx.Node  # the wait, or a saved-buffer placeholder
+    chain: Chain
     first: fx.Node  # first reader outside its parameter chain
     last: fx.Node  # last reader of it or any view of it
     bytes: int
@@ -90,8 +82,8 @@ def _windows(gm: fx.GraphModule, schedule: Schedule, ctx: PassContext) -> list[_
     for use in buffer_uses(gm.graph):
         if not use.outside:
             continue
-        result.append(_Window(use.buffer, schedule.first(use.outside), schedule.last(use.readers),
-                              buffer_bytes(use.buffer), not ctx.counts_in_flight(buffer_group(use.buffer))))
+        result.append(_Window(use.chain, schedule.first(use.outside), schedule.last(use.readers),
+                              buffer_bytes(use.buffer), not ctx.counts_in_flight(use.chain.group)))
     return sorted(result, key=lambda w: schedule.position(w.first))
 
 
@@ -112,14 +104,12 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         if not target.resident:
             counted.append(target)
             done_by.append(schedule.last([done_by[-1], target.last]) if done_by else target.last)
-        if prev is None or not is_gather_wait(target.buffer) or must_free is None:
+        if prev is None or not target.chain.gathers or must_free is None:
             continue  # a saved buffer is already there; a buffer over the byte cap: just in time
         blocker = done_by[must_free - 1] if must_free else None
-        if blocker is not None and schedule.position(blocker) >= schedule.position(target.buffer):
+        if blocker is not None and schedule.position(blocker) >= schedule.position(target.chain.result):
             continue  # the model reads the blocking units after this one's first use: just in time
-        issue = target.buffer.args[0]
-        assert isinstance(issue, fx.Node)
-        nodes = issue_nodes(issue)
+        nodes = list(target.chain.issue)
         if mode == "pre":
             schedule.place(nodes, prev.first, PREFETCH)
         else:

@@ -23,50 +23,65 @@ import torch.fx as fx
 
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
+from fxshard.ir.chains import reduce_chains
 from fxshard.ir.schedule import REDUCE, WAIT, schedule_of
 
 from .context import PassContext
-from .lowering import CONVERT
 
 aten = torch.ops.aten
 
 
-# convert_element_type: mixed precision's cast to the reduce dtype.
-_FLATTEN_OPS = {aten.cat.default, aten.div.Tensor, aten.div_.Tensor, aten.zeros.default,
-                aten.full.default, CONVERT}
+# What AOTAutograd builds a unit's flat gradient from: views, zeros for the padding, a cat.
+_FLATTEN_OPS = {aten.cat.default, aten.zeros.default, aten.full.default}
 
 
-def _flatten_chain(rs: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
-    """The layout nodes (views, zeros, cat, div) that only exist to build this reduction's input."""
+def _flatten_chain(start: list[fx.Node], into: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The layout nodes (views, zeros, cat) that only exist to build ``start``, which only
+    ``into`` and ``start`` read."""
     chain: dict[fx.Node, None] = {}
-    work = list(rs.all_input_nodes)
+    members = {*start, into}
+    work = [a for n in start for a in n.all_input_nodes]
     while work:
         node = work.pop()
-        if node in chain or not (P.is_view(node) or node.target in _FLATTEN_OPS):
+        if node in chain or node in members or not (P.is_view(node) or node.target in _FLATTEN_OPS):
             continue
-        if all(u is rs or u in chain for u in node.users):
+        if all(u in members or u in chain for u in node.users):
             chain[node] = None
             work.extend(node.all_input_nodes)
     return sorted(chain, key=order.__getitem__)
 
 
 def schedule_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    reductions = [n for n in gm.graph.nodes if P.is_reduce_scatter(n) or P.is_all_reduce(n)]
-    if not reductions:
+    found = reduce_chains(gm.graph)
+    if not found:
         return gm
     schedule = schedule_of(gm)
     order = order_of(gm.graph)
-    for rs in reductions:
-        chain = _flatten_chain(rs, order)
-        members = {*chain, rs}
+    for chain in found:  # issue: after the last gradient it reads
+        issue = list(chain.issue)
+        nodes = [*_flatten_chain(issue, chain.collectives[0], order), *issue]
+        members = set(nodes)
         inputs = [a for n in members for a in n.all_input_nodes if a not in members]
         if inputs:
-            schedule.place([*chain, rs], schedule.last(inputs), REDUCE)
-    reductions.sort(key=schedule.position)
+            schedule.place(nodes, schedule.last(inputs), REDUCE)
+    found.sort(key=lambda c: schedule.position(c.collectives[0]))
     output = next(n for n in reversed(gm.graph.nodes) if P.is_output(n))
-    for rs, following in zip(reductions, [*reductions[1:], None]):
-        (wait,) = rs.users
-        # The cast of the reduced gradient to the shard's dtype (mixed precision) goes along.
-        casts = [u for u in wait.users if u.target is CONVERT]
-        schedule.place([wait, *casts], following or output, WAIT)
+    # Last chain first: each wait is placed relative to the next chain's collectives, which
+    # must be where they go by then (a position is computed from its anchor's when placed).
+    for k in reversed(range(len(found))):
+        chain = found[k]
+        for stage, wait in enumerate(chain.waits):
+            # The next reduction at this stage (the next unit's reduce_scatter; HSDP's all_reduce
+            # over the replicas has a stage of its own): this one is waited just before it.
+            following = next((c.collectives[stage] for c in found[k + 1:]
+                              if len(c.collectives) > stage), output)
+            waited = [wait]
+            if stage + 1 < len(chain.collectives):
+                # HSDP: the next collective of the chain is issued as soon as its input is waited.
+                schedule.place([wait], following, WAIT)
+                schedule.place([chain.collectives[stage + 1]], wait, REDUCE)
+                continue
+            # The cast of the reduced value to the shard's dtype goes with the last wait.
+            waited += [n for n in chain.tail if order[n] > order[wait] and n not in chain.waits]
+            schedule.place(waited, following, WAIT)
     return gm

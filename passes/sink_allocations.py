@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import is_gather_wait, is_saved_buffer
 from fxshard.ir.memory import storage_owners
 from fxshard.ir.schedule import SINK, Position, Schedule, schedule_of
 
@@ -72,8 +72,8 @@ class _Liveness:
         written = {n: _written(n) for n in nodes}
         self.writes = [(schedule.position(n), {self.owner[w] for w in ws if w in self.owner})
                        for n, ws in written.items() if ws]
-        protected = [n for n in nodes if is_gather_wait(n) or is_saved_buffer(n)
-                     or P.is_collective(n) or P.is_wait(n)]
+        # Gathered buffers and every node of a collective chain: no collective moves here.
+        protected = [n for n in nodes if (info := meta.get_info(n)) is not None and info.chain is not None]
         self.protected = {self.owner[n] for n in protected if n in self.owner}
 
     def read(self, node: fx.Node) -> None:

@@ -13,13 +13,14 @@ from fxshard.ir import predicates as P
 from fxshard.ir.analysis import (
     aliases,
     gathered_buffers,
-    is_gather_wait,
     order_of,
     parameter_only,
     source_group,
     windows,
 )
+from fxshard.ir.chains import Chain, chains
 from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.meta import Direction, Role
 
 from .context import PassContext
 
@@ -47,18 +48,18 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         if final and P.is_marker(node):
             raise GraphInvariantError(f"{node.name}: marker {node.target} was never lowered")
 
+    found = _check_chains(graph)
     if final:
         seen: dict[int, str] = {}
-        for node in graph.nodes:
-            if is_gather_wait(node):
-                group = source_group(node)
-                if group is not None and group in seen:
-                    raise GraphInvariantError(
-                        f"flat group {group} is gathered twice in one graph ({seen[group]} and "
-                        f"{node.name}): one gather per unit per pass"
-                    )
-                if group is not None:
-                    seen[group] = node.name
+        for chain in found:
+            if not chain.gathers:
+                continue
+            if chain.group in seen:
+                raise GraphInvariantError(
+                    f"flat group {chain.group} is gathered twice in one graph ({seen[chain.group]} "
+                    f"and {chain.result.name}): one gather per unit per pass"
+                )
+            seen[chain.group] = chain.result.name
 
     gathered = set(gathered_buffers(graph))
     freed: set[fx.Node] = set()
@@ -66,7 +67,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         if not P.is_free(node):
             continue
         buf = node.args[0]
-        if isinstance(buf, fx.Node) and buf.op == "get_attr":
+        if meta.role_of(node) is Role.ACCUMULATE:
             continue  # a no_sync gradient accumulator, released after its last read
         if buf not in gathered:
             raise GraphInvariantError(f"{node.name} frees {buf}, which is not a gathered buffer")
@@ -112,14 +113,39 @@ def _check_groups_in_flight(graph: fx.Graph) -> None:
             in_flight[group] = node
 
 
+def _check_chains(graph: fx.Graph) -> list[Chain]:
+    """Invariant 10: every collective, wait and free of a lowered graph belongs to a collective
+    chain, each chain ends in one result, and each collective's wait is in its chain."""
+    try:
+        found = chains(graph)
+    except ValueError as e:
+        raise GraphInvariantError(f"a collective chain is malformed: {e}") from e
+    for node in graph.nodes:
+        info = meta.get_info(node)
+        if (P.is_collective(node) or P.is_wait(node) or P.is_free(node)) and (
+                info is None or (info.chain is None and info.role is not Role.ACCUMULATE)):
+            raise GraphInvariantError(f"{node.name} ({node.target}) belongs to no collective chain: "
+                                      "a lowering must make it with a ChainBuilder (passes/lowering.py)")
+    for chain in found:
+        for collective in chain.collectives:
+            (wait,) = collective.users  # invariant 3, checked above
+            if wait not in chain.waits:
+                raise GraphInvariantError(f"{collective.name} of chain {chain.tag} is waited by "
+                                          f"{wait.name}, which is not in the chain")
+    return found
+
+
 def _kept(node: fx.Node, ctx: PassContext) -> bool:
     """A unit's whole gathered buffer, for a unit that is not resharded, or hpZ's piece of it:
     allowed to cross. (hpZ's whole buffer crosses until ``reshard_within_pass`` cuts it.)"""
-    if P.is_unshard_marker(node) or is_gather_wait(node):
+    info = meta.get_info(node)
+    if info is not None and info.role is Role.PIECE:
+        return True
+    gathered = info is not None and info.chain is not None and info.chain.direction is Direction.GATHER
+    if P.is_unshard_marker(node) or gathered:
         group = source_group(node)
         return group is not None and ctx.keeps_buffer(group)
-    info = meta.get_info(node)
-    return info is not None and info.role == meta.PIECE
+    return False
 
 
 def _check_nothing_gathered_is_saved(graph: fx.Graph, ctx: PassContext) -> None:
@@ -174,7 +200,7 @@ def _check_windows(graph: fx.Graph, ctx: PassContext) -> None:
     for point in range(len(nodes)):
         live = [w for w in counted if w.issue <= point <= w.last]
         # Gathering just in time (issue, then wait at once) is always allowed.
-        needed = [w for w in counted if order[w.buffer] - 1 <= point <= w.last]
+        needed = [w for w in counted if w.ready - 1 <= point <= w.last]
         if len(live) > max(limit, len(needed)):
             raise GraphInvariantError(
                 f"{len(live)} gathered buffers in flight at {nodes[point].name} "

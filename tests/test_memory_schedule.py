@@ -43,7 +43,7 @@ def _is_compute(n: fx.Node) -> bool:
     info = meta.get_info(n)
     return (n.op == "call_function" and not (P.is_collective(n) or P.is_wait(n) or P.is_free(n)
                                              or P.is_view(n))
-            and not (info is not None and info.role == meta.CAST))
+            and not (info is not None and info.role is meta.Role.CAST))
 
 
 def _schedule(gm: fx.GraphModule) -> list[str]:

@@ -120,7 +120,7 @@ def test_hpz_gathers_forward_in_the_shard_group_and_backward_within_the_partitio
         output = next(n for n in forward.graph.nodes if n.op == "output").args[0]
         saved = output[sharded._driver.steps[0].num_user_outputs:]
         pieces = {meta.get_info(n).group: n for n in saved if meta.get_info(n) is not None}
-        assert pieces and all(meta.get_info(n).role == meta.PIECE for n in pieces.values())
+        assert pieces and all(meta.get_info(n).role is meta.Role.PIECE for n in pieces.values())
         for group, piece in pieces.items():
             assert piece.meta["val"].numel() * 2 == padded[group]
             assert piece.target is torch.ops.aten.clone.default

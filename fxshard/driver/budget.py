@@ -25,6 +25,7 @@ from fxshard.ir import meta
 from fxshard.ir.budget import MIB, BudgetChoice, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig
+from fxshard.ir.meta import Direction, Role
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
@@ -84,9 +85,10 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
     for name, nbytes in report.at_peak.items():
         info = meta.get_info(nodes[name]) if name in nodes else None
         role = info.role if info is not None else None
-        if role in (meta.ALL_GATHER, meta.WAIT, meta.REMAT, meta.SAVED) and not _is_grad(nodes[name]):
+        chain = info.chain if info is not None else None
+        if role is Role.REMAT or (chain is not None and chain.direction is Direction.GATHER):
             parts[GATHERED] += nbytes
-        elif role in (meta.REDUCE_SCATTER, meta.ALL_REDUCE) or (role == meta.WAIT and _is_grad(nodes[name])):
+        elif chain is not None and chain.direction is Direction.REDUCE:
             parts[GRADS] += nbytes
     parts[ACTIVATIONS] = max(0, report.predicted_peak_bytes - sum(parts.values()))
     largest = max(plan.units, key=lambda u: unit_bytes[u.name])
@@ -109,9 +111,3 @@ def _largest_over_ranks(world: World, nbytes: int) -> int:
     value = torch.tensor([nbytes], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())
-
-
-def _is_grad(node: fx.Node) -> bool:
-    first = node.args[0] if node.args else None
-    info = meta.get_info(first) if isinstance(first, fx.Node) else None
-    return info is not None and info.role in (meta.REDUCE_SCATTER, meta.ALL_REDUCE)

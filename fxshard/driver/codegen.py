@@ -22,6 +22,7 @@ import torch.fx as fx
 from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
+from fxshard.ir.chains import next_chain_id
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
@@ -124,7 +125,7 @@ class GraphCompiler:
         if kind == "backward" and example_inputs is not None:  # hpZ's pieces are smaller
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             example_inputs = [n.meta["val"] if (info := meta.get_info(n)) is not None
-                              and info.role == meta.PIECE else x
+                              and info.role is meta.Role.PIECE else x
                               for n, x in zip(placeholders, example_inputs)]
         try:
             compiled = self.finish(gm, example_inputs)
@@ -141,10 +142,14 @@ class GraphCompiler:
         return self._compile("forward", gm, example_inputs)
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        # Each buffer kept from forward is a gather chain of its own, with no collective.
+        next_id = next_chain_id(gm.graph)
         for node in gm.graph.nodes:
             if node.op == "placeholder" and node.name in self.saved_buffers:
                 group = self.saved_buffers[node.name]
-                meta.set_info(node, meta.NodeInfo(meta.SAVED, group, self.plan.groups[group].unit))
+                tag = meta.ChainTag(next_id, meta.Direction.GATHER, "saved")
+                next_id += 1
+                meta.set_info(node, meta.NodeInfo(meta.Role.SAVED, group, self.plan.groups[group].unit, tag))
         return self._compile("backward", gm, example_inputs)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:

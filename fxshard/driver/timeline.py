@@ -16,28 +16,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
 from fxshard.driver.report import Report  # noqa: E402
-from fxshard.ir import meta  # noqa: E402
 from fxshard.ir import predicates as P  # noqa: E402
 from fxshard.ir.analysis import aliases  # noqa: E402
+from fxshard.ir.chains import chains  # noqa: E402
 from fxshard.ir.plan import ShardPlan  # noqa: E402
 
 
 def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, int, int]], list[int]]:
     """(kind, unit, issue, wait) per collective; (unit, start, end) per gathered buffer's use; compute positions."""
     order = {n: i + offset for i, n in enumerate(gm.graph.nodes)}
-    comms, windows, compute = [], [], []
-    for node in gm.graph.nodes:
-        if P.is_collective(node):
-            (wait,) = node.users
-            info = meta.get_info(node)
-            kind = "gather" if P.is_all_gather(node) else "reduce"
-            comms.append((kind, info.unit if info else "?", order[node], order[wait]))
-            if P.is_all_gather(node):
-                uses = [order[u] for v in aliases(wait) for u in v.users if not P.is_free(u)]
-                windows.append((info.unit if info else "?", order[wait], max(uses, default=order[wait])))
-        elif node.op == "call_function" and not (P.is_wait(node) or P.is_free(node) or P.is_view(node)):
-            compute.append(order[node])
-    return comms, windows, compute
+    comms, windows = [], []
+    found = chains(gm.graph)
+    in_chain = {n for c in found for n in c.nodes}
+    for chain in found:
+        kind = chain.direction.value
+        for collective, wait in zip(chain.collectives, chain.waits):
+            comms.append((kind, chain.unit, order[collective], order[wait]))
+        if chain.gathers:
+            start = order[chain.waits[0]]
+            uses = [order[u] for v in aliases(chain.result) for u in v.users if not P.is_free(u)]
+            windows.append((chain.unit, start, max(uses, default=start)))
+    compute = [order[n] for n in gm.graph.nodes
+               if n.op == "call_function" and n not in in_chain and not P.is_view(n)]
+    return sorted(comms, key=lambda c: c[2]), windows, compute
 
 
 def draw_timeline(path: Path, plan: ShardPlan, emitted: dict[str, fx.GraphModule], report: Report,

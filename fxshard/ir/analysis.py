@@ -10,6 +10,8 @@ import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.chains import Chain, gather_chains
+from fxshard.ir.meta import Direction
 
 
 def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -32,19 +34,15 @@ def aliases(root: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.N
     return sorted(seen, key=order.__getitem__)
 
 
-def is_gather_wait(node: fx.Node) -> bool:
-    return P.is_wait(node) and isinstance(node.args[0], fx.Node) and P.is_all_gather(node.args[0])
-
-
 def is_saved_buffer(node: fx.Node) -> bool:
-    info = meta.get_info(node)
-    return P.is_placeholder(node) and info is not None and info.role == meta.SAVED
+    """A backward input that is a gathered buffer kept from forward (a unit not resharded)."""
+    return P.is_placeholder(node) and meta.role_of(node) is meta.Role.SAVED
 
 
 def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
-    """Every gathered flat buffer in the graph, in graph order: the wait of each
-    all_gather, and (backward) each buffer kept from forward."""
-    return [n for n in graph.nodes if is_gather_wait(n) or is_saved_buffer(n)]
+    """Every gathered flat buffer in the graph, in graph order: the result of each gather
+    chain, and (backward) each buffer kept from forward."""
+    return [c.result for c in gather_chains(graph)]
 
 
 def buffer_group(node: fx.Node) -> int:
@@ -78,9 +76,10 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
     a view, a transpose, a cast of a weight. These are what the partitioner
     must never save for backward.
     """
+    roots = set(gathered_buffers(graph))
     result: dict[fx.Node, None] = {}
     for node in graph.nodes:
-        if P.is_unshard_marker(node) or is_gather_wait(node) or is_saved_buffer(node):
+        if P.is_unshard_marker(node) or node in roots:
             result[node] = None
         elif _computed_only_from(node, result):
             result[node] = None
@@ -88,28 +87,19 @@ def parameter_only(graph: fx.Graph) -> dict[fx.Node, None]:
 
 
 def source_group(node: fx.Node) -> int | None:
-    """The flat group a parameter-only node derives from, following first inputs."""
+    """The flat group a parameter-only node derives from, following first inputs to its
+    marker or its gather chain."""
     while True:
         m = P.marker(node)
         if m is not None and m.kind is P.MarkerKind.UNSHARD:
             return m.group
         info = meta.get_info(node)
-        if info is not None and (is_gather_wait(node) or is_saved_buffer(node)):
+        if info is not None and info.chain is not None and info.chain.direction is Direction.GATHER:
             return info.group
         inputs = node.all_input_nodes
         if not inputs:
             return None
         node = inputs[0]
-
-
-def issue_nodes(collective: fx.Node) -> list[fx.Node]:
-    """The nodes that issue a gather, in order: mixed precision's cast of the shard, if it
-    exists only for this gather, then the collective. Scheduling moves them together."""
-    source = collective.args[0]
-    if isinstance(source, fx.Node) and source.op == "call_function" and len(source.users) == 1 \
-            and (info := meta.get_info(source)) is not None and info.role == meta.CAST:
-        return [source, collective]
-    return [collective]
 
 
 def parameter_chain(buffer: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.Node]:
@@ -139,8 +129,9 @@ def parameter_chain(buffer: fx.Node, order: dict[fx.Node, int] | None = None) ->
 class Window:
     """Where one gathered buffer is issued, first computed with, last used."""
 
-    buffer: fx.Node  # the wait, or a saved-buffer placeholder
-    issue: int  # position of its all_gather (of the placeholder for a saved buffer)
+    buffer: fx.Node  # the chain's result: what compute reads
+    issue: int  # position of its first collective (of the buffer, for one kept from forward)
+    ready: int  # position of its first wait (of the buffer, for one kept from forward)
     first: int  # first node outside its parameter chain that reads it
     last: int  # last node that reads it or any view of it (frees excluded)
     bytes: int
@@ -151,21 +142,26 @@ class Window:
 class BufferUses:
     """Which nodes read a gathered buffer: fixed while a schedule only moves gathers."""
 
-    buffer: fx.Node
+    chain: Chain
     outside: list[fx.Node]  # first readers outside its parameter chain
     readers: list[fx.Node]  # every node that reads it or a view of it (frees excluded)
+
+    @property
+    def buffer(self) -> fx.Node:
+        return self.chain.result
 
 
 def buffer_uses(graph: fx.Graph) -> list[BufferUses]:
     order = order_of(graph)
     result = []
-    for buf in gathered_buffers(graph):
-        chain = parameter_chain(buf, order)
-        inside = {buf, *chain}
+    for chain in gather_chains(graph):
+        buf = chain.result
+        params = parameter_chain(buf, order)
+        inside = {buf, *params, *chain.kept}
         outside = [u for n in inside for u in n.users if u not in inside and not P.is_free(u)]
         views = aliases(buf, order)
-        readers = [u for v in views for u in v.users if not P.is_free(u)] + [*chain, *views]
-        result.append(BufferUses(buf, outside, readers))
+        readers = [u for v in views for u in v.users if not P.is_free(u)] + [*params, *views]
+        result.append(BufferUses(chain, outside, readers))
     return result
 
 
@@ -179,11 +175,12 @@ def windows(graph: fx.Graph, counted: dict[int, bool],
     result = []
     for u in uses if uses is not None else buffer_uses(graph):
         buf = u.buffer
-        issue = order[buf.args[0]] if is_gather_wait(buf) else order[buf]  # type: ignore[index]
+        issue = order[u.chain.collectives[0]] if u.chain.collectives else order[buf]
+        ready = order[u.chain.waits[0]] if u.chain.waits else order[buf]
         first = min((order[n] for n in u.outside), default=order[buf])
         last = max(order[n] for n in u.readers)
-        result.append(Window(buf, issue, first, last, buffer_bytes(buf),
-                             not counted.get(buffer_group(buf), True)))
+        result.append(Window(buf, issue, ready, first, last, buffer_bytes(buf),
+                             not counted.get(u.chain.group, True)))
     return sorted(result, key=lambda w: (w.first, w.issue))
 
 
@@ -191,21 +188,18 @@ def first_use_order(graph: fx.Graph) -> list[int]:
     """Flat-group indices in the order the graph first reads each unit's parameters.
 
     Works on a traced graph (``fxshard.unshard`` markers) and on a lowered one
-    (all_gather of each shard): a use is any non-view user of the gathered
-    buffer or of one of its views.
+    (the gather chains): a use is any non-view user of the gathered buffer or
+    of one of its views.
     """
     order = order_of(graph)
-    first: dict[int, int] = {}
+    roots: list[tuple[fx.Node, int]] = [(c.result, c.group) for c in gather_chains(graph) if c.gathers]
     for node in graph.nodes:
         m = P.marker(node)
         if m is not None and m.kind is P.MarkerKind.UNSHARD:
-            group = m.group
-        elif is_gather_wait(node):
-            group = buffer_group(node)
-        else:
-            continue
-        assert isinstance(group, int)
-        views = aliases(node)
+            roots.append((node, m.group))
+    first: dict[int, int] = {}
+    for node, group in roots:
+        views = aliases(node, order)
         uses = [order[u] for v in views for u in v.users if u not in views]
         if uses:
             first[group] = min(first.get(group, len(order)), min(uses))
@@ -215,21 +209,21 @@ def first_use_order(graph: fx.Graph) -> list[int]:
 def gathers_without_overlap(graph: fx.Graph) -> list[fx.Node]:
     """All_gathers whose wait follows with no compute in between (nothing hides the transfer).
 
-    Compute is any call that is not a collective, a wait, a free, a view or a gather's cast.
+    Compute is any call that is not a view, a collective, a wait, a free, or a node that
+    issues a gather (its cast).
     """
     nodes = list(graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
-    issuing = {n for w in nodes if is_gather_wait(w) and isinstance(w.args[0], fx.Node)
-               for n in issue_nodes(w.args[0])}
+    gathering = [c for c in gather_chains(graph) if c.gathers]
+    issuing = {n for c in gathering for n in c.issue}
 
     def compute(n: fx.Node) -> bool:
         return (P.is_call(n) and n not in issuing and not P.is_view(n)
                 and not (P.is_collective(n) or P.is_wait(n) or P.is_free(n)))
 
     bare = []
-    for wait in (n for n in nodes if is_gather_wait(n)):
-        gather = wait.args[0]
-        assert isinstance(gather, fx.Node)
-        if not any(compute(n) for n in nodes[where[gather] + 1:where[wait]]):
-            bare.append(gather)
+    for chain in gathering:
+        for gather, wait in zip(chain.collectives, chain.waits):
+            if not any(compute(n) for n in nodes[where[gather] + 1:where[wait]]):
+                bare.append(gather)
     return bare

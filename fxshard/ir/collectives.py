@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.ir import compat, meta
+from fxshard.ir import compat
 from fxshard.ir import predicates as P
+from fxshard.ir.chains import chains
 
 KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce"}
 
@@ -33,6 +34,7 @@ class Collective:
     # there: the same on every rank, where HSDP's group names differ between rows.
     dimension: str = ""
     slot: int = 0
+    lowering: str = ""  # the lowering table's entry that made it (passes/lowering.py)
 
     @property
     def input_bytes(self) -> int:
@@ -67,27 +69,32 @@ def bus_bytes(kind: str, input_bytes: int, group_size: int) -> int:
 
 def collectives(graph_name: str, gm: fx.GraphModule,
                 dimensions: Mapping[str, tuple[str, int]] | None = None) -> list[Collective]:
-    """The collectives ``gm`` issues, in order; ``dimensions`` names each process group's
-    dimension of the layout and slot there (``Layout.dimensions``)."""
+    """The collectives ``gm``'s chains issue (``fxshard.ir.chains``), in graph order;
+    ``dimensions`` names each process group's dimension of the layout and slot there
+    (``Layout.dimensions``)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    issued = sorted(((c, chain) for chain in chains(gm.graph) for c in chain.collectives),
+                    key=lambda pair: order[pair[0]])
     result = []
-    for node in gm.graph.nodes:
-        if not P.is_collective(node):
-            continue
-        val = node.args[0].meta["val"]
-        info = meta.get_info(node)
+    for node, chain in issued:
+        source = node.args[0]
+        assert isinstance(source, fx.Node)
+        val = source.meta["val"]
         if P.is_all_gather(node):
             _, size, name = node.args
             op = None
         elif P.is_all_reduce(node):
             _, op, name = node.args
+            assert isinstance(name, str)
             size = compat.resolve_process_group(name).size()
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)
         dimension, slot = (dimensions or {}).get(name, ("", 0))
-        result.append(Collective(graph_name, KINDS[node.target], info.unit if info else "?",
+        result.append(Collective(graph_name, KINDS[node.target], chain.unit,  # type: ignore[index]
                                  tuple(val.shape), val.dtype, size, name,
-                                 op if isinstance(op, str) else None, dimension, slot))
+                                 op if isinstance(op, str) else None, dimension, slot,
+                                 chain.lowering))
     return result
 
 

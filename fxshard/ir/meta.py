@@ -15,6 +15,7 @@ release is mended in one place:
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
@@ -23,16 +24,39 @@ import torch.fx as fx
 KEY = "fxshard"
 MODULE_ANNOTATION = "fxshard.module"
 
-# Roles a pass gives the nodes it creates.
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
-ALL_REDUCE = "all_reduce"
-WAIT = "wait"
-FREE = "free"
-REMAT = "remat"  # backward copy of a parameter-only computation
-CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient around its reduction
-SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
-PIECE = "kept_piece"  # hpZ: this rank's piece of a gathered buffer, kept from forward for backward
+class Role(enum.Enum):
+    """What a node fxshard made is for. The value is what dumps and reports print."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    WAIT = "wait"
+    FREE = "free"
+    CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient before its reduction
+    SCALE = "scale"  # a gradient divided by the ranks it is averaged over, before its reduction
+    CAST_BACK = "cast_back"  # mixed precision: a reduced gradient cast to the shard's dtype
+    ACCUMULATE = "accumulate"  # no_sync: a gradient added to (or flushed from) its accumulator
+    SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)
+    PIECE = "kept_piece"  # hpZ: this rank's piece of a gathered buffer, kept from forward for backward
+    REMAT = "remat"  # backward copy of a parameter-only computation
+
+
+class Direction(enum.Enum):
+    """Which way a collective chain moves a flat group."""
+
+    GATHER = "gather"  # parameters come in: a buffer that compute reads
+    REDUCE = "reduce"  # a gradient goes out: the shard's gradient
+
+
+@dataclass(frozen=True)
+class ChainTag:
+    """Names the collective chain a node belongs to (``fxshard.ir.chains``): its number in the
+    graph, which way it moves, and the entry of the lowering table that made it."""
+
+    id: int
+    direction: Direction
+    lowering: str
+
 
 # Backward copies of forward values (rematerialized parameter chains,
 # recomputed activations) name the forward node they copy under this key.
@@ -41,9 +65,10 @@ COPY_OF = "fxshard.copy_of"
 
 @dataclass(frozen=True)
 class NodeInfo:
-    role: str
+    role: Role
     group: int  # index of the flat group (ShardPlan.groups) the node works on
     unit: str  # name of the FSDP unit that owns that group
+    chain: ChainTag | None = None  # the collective chain the node is part of
 
 
 def set_info(node: fx.Node, info: NodeInfo) -> None:
@@ -53,6 +78,11 @@ def set_info(node: fx.Node, info: NodeInfo) -> None:
 def get_info(node: fx.Node) -> NodeInfo | None:
     info = node.meta.get(KEY)
     return info if isinstance(info, NodeInfo) else None
+
+
+def role_of(node: fx.Node) -> Role | None:
+    info = get_info(node)
+    return info.role if info is not None else None
 
 
 _PARTITIONER_TAG = "partitioner_tag"

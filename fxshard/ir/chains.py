@@ -1,0 +1,164 @@
+"""Collective chains: what each lowering made, read back as one value.
+
+A lowering (``passes/lowering.py``) turns one marker into a few nodes: the
+nodes that prepare and issue a collective, the collectives, their waits, and
+the node compute reads. Every one of them carries the chain's ``ChainTag``
+(``NodeInfo.chain``) and a ``Role``; later passes add to the chain (the free
+of its buffer, hpZ's kept piece) under the same tag. ``chains(graph)`` reads
+them back::
+
+    gather, "all_gather" (FULL_SHARD, mixed precision):
+        shard -> [cast] -> [all_gather] -> [wait] -> split -> view -> compute ... [free]
+                 issue      collectives     waits = result                        frees
+    reduce, "reduce_scatter_all_reduce" (HSDP):
+        cat -> [cast, div_] -> [reduce_scatter] -> [wait] -> [all_reduce] -> [wait] -> [cast_back] -> shard.grad
+               issue           collectives[0]      waits[0]   collectives[1]  waits[1]  finish = result
+
+Scheduling, freeing, verification and the report read chains, not node
+shapes: a lowering that adds a node (a dequantization after the wait, a copy
+to the host) keeps every one of them right as long as it tags the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.meta import ChainTag, Direction, Role
+
+_COLLECTIVE_ROLES = (Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One flat group's trip over the network in one graph, as its lowering made it.
+
+    ``issue``: the nodes before the first wait (casts, the division, the collectives
+    that read no wait of the chain), in graph order; scheduling moves them together.
+    ``tail``: the rest up to ``result`` (waits, collectives issued after a wait, casts
+    back), in graph order. ``result`` is what compute reads (a gathered buffer) or what
+    the shard's gradient is (a reduction); a saved or kept buffer is its own chain with
+    no collective. ``frees`` release ``result``'s storage; ``kept`` is hpZ's piece of it.
+    """
+
+    tag: ChainTag
+    group: int
+    unit: str
+    issue: tuple[fx.Node, ...]
+    collectives: tuple[fx.Node, ...]
+    waits: tuple[fx.Node, ...]
+    tail: tuple[fx.Node, ...]
+    result: fx.Node
+    frees: tuple[fx.Node, ...] = ()
+    kept: tuple[fx.Node, ...] = ()
+
+    @property
+    def direction(self) -> Direction:
+        return self.tag.direction
+
+    @property
+    def lowering(self) -> str:
+        return self.tag.lowering
+
+    @property
+    def gathers(self) -> bool:
+        """Parameters come in and are gathered here (not a buffer kept from forward)."""
+        return self.direction is Direction.GATHER and bool(self.collectives)
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """The process group each collective runs on, in order."""
+        return tuple(P.group_name(c) for c in self.collectives)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the collectives' inputs (what this rank hands the network)."""
+        return sum(_nbytes(c.args[0]) for c in self.collectives)
+
+    @property
+    def result_bytes(self) -> int:
+        return _nbytes(self.result)
+
+    @property
+    def device(self) -> torch.device | None:
+        val = self.result.meta.get("val")
+        return val.device if isinstance(val, torch.Tensor) else None
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return (*self.issue, *self.tail, *self.kept, *self.frees)
+
+
+def _nbytes(node: object) -> int:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def tag_of(node: fx.Node) -> ChainTag | None:
+    info = meta.get_info(node)
+    return info.chain if info is not None else None
+
+
+def next_chain_id(graph: fx.Graph) -> int:
+    """A chain number no node of ``graph`` uses yet."""
+    used = [t.id for n in graph.nodes if (t := tag_of(n)) is not None]
+    return max(used, default=-1) + 1
+
+
+def chains(graph: fx.Graph) -> list[Chain]:
+    """Every chain in ``graph``, in the graph order of its first node."""
+    members: dict[ChainTag, list[fx.Node]] = {}
+    for node in graph.nodes:
+        tag = tag_of(node)
+        if tag is not None:
+            members.setdefault(tag, []).append(node)
+    return [_chain(tag, nodes) for tag, nodes in members.items()]
+
+
+def _chain(tag: ChainTag, nodes: list[fx.Node]) -> Chain:
+    info = meta.get_info(nodes[0])
+    assert info is not None
+    roles = {n: meta.role_of(n) for n in nodes}
+    frees = tuple(n for n in nodes if roles[n] is Role.FREE)
+    kept = tuple(n for n in nodes if roles[n] is Role.PIECE and not P.is_placeholder(n))
+    body = [n for n in nodes if n not in frees and n not in kept]
+    waits = tuple(n for n in body if roles[n] is Role.WAIT)
+    # A node after a wait (reads one, directly or through the chain) belongs to the tail.
+    after_wait: set[fx.Node] = set(waits)
+    for n in body:
+        if any(a in after_wait for a in n.all_input_nodes):
+            after_wait.add(n)
+    issue = tuple(n for n in body if n not in after_wait)
+    tail = tuple(n for n in body if n in after_wait)
+    result = _result(body)
+    return Chain(tag, info.group, info.unit, issue,
+                 tuple(n for n in body if roles[n] in _COLLECTIVE_ROLES), waits, tail, result,
+                 frees, kept)
+
+
+def _result(body: list[fx.Node]) -> fx.Node:
+    """The one node of the chain that no other node of it reads: its value leaves the chain."""
+    inside = set(body)
+    last = [n for n in body if not any(u in inside for u in n.users)]
+    if len(last) != 1:
+        raise ValueError(f"chain {[n.name for n in body]} ends in {len(last)} nodes, not one")
+    return last[0]
+
+
+def gather_chains(graph: fx.Graph) -> list[Chain]:
+    """The chains that bring parameters in: gathers, and buffers kept from forward."""
+    return [c for c in chains(graph) if c.direction is Direction.GATHER]
+
+
+def reduce_chains(graph: fx.Graph) -> list[Chain]:
+    return [c for c in chains(graph) if c.direction is Direction.REDUCE]
+
+
+def chain_of(node: fx.Node, found: list[Chain]) -> Chain | None:
+    """The chain of ``found`` that ``node`` belongs to."""
+    tag = tag_of(node)
+    return next((c for c in found if c.tag == tag), None) if tag is not None else None

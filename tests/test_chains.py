@@ -1,0 +1,187 @@
+"""Collective chains and the lowering table (fxshard/ir/chains.py, passes/lowering.py).
+
+Each lowering records what it made as one chain; scheduling, freeing, verify
+and the report read chains. Graph structure on a fake process group of 4
+ranks (in this process).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fxshard
+from fxshard.driver.codegen import layout_of
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.chains import Chain, chains
+from fxshard.ir.errors import GraphInvariantError
+from fxshard.ir.meta import Direction, Role
+from fxshard.ir.nodes import call
+from fxshard.passes import lowering
+from fxshard.passes.lowering import LOWERINGS, ChainBuilder, LoweringKey, Site, lowering_for
+from fxshard.passes.verify import verify
+from fxshard.policies import by_class
+
+from graph_utils import fake_world
+from models import MLP
+
+
+def _compiled(**kw: Any) -> Any:
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), verify_passes=True, **kw)
+    F.mse_loss(sharded(torch.randn(2, 12)).float(), torch.randn(2, 5)).backward()
+    return sharded
+
+
+def _roles(found: tuple[fx.Node, ...]) -> tuple[Role | None, ...]:
+    return tuple(meta.role_of(n) for n in found)
+
+
+def _by_graph(sharded: Any) -> dict[str, list[Chain]]:
+    return {kind: chains(gm.graph) for kind, gm in sharded.graphs.items() if kind != "joint"}
+
+
+def _dimension(sharded: Any, chain: Chain) -> list[str]:
+    driver = sharded._driver
+    dims = layout_of(driver.world, bool(driver.config.inflight_groups)).dimensions()
+    return [dims[name][0] for name in chain.group_names]
+
+
+def test_full_shard_with_mixed_precision_records_cast_gather_wait_free_and_cast_divide_scatter() -> None:
+    with fake_world(4):
+        sharded = _compiled(mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.float32))
+        found = _by_graph(sharded)
+        plan = sharded.plan
+        gathers = [c for c in found["forward"] if c.direction is Direction.GATHER]
+        assert len(gathers) == len(plan.groups)
+        for c in gathers:
+            assert c.lowering == "all_gather" and c.unit == plan.groups[c.group].unit
+            assert _roles(c.issue) == (Role.CAST, Role.ALL_GATHER)
+            assert _roles(c.tail) == (Role.WAIT,) and c.result is c.waits[0]
+            assert c.issue[0].meta["val"].dtype == torch.bfloat16  # the gather moves bf16 bytes
+            assert c.bytes == plan.groups[c.group].shard_numel * 2
+            (free,) = c.frees
+            assert free.args[0] is c.result and P.is_free(free)
+            assert _dimension(sharded, c) == ["shard"]
+        # Backward: the units whose weights the input gradients read are gathered again (not
+        # the first: the input needs no gradient); every gradient is cast to fp32, divided and
+        # scattered.
+        again = [c for c in found["backward"] if c.direction is Direction.GATHER]
+        assert {c.group for c in again} == {1, 2} and all(c.lowering == "all_gather" for c in again)
+        reductions = [c for c in found["backward"] if c.direction is Direction.REDUCE]
+        assert len(reductions) == len(plan.groups)
+        output = next(n for n in sharded.graphs["backward"].graph.nodes if P.is_output(n))
+        for c in reductions:
+            assert c.lowering == "reduce_scatter"
+            assert _roles(c.issue) == (Role.CAST, Role.SCALE, Role.REDUCE_SCATTER)
+            assert _roles(c.tail) == (Role.WAIT,)
+            assert c.issue[1].args[1] == 4  # averaged over the 4 ranks
+            assert c.result in output.args[0]  # the shard's gradient
+            assert c.bytes == plan.groups[c.group].padded_numel * 4  # fp32, the whole flat gradient
+
+
+def test_hsdp_no_shard_hpz_and_kept_buffers_each_record_their_lowering() -> None:
+    with fake_world(4, rank=1):
+        # Not resharded (ZeRO-2): each buffer kept from forward is a chain with no collective.
+        kept_whole = _by_graph(_compiled(reshard_after_forward=False))
+        saved = [c for c in kept_whole["backward"] if c.direction is Direction.GATHER]
+        assert len(saved) == 2 and all(c.lowering == "saved" and c.collectives == () and not c.frees
+                                       and P.is_placeholder(c.result) for c in saved)
+
+        hsdp = _by_graph(_compiled(mesh=init_device_mesh("cpu", (2, 2)),
+                                   mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                          reduce_dtype=torch.bfloat16)))
+        sharded = _compiled(mesh=init_device_mesh("cpu", (2, 2)))
+        for c in [c for c in _by_graph(sharded)["backward"] if c.direction is Direction.REDUCE]:
+            assert c.lowering == "reduce_scatter_all_reduce"
+            assert _roles(c.issue) == (Role.SCALE, Role.REDUCE_SCATTER)
+            assert _roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT)
+            assert _dimension(sharded, c) == ["shard", "replicate"]
+        # Reduced in bf16 and cast back to the fp32 shard after the replicas' sum.
+        reduced = [c for c in hsdp["backward"] if c.direction is Direction.REDUCE]
+        assert reduced and all(_roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT, Role.CAST_BACK)
+                               and c.result.meta["val"].dtype == torch.float32 for c in reduced)
+
+        no_shard = _by_graph(_compiled(mesh=init_device_mesh("cpu", (4, 1))))
+        assert not [c for c in no_shard["forward"] if c.gathers]
+        reduce = [c for c in no_shard["backward"] if c.direction is Direction.REDUCE]
+        assert reduce and all(c.lowering == "all_reduce" and _roles(c.issue) == (Role.SCALE, Role.ALL_REDUCE)
+                              for c in reduce)
+
+        hpz = _compiled(reshard_after_forward=2)
+        found = _by_graph(hpz)
+        kept = [c for c in found["forward"] if c.kept]
+        assert kept and all(_roles(c.kept) == (Role.PIECE, Role.PIECE) for c in kept)
+        within = [c for c in found["backward"] if c.lowering == "all_gather_within"]
+        assert {c.group for c in within} == {c.group for c in kept}
+        assert all(_dimension(hpz, c) == ["partition"] and c.frees for c in within)
+
+
+def _gather_then_scale(site: Site, ctx: Any) -> fx.Node:
+    """A lowering with one node more than "all_gather" after the wait: a stand-in for an fp8
+    gather's dequantization (a multiply by the scale)."""
+    shard = ctx.layout.shard
+    b = ChainBuilder(site, Direction.GATHER, "gather_then_scale", ctx.unit_of(site.marker.group))
+    source = b.cast(site.value, site.marker.compute_dtype)
+    wait = b.collective(P.ALL_GATHER, (source, shard.size, shard.name), Role.ALL_GATHER)
+    return b.add(torch.ops.aten.mul.Tensor, (wait, 1.0), Role.CAST_BACK, after=wait)
+
+
+def test_a_lowering_with_a_node_more_is_one_row_and_every_pass_follows_its_chain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replace the table's sharded gather: placement, prefetch, frees, the in-flight limit
+    (verify, after every pass) and the report follow the chain, not the node shapes."""
+    with fake_world(4):
+        plain = _compiled(forward_prefetch=True)
+        monkeypatch.setitem(LOWERINGS, LoweringKey(Direction.GATHER, "sharded"), _gather_then_scale)
+        scaled = _compiled(forward_prefetch=True)
+    for kind in ("forward", "backward"):
+        gm = scaled.graphs[kind]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        gathered = [c for c in chains(gm.graph) if c.gathers]
+        assert gathered and all(c.lowering == "gather_then_scale" for c in gathered)
+        for c in gathered:
+            (scale,) = [n for n in c.tail if n.target is torch.ops.aten.mul.Tensor]
+            assert c.result is scale
+            # The free releases what compute reads, after its last reader.
+            (free,) = c.frees
+            assert free.args[0] is scale
+            readers = [u for u in scale.users if u is not free]
+            assert readers and order[free] > max(order[u] for u in readers)
+            # Placed with its wait: nothing but the chain runs between the wait and the scale.
+            assert order[scale] == order[c.waits[0]] + 1
+    # The same collectives, in the same order, as the plain lowering: the report reads chains.
+    assert plain.report().comm_bytes_per_step == scaled.report().comm_bytes_per_step
+    assert plain.report().units == scaled.report().units
+    assert ([(c.kind, c.unit, c.shape) for c in plain._driver.steps[0].collectives]
+            == [(c.kind, c.unit, c.shape) for c in scaled._driver.steps[0].collectives])
+
+
+def test_a_collective_outside_any_chain_is_refused_by_verify() -> None:
+    with fake_world(4):
+        sharded = _compiled()
+        gm = sharded.graphs["forward"]
+        verify(gm)
+        chain = next(c for c in chains(gm.graph) if c.gathers)
+        with gm.graph.inserting_after(chain.result):
+            stray = call(gm.graph, P.ALL_GATHER, (chain.issue[-1].args[0], 4, P.group_name(chain.collectives[0])))
+        with gm.graph.inserting_after(stray):
+            call(gm.graph, P.WAIT, (stray,))
+        with pytest.raises(GraphInvariantError, match="belongs to no collective chain"):
+            verify(gm)
+
+
+def test_the_table_names_each_row_and_refuses_a_missing_one() -> None:
+    assert {str(k) for k in LOWERINGS} >= {"gather/sharded/dtype/device", "reduce/hybrid/dtype/device",
+                                           "gather/partition/dtype/device", "reduce/replicated/dtype/device"}
+    assert lowering_for(LoweringKey(Direction.REDUCE, "hybrid")) is lowering.reduce_scatter_all_reduce
+    with pytest.raises(GraphInvariantError, match="no lowering for gather/sharded/fp8/device; the table has"):
+        lowering_for(LoweringKey(Direction.GATHER, "sharded", wire="fp8"))
