@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fxshard.driver.runtime import make_shards
 from fxshard.ir.errors import PlanError
-from fxshard.ir.plan import make_plan
+from fxshard.ir.plan import ALIGN_BYTES, make_plan
+from fxshard.ir.precision import MixedPrecision
 from fxshard.policies import by_class, by_predicate, by_size
 
 from models import MLP, Block, FrozenNet, SharedUse, TinyGPT
@@ -101,6 +103,83 @@ def test_each_ranks_piece_of_a_parameter_is_where_the_flat_layout_puts_it(world_
                 held[piece.param] += 1
             # sharded: every element on exactly one rank; replicated: on every rank
             assert bool((held == (world_size if g.replicated else 1)).all()), (g.index, slot.name)
+
+
+class Odd(nn.Module):
+    """Odd-sized parameters in float32, bfloat16 and float16, one unit each way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, (n, dtype) in enumerate([(5, torch.float32), (9, torch.float32), (3, torch.float32),
+                                        (7, torch.bfloat16), (1, torch.bfloat16), (13, torch.bfloat16),
+                                        (3, torch.float16), (6, torch.float16), (250, torch.float32),
+                                        (2, torch.float32)]):
+            setattr(self, f"p{i}", nn.Parameter(torch.randn(n).to(dtype)))
+        self.lin = nn.Linear(3, 3)  # 9 and 3 elements
+
+
+PLANS = {
+    "plain": lambda ws: make_plan(Odd(), None, ws),
+    "replicated": lambda ws: make_plan(Odd(), None, ws, replicate_below=10),
+    "units": lambda ws: make_plan(Odd(), by_class(nn.Linear), ws),
+    "bf16 compute": lambda ws: make_plan(Odd(), None, ws, mixed_precision=MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("how", list(PLANS))
+def test_every_parameter_starts_16_bytes_aligned_in_its_flat_group(how: str, world_size: int) -> None:
+    plan = PLANS[how](world_size)
+    assert {g.dtype for g in plan.groups} == {torch.float32, torch.bfloat16, torch.float16}
+    gaps = 0
+    for g in plan.groups:
+        end = 0
+        for s in g.params:
+            # in the group's dtype, and in the dtype it is gathered and computed in
+            for dtype in (g.dtype, g.compute_dtype):
+                assert s.offset * dtype.itemsize % ALIGN_BYTES == 0, (g.index, s.name, s.offset, dtype)
+            narrowest = min(g.dtype.itemsize, g.compute_dtype.itemsize)
+            assert 0 <= (s.offset - end) * narrowest < ALIGN_BYTES, (g.index, s.name)  # no wider gap
+            gaps += s.offset - end
+            end = s.offset + s.numel
+        assert g.numel == sum(s.numel for s in g.params)  # parameter data only
+        assert g.padded_numel == (end if g.replicated else -(-end // world_size) * world_size)
+        assert g.pad == g.padded_numel - g.numel
+        assert [s for s, _ in g.spans() if s is not None] == list(g.params)
+        assert sum(n for _, n in g.spans()) == g.padded_numel
+    assert gaps > 0  # the odd sizes do leave gaps
+    assert plan.numel == sum(p.numel() for p in Odd().parameters())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("how", list(PLANS))
+def test_ranks_pieces_tile_each_parameter_and_the_gaps_hold_zeros(how: str, world_size: int) -> None:
+    torch.manual_seed(0)
+    module = Odd()
+    plan = PLANS[how](world_size)
+    shards = [make_shards(module, plan, rank, torch.device("cpu")) for rank in range(world_size)]
+    for g in plan.groups:
+        covered = [torch.zeros(g.shard_numel, dtype=torch.bool) for _ in range(world_size)]
+        for slot in g.params:
+            param = module.get_parameter(slot.name).detach().reshape(-1)
+            got = torch.zeros_like(param)
+            held = torch.zeros(slot.numel, dtype=torch.int64)
+            for rank in range(world_size):
+                piece = g.piece(slot, rank)
+                if piece is None:
+                    continue
+                got[piece.param] = shards[rank][g.index].detach()[piece.shard]
+                held[piece.param] += 1
+                assert not covered[rank][piece.shard].any(), (g.index, slot.name, rank)
+                covered[rank][piece.shard] = True
+            assert bool((held == (world_size if g.replicated else 1)).all()), (g.index, slot.name)
+            assert torch.equal(got, param), (g.index, slot.name)
+        for rank in range(world_size):  # gaps and padding: zeros
+            rest = shards[rank][g.index].detach()[~covered[rank]]
+            assert bool((rest == 0).all()), (g.index, rank)
+        if not g.replicated:  # the pieces of all ranks hold every element of the group
+            assert int(sum(int(c.sum()) for c in covered)) == g.numel
 
 
 def test_tied_weights_merge_units_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:

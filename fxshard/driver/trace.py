@@ -139,8 +139,10 @@ def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor]) -> dict[st
         group = plan.groups[index]
         marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
         full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype)
-        sizes = [slot.numel for slot in group.params] + ([group.pad] if group.pad else [])
-        for slot, piece in zip(group.params, torch.split(full, sizes)):
+        spans = group.spans()  # the padding's pieces are split off and never read
+        for (slot, _), piece in zip(spans, torch.split(full, [n for _, n in spans])):
+            if slot is None:
+                continue
             view = piece.view(slot.shape)
             for name in slot.names:
                 views[name] = view

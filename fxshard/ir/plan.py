@@ -5,10 +5,12 @@ once a trace exists, the order in which the trace first uses each flat group)
 and returns plain data: a ``ShardPlan`` of ``FSDPUnit``s, each owning one
 ``FlatGroup`` per (dtype, requires_grad) combination. It never touches a graph.
 
-Flat layout of a group, padded to a multiple of the world size N::
+Flat layout of a group: each parameter starts at a multiple of ``ALIGN_BYTES``
+bytes (``gap``: zeros no computation reads), and the whole is padded to a
+multiple of the world size N::
 
-    | p0 | p1 | ... | pk | pad |      padded_numel = N * shard_numel
-    |  rank 0  |  rank 1  | ... |    rank r holds [r*shard_numel, (r+1)*shard_numel)
+    | p0 |gap| p1 | ... |gap| pk | pad |    padded_numel = N * shard_numel
+    |    rank 0    |    rank 1    | ... |   rank r holds [r*shard_numel, (r+1)*shard_numel)
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ from fxshard.ir.precision import MixedPrecision
 log = logging.getLogger("fxshard")
 
 ROOT = ""  # module path of the root module, and name of the root unit
+
+# Each parameter starts a multiple of ALIGN_BYTES bytes into its flat group, in the
+# group's dtype and in the one it is gathered and computed in. FSDP2's per-parameter
+# tensors have aligned storages; a view at an unaligned offset can take another kernel
+# path and round differently. Measured on this CPU, one thread: torch's 1x1 convolution
+# on a 1x1 input (EfficientNet's squeeze-excite) gives other bits once its weight starts
+# off a 16-byte boundary, so EfficientNet-B0 matched DDP only to within rounding
+# (tests/test_alignment.py). GPU vectorized loads and cuBLAS prefer pointers aligned to
+# 16 bytes or more too; that is not measured on a GPU here.
+ALIGN_BYTES = 16
+
+
+def align_numel(*dtypes: torch.dtype | None) -> int:
+    """The alignment of a parameter's offset in a flat group, in elements: ``ALIGN_BYTES``
+    in each of ``dtypes`` (the group's own, and the one it is gathered and computed in)."""
+    return max(1, *(ALIGN_BYTES // d.itemsize for d in dtypes if d is not None))
 
 
 @dataclass(frozen=True)
@@ -66,7 +84,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class FlatGroup:
-    """Parameters of one unit with one dtype and requires_grad, flattened and sharded."""
+    """Parameters of one unit with one dtype and requires_grad, flattened and sharded.
+
+    ``numel`` counts the parameters' elements; ``padded_numel`` is the length of the
+    flat layout, alignment gaps and the padding to a multiple of N included (``pad``:
+    all of it that is not parameter data).
+    """
 
     index: int
     unit: str
@@ -97,10 +120,24 @@ class FlatGroup:
     def pad(self) -> int:
         return self.padded_numel - self.numel
 
+    def spans(self) -> tuple[tuple[ParamSlot | None, int], ...]:
+        """The flat layout in order, as (slot, length) with slot None for padding: the
+        lengths add up to ``padded_numel``."""
+        result: list[tuple[ParamSlot | None, int]] = []
+        end = 0
+        for slot in self.params:
+            if slot.offset > end:
+                result.append((None, slot.offset - end))
+            result.append((slot, slot.numel))
+            end = slot.offset + slot.numel
+        if self.padded_numel > end:
+            result.append((None, self.padded_numel - end))
+        return tuple(result)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Where ``rank``'s shard lies in the group's flat layout: [start, stop)."""
         if self.replicated:
-            return 0, self.numel
+            return 0, self.padded_numel
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def piece(self, slot: ParamSlot, rank: int) -> Piece | None:
@@ -347,16 +384,18 @@ def make_plan(
             keys.setdefault((p.dtype, p.requires_grad, small, compute, reduce), []).append(pid)
         group_ids = []
         for (dtype, requires_grad, replicated, compute, reduce), members in keys.items():
-            slots, offset = [], 0
+            slots, end, align = [], 0, align_numel(dtype, compute)
             for pid in members:
                 p = param_of[pid]
                 names = names_of[pid]
+                offset = -(-end // align) * align
                 slots.append(ParamSlot(names[0], tuple(names[1:]), tuple(p.shape), offset))
-                offset += p.numel()
-            padded = offset if replicated else -(-offset // world_size) * world_size
+                end = offset + p.numel()
+            padded = end if replicated else -(-end // world_size) * world_size
             group_ids.append(len(groups))
             groups.append(FlatGroup(len(groups), name, dtype, requires_grad, tuple(slots),
-                                    offset, padded, world_size, replicated, compute, reduce))
+                                    sum(s.numel for s in slots), padded, world_size, replicated,
+                                    compute, reduce))
         units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
 
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
