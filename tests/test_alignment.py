@@ -4,9 +4,10 @@
 The model is EfficientNet's squeeze-excite in small: the 6-element bias of the reducing
 1x1 convolution is followed by the weight of the expanding one, which runs on a 1x1
 input. That convolution rounds differently when its weight starts off a 16-byte boundary
-(torch on this CPU, one thread per rank as in dist_utils); with the weight packed right
-after the bias (offset 2 mod 4 in float32), stem.weight, head.weight and head.bias
-differed from DDP after three steps, where every value now matches exactly.
+(torch on this CPU, one thread per rank as in dist_utils). With the weight packed right
+after the bias (offset 2 mod 4 in float32), three steps left stem.weight, head.weight and
+head.bias different from DDP under SGD, and every parameter under AdamW; aligned, every
+value matches exactly.
 """
 
 from __future__ import annotations
