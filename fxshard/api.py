@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
-from fxshard.driver.guards import MAX_VARIANTS, Guards, guards_of
+from fxshard.driver.guards import Guards, guards_of
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import refuse_eager_calls
 from fxshard.driver.trace import StepFunction
@@ -48,8 +48,6 @@ class ShardedModule(nn.Module):
         # A plain attribute: the skeleton's meta parameters are not ours to expose.
         object.__setattr__(self, "_skeleton", module)
         self._driver = driver
-        # Per input signature, the traces of it and the attribute values each baked in.
-        self._steps: dict[Any, list[tuple[Guards, CompiledStep]]] = {}
         self._last: CompiledStep | None = None
         self.training = module.training
 
@@ -76,7 +74,7 @@ class ShardedModule(nn.Module):
         """
         if self._last is None:
             raise FxShardError("nothing traced yet: call the module once, or pass example_inputs= to compile")
-        training = [s for variants in self._steps.values() for _, s in variants if s.trains]
+        training = [s for s in self._driver.steps if s.trains]
         step = self._last if self._last.trains or not training else training[-1]
         return self._driver.report(step)
 
@@ -133,28 +131,12 @@ class ShardedModule(nn.Module):
 
     def _step(self, leaves: list[Any], spec: pytree.TreeSpec) -> CompiledStep:
         """The compiled step for these inputs whose guards hold, traced now if there is none."""
-        variants = self._steps.setdefault(self._signature(leaves, spec), [])
-        for guards, step in variants:
-            if guards.hold():
-                return step
-        if len(variants) >= MAX_VARIANTS:
-            changed = sorted({str(g) for guards, _ in variants for g in guards.failed()})
-            raise FxShardError(
-                f"the forward was traced {len(variants)} times for these inputs because Python "
-                f"attributes it reads keep changing: {', '.join(changed)}. A trace bakes such "
-                "values in (as torch.compile does), so each new value costs a trace. Pass a value "
-                "that changes every step as a tensor input or a buffer instead."
-            )
-        if variants:
-            log.info("fxshard: retracing on rank %d: %s changed", self.rank,
-                     ", ".join(str(g) for g in variants[-1][0].failed()))
-        guards, step = self._trace(leaves, spec)
-        variants.append((guards, step))
-        return step
+        return self._driver.cache.step_for(self._signature(leaves, spec),
+                                           lambda: self._trace(leaves, spec))
 
     def _signature(self, leaves: list[Any], spec: pytree.TreeSpec) -> Any:
         parts: list[Any] = [self.training, torch.is_grad_enabled(), str(spec),
-                            self._driver.grad_sync() if torch.is_grad_enabled() else None]
+                            self._driver.state.grad_sync() if torch.is_grad_enabled() else None]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 parts.append((tuple(x.shape), x.dtype, str(x.device), x.requires_grad))
@@ -180,7 +162,7 @@ class ShardedModule(nn.Module):
         compiled = self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],
                                              model_name=type(self._skeleton).__name__,
                                              buffer_bytes=buffer_bytes,
-                                             grad_sync=self._driver.grad_sync()
+                                             grad_sync=self._driver.state.grad_sync()
                                              if torch.is_grad_enabled() else REDUCE)
         return guards_of(self._skeleton, step.reads), compiled
 
@@ -207,7 +189,7 @@ class ShardedModule(nn.Module):
         after the block reduces that sum together with its own gradient, so the
         shards' gradients equal DDP's after the same ``no_sync`` loop.
         """
-        with self._driver.no_sync():
+        with self._driver.state.no_sync():
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -218,11 +200,11 @@ class ShardedModule(nn.Module):
         zero_grad hook); an optimizer step while they are pending raises instead.
         """
         super().zero_grad(set_to_none)
-        self._driver.drop_pending_sums()
+        self._driver.state.drop_pending_sums()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's name for the same switch: False until the step whose backward should reduce."""
-        self._driver.set_requires_gradient_sync(requires_gradient_sync)
+        self._driver.state.set_requires_gradient_sync(requires_gradient_sync)
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
 from fxshard.passes import build_pipelines
-from fxshard.passes.context import REDUCE, GradSync
+from fxshard.passes.context import REDUCE
 
 log = logging.getLogger("fxshard")
 
@@ -71,15 +71,12 @@ class _CompiledGraph:
         self.step = step
         self.param_positions = param_positions
         self.model_name = model_name
-        self.variants: dict[GradSync, CompiledStep] = {}
+        self.key = driver.cache.new_key("dynamo graph")  # in the driver's step cache, with no_sync's kind
 
     def compiled(self, inputs: Sequence[torch.Tensor]) -> CompiledStep:
-        sync = self.driver.grad_sync(self.step.groups) if torch.is_grad_enabled() else REDUCE
-        found = self.variants.get(sync)
-        if found is None:
-            found = self.variants[sync] = self.driver.compile_step(
-                self.step, inputs, model_name=self.model_name, grad_sync=sync, groups=self.step.groups)
-        return found
+        sync = self.driver.state.grad_sync(self.step.groups) if torch.is_grad_enabled() else REDUCE
+        return self.driver.cache.step_for((*self.key, sync), lambda: (None, self.driver.compile_step(
+            self.step, inputs, model_name=self.model_name, grad_sync=sync, groups=self.step.groups)))
 
     def __call__(self, *args: Any) -> Any:
         inputs = [a for i, a in enumerate(args) if i not in self.param_positions]
@@ -298,14 +295,14 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """FSDP2's switch, for a ``torch.compile``-d model (or a ``ShardedModule``): with False,
     backward adds each unit's gradient to an unsharded sum and communicates nothing, until
     a backward with True reduces the sums with its own gradients."""
-    sharding_of(model)[1].set_requires_gradient_sync(requires_gradient_sync)
+    sharding_of(model)[1].state.set_requires_gradient_sync(requires_gradient_sync)
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """``with fxshard.no_sync(model):`` DDP's ``no_sync`` for a ``torch.compile``-d model
     (or a ``ShardedModule``, the same as ``sharded.no_sync()``)."""
-    with sharding_of(model)[1].no_sync():
+    with sharding_of(model)[1].state.no_sync():
         yield
 
 

@@ -64,16 +64,16 @@ def test_one_trace_per_signature_mode_and_grad_mode() -> None:
     x = torch.randn(4, 12)
     sharded(x)
     sharded(torch.randn(4, 12))
-    assert len(sharded._steps) == 1
+    assert len(sharded._driver.cache) == 1
     sharded(torch.randn(5, 12))  # a new shape
-    assert len(sharded._steps) == 2
+    assert len(sharded._driver.cache) == 2
     sharded.eval()
     with torch.no_grad():
         sharded(x)
-    assert len(sharded._steps) == 3 and "backward" not in sharded.graphs
+    assert len(sharded._driver.cache) == 3 and "backward" not in sharded.graphs
     sharded.train()
     sharded(x)
-    assert len(sharded._steps) == 3 and "backward" in sharded.graphs
+    assert len(sharded._driver.cache) == 3 and "backward" in sharded.graphs
 
 
 def test_example_inputs_trace_at_once() -> None:

@@ -63,7 +63,7 @@ def _run_graphs(sm, case, data, ref, world_size):  # type: ignore[no-untyped-def
     with LocalTensorMode(world_size):
         shards = []
         for g in plan.groups:
-            flat = torch.cat([full[s.name].detach().reshape(-1) for s in g.params] + [torch.zeros(g.pad)])
+            flat = _flat(g, lambda name: full[name].detach())
             shards.append(rank_map(lambda r, g=g, flat=flat: flat[slice(*g.shard_range(r))].clone()))
         x = rank_map(lambda r: data[r][0])
         outs = fw(*shards, x)
@@ -72,11 +72,17 @@ def _run_graphs(sm, case, data, ref, world_size):  # type: ignore[no-untyped-def
     return outs, grads, ref_outs, full
 
 
+def _flat(group, value):  # type: ignore[no-untyped-def]
+    """The group's flat layout of ``value(name)`` per parameter, zeros in its gaps and padding."""
+    return torch.cat([value(slot.name).reshape(-1) if slot is not None else torch.zeros(length)
+                      for slot, length in group.spans()])
+
+
 def _check(sm, outs, grads, ref_outs, full, world_size):  # type: ignore[no-untyped-def]
     plan = sm.plan
     for r in range(world_size):
         torch.testing.assert_close(_local(outs[0], r), ref_outs[r], rtol=1e-5, atol=1e-6)
         for g, grad in zip(plan.groups, grads):
-            expected = torch.cat([full[s.name].grad.reshape(-1) for s in g.params] + [torch.zeros(g.pad)])
+            expected = _flat(g, lambda name: full[name].grad)
             torch.testing.assert_close(_local(grad, r), expected[slice(*g.shard_range(r))],
                                        rtol=1e-5, atol=1e-6, msg=lambda m, g=g, r=r: f"rank {r}, unit {g.unit!r}: {m}")

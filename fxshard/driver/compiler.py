@@ -19,10 +19,9 @@ captured, ``explain`` a meta copy of the module on a fake process group (with
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,14 @@ import torch.nn as nn
 
 from fxshard.driver import budget, grads
 from fxshard.driver.codegen import GraphCompiler, layout_of
-from fxshard.driver.consistency import AGREEMENT_BYTES, agree, describe_step, with_buffer_broadcast
+from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.report import Report, build_report, describe_tensors
+from fxshard.driver.run_state import RunState
 from fxshard.driver.runtime import (
-    Abandoned,
     World,
-    broadcast_buffers,
     check_steps,
-    collective_failure,
     comm_device,
     make_shards,
     mark_sharded,
@@ -52,51 +49,21 @@ from fxshard.driver.runtime import (
     strip_parameters,
     with_comm_groups,
 )
-from fxshard.driver.trace import OutputSpec, TracedStep, trace_step
+from fxshard.driver.steps import CompiledStep, StepCache
+from fxshard.driver.trace import TracedStep, trace_step
 from fxshard.ir import compat
 from fxshard.ir.analysis import first_use_order
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
-from fxshard.ir.collectives import Collective, bus_bytes, fingerprint, step_collectives
+from fxshard.ir.collectives import bus_bytes, step_collectives
 from fxshard.ir.config import CompileConfig
-from fxshard.ir.errors import CollectiveMismatchError, FxShardError
+from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.policies import ByPredicate
 from fxshard.passes import PassSpec, build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
-
-
-@dataclass
-class CompiledStep:
-    """One traced input signature: AOTAutograd's callable and what it was made from."""
-
-    fn: Callable[..., Any]  # over the user's tensor inputs; returns the flat outputs
-    graphs: dict[str, fx.GraphModule]  # "joint" (training), "forward", "backward" / "inference"
-    output_spec: OutputSpec
-    collectives: list[Collective]
-    num_user_outputs: int | None
-    passes: list[tuple[str, str]]  # (graph, pass name), in the order they ran
-    input_bytes: int
-    buffer_bytes: int
-    pass_log: PassLog | None = None  # the code after every pass, when dumping
-    # phase ("forward", "backward") -> (graph, its collectives, their fingerprint),
-    # what the ranks agree on before running the phase; computed once.
-    phases: dict[str, tuple[str, list[Collective], bytes]] = field(default_factory=dict)
-    grad_sync: GradSync = REDUCE  # what its backward does with gradients (no_sync)
-    groups: frozenset[int] = frozenset()  # the flat groups it reads
-    inputs: str = ""  # its tensor inputs, "float32[4, 12], int64[4]"
-
-    def __post_init__(self) -> None:
-        for phase in ("forward", "backward") if self.trains else ("forward",):
-            graph = "backward" if phase == "backward" else ("forward" if self.trains else "inference")
-            issued = [c for c in self.collectives if c.graph == graph]
-            self.phases[phase] = (graph, issued, fingerprint(issued, phase))
-
-    @property
-    def trains(self) -> bool:
-        return "backward" in self.graphs
 
 
 class _Recorder:
@@ -142,17 +109,11 @@ class Driver:
         self.budget_inputs = ""  # the inputs of the step it was planned on
         self.device = torch.device("cpu")
         self.shards: list[nn.Parameter] = []
-        self.steps: list[CompiledStep] = []
-        # no_sync: whether backward reduces gradients; each flat group's unsharded
-        # gradient sum while it does not; the groups whose sum waits to be reduced.
-        self.requires_gradient_sync = True
-        self.accumulators: dict[int, torch.Tensor] = {}
-        self.pending: set[int] = set()
-        # (what to call it, tensor, requires_grad when planned): checked before every step.
-        self._requires_grad: list[tuple[str, torch.Tensor, bool]] = []
-        self._module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
-        self._broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
-        self.abandoned = Abandoned()  # set once a phase of a step leaves by an exception
+        self.steps: list[CompiledStep] = []  # every step compiled, in order
+        self.cache = StepCache()  # the same steps, by the front end's key
+        # What changes while training (no_sync's sums, the buffer broadcast, the agreement,
+        # an abandoned step): apart from what the compile decided.
+        self.state = RunState(self.world, config.compute, config.broadcast_buffers)
 
     @property
     def plan(self) -> ShardPlan:
@@ -223,51 +184,18 @@ class Driver:
         strip_parameters(module, self.device if on_device else None, dtypes)
         mark_sharded(module, by)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
-        self._module = module
-        self._requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
-                               for name, p in module.named_parameters()]
-        self._requires_grad += [(f"flat shard {g.index} (unit {g.unit or '<root>'!r})", shard,
-                                 shard.requires_grad) for g, shard in zip(self.plan.groups, self.shards)]
-
-    def check_requires_grad(self) -> None:
-        """Refuse to run when a parameter's ``requires_grad`` changed after sharding: the flat
-        groups, and the graphs, were made for the values at that time."""
-        for what, tensor, planned in self._requires_grad:
-            if tensor.requires_grad != planned:
-                raise FxShardError(
-                    f"{what} had requires_grad={planned} when fxshard sharded the model and has "
-                    f"requires_grad={tensor.requires_grad} now. fxshard groups parameters into flat "
-                    "shards by requires_grad and compiles the step for those values, so the change "
-                    "cannot take effect. Freeze or unfreeze parameters on the model before sharding "
-                    "it (fxshard.compile / fxshard.parameters), and change it back now."
-                )
+        self.state.module = module
+        self.state.planned_requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
+                                            for name, p in module.named_parameters()]
+        self.state.planned_requires_grad += [
+            (f"flat shard {g.index} (unit {g.unit or '<root>'!r})", shard, shard.requires_grad)
+            for g, shard in zip(self.plan.groups, self.shards)]
 
     # -- steps --------------------------------------------------------------------------------
 
-    def grad_sync(self, groups: Iterable[int] | None = None) -> GradSync:
-        """What a training step run now does with the gradients of ``groups`` (default: all):
-        add them up inside ``no_sync``, else reduce them, with the sums still waiting.
-
-        A group read by several graphs (the backend, with graph breaks) is flushed by
-        the first of them to run: ``run`` takes it out of ``pending``.
-        """
-        if not self.requires_gradient_sync:
-            return GradSync(accumulate=True)
-        pending = self.pending if groups is None else self.pending.intersection(groups)
-        return GradSync(flush=frozenset(pending))
-
-    def set_requires_gradient_sync(self, requires: bool) -> None:
-        if not requires and self.config.compute == "inductor":
-            raise FxShardError(
-                "no_sync / set_requires_gradient_sync(False) is not supported with "
-                "compute='inductor' yet: its accumulators are buffers the eager graphs update in "
-                "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
-            )
-        self.requires_gradient_sync = requires
-
     def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_zero_over_shards(optimizer)
-        self._refuse_step_over_pending_sums(optimizer)
+        self.state.refuse_step_over_pending_sums(optimizer, self.plan)
 
     def _refuse_zero_over_shards(self, optimizer: torch.optim.Optimizer) -> None:
         """torch's ZeroRedundancyOptimizer (ZeRO-1, FairScale's OSS) steps each parameter on
@@ -291,50 +219,6 @@ class Driver:
                 "(world, 1) mesh (NO_SHARD) and wrap the optimizer in ZeroRedundancyOptimizer."
             )
 
-    def _refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer step while no_sync's sums wait to be reduced would step over shards
-        without those gradients (None, or the previous step's), and the sums would then be
-        added into the next step's."""
-        if not self.pending:
-            return
-        units = sorted({self.plan.groups[g].unit or "<root>" for g in self.pending})
-        raise FxShardError(
-            f"{type(optimizer).__name__}.step() ran while the gradients of units {units} are still "
-            "being added up inside no_sync(): every backward since the last reduction ran inside "
-            "no_sync(), so they were never reduced and the shards have no gradient from them. Run "
-            "the last micro-batch's backward outside no_sync() (or after "
-            "set_requires_gradient_sync(True)), then step. To drop the sums instead, call "
-            "zero_grad() on the sharded module (DDP drops them at zero_grad)."
-        )
-
-    def drop_pending_sums(self) -> None:
-        """zero_grad: forget what no_sync has added up and not yet reduced (DDP's semantics:
-        those gradients live in ``.grad``, which zero_grad clears)."""
-        for g in self.pending:
-            acc = self.accumulators.get(g)
-            if acc is not None:  # as after a reduction: _track_accumulation makes it anew
-                acc.untyped_storage().resize_(0)
-        self.pending.clear()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous = self.requires_gradient_sync
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(previous)
-
-    def _accumulators(self) -> dict[int, torch.Tensor]:
-        """One unsharded gradient sum per flat group with a gradient, made on first need."""
-        if not self.accumulators:
-            for g in self.plan.groups:
-                if g.requires_grad:
-                    dtype = g.reduce_dtype or g.compute_dtype
-                    self.accumulators[g.index] = torch.zeros(g.padded_numel, dtype=dtype,
-                                                             device=self.device)
-        return self.accumulators
-
     def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
                      buffer_bytes: int = 0, grad_sync: GradSync = REDUCE,
                      groups: Iterable[int] | None = None) -> CompiledStep:
@@ -345,8 +229,9 @@ class Driver:
                                  on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync,
-                                 accumulators=self._accumulators() if grad_sync != REDUCE else None,
-                                 checkpointing=self.checkpointing, abandoned=self.abandoned)
+                                 accumulators=self.state.accumulators_for(self.plan, self.device)
+                                 if grad_sync != REDUCE else None,
+                                 checkpointing=self.checkpointing, abandoned=self.state.abandoned)
         if self.config.memory_budget is not None and self.budget_choice is None:
             compiler.before_partition = (  # inputs are real by then: the trace refuses symbolic sizes
                 lambda joint, joint_inputs, n, kwargs: self._plan_budget(
@@ -396,68 +281,8 @@ class Driver:
         compiler.config, compiler.pipelines, compiler.checkpointing = config, self.pipelines, checkpointing
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
-        """Run a compiled step. Before its forward, and before its backward, every rank
-        checks that all ranks are about to issue the same collectives."""
-        self.abandoned.check(self.world.rank)
-        self.check_requires_grad()
-        buffers = self._buffers_to_broadcast()
-        self._agree(step, "forward", inputs, broadcast=bool(buffers))
-        if buffers:
-            broadcast_buffers(buffers, self.world)
-        self._broadcast_next = torch.is_grad_enabled()
-        if torch.is_grad_enabled() and step.trains:
-            self._track_accumulation(step)
-        try:
-            flat = step.fn(*inputs)
-        except BaseException as e:
-            self.abandoned.leave("the forward", e)
-            failure = collective_failure(e, self.world.rank, "forward")
-            if failure is None:
-                raise
-            raise failure from e
-        if step.trains:
-            outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self._agree(step, "backward", inputs), mode="any")
-        return step.output_spec.unflatten(flat)
-
-    def _track_accumulation(self, step: CompiledStep) -> None:
-        """Before a training step runs: a fresh zero sum for each group it starts
-        accumulating, and which sums it reduces (they are released by its backward)."""
-        if step.grad_sync.accumulate:
-            for g in sorted(step.groups - self.pending):
-                acc = self.accumulators.get(g)
-                if acc is None:
-                    continue  # no gradient: nothing to add up
-                acc.untyped_storage().resize_(acc.numel() * acc.element_size())
-                acc.zero_()
-                self.pending.add(g)
-        else:
-            self.pending -= step.grad_sync.flush
-
-    def _agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
-               broadcast: bool = False) -> None:
-        graph, collectives, digest = step.phases[phase]
-        if broadcast:
-            digest = with_buffer_broadcast(digest)
-        grad = torch.is_grad_enabled() or phase == "backward"  # a backward runs with grad off
-        try:
-            agree(phase, digest,
-                  lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast),
-                  self.world)
-        except CollectiveMismatchError:
-            raise  # every rank raised it, after a completed exchange: the groups are fine
-        except BaseException as e:
-            self.abandoned.leave(f"the agreement before the {phase}", e)
-            raise
-
-    def _buffers_to_broadcast(self) -> list[torch.Tensor]:
-        """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""
-        if not (self.config.broadcast_buffers and self._broadcast_next and self._module is not None
-                and self.world.job_size > 1):
-            return []
-        return list(self._module.buffers())
+        """Run a compiled step (``RunState.run``)."""
+        return self.state.run(step, inputs)
 
     # -- what a step will do --------------------------------------------------------------------
 
@@ -471,7 +296,7 @@ class Driver:
                             list(self.shards), step.buffer_bytes, step.input_bytes,
                             step.num_user_outputs, agreement, broadcast,
                             accumulator_bytes=sum(a.numel() * a.element_size()
-                                                  for a in self.accumulators.values())
+                                                  for a in self.state.accumulators.values())
                             if step.grad_sync != REDUCE else 0)
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",

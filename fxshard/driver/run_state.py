@@ -1,0 +1,193 @@
+"""What changes while a sharded module trains, apart from what its compile decided.
+
+The ``Driver`` compiles: configuration, world, plan, shards, pipelines and the
+compiled steps. ``RunState`` holds what running them changes, step by step:
+
+- ``no_sync``: whether backward reduces gradients (``requires_gradient_sync``),
+  each flat group's unsharded gradient sum while it does not (``accumulators``),
+  and the groups whose sum waits to be reduced (``pending``);
+- the buffer broadcast (DDP's ``broadcast_buffers``: before the first forward,
+  and after each grad-enabled one) and the module whose buffers it sends;
+- the ranks' agreement on each phase's collectives, and ``abandoned``, set once
+  a phase of a step leaves by an exception;
+- each parameter's and flat shard's ``requires_grad`` when the model was sharded,
+  checked before every step.
+
+``run`` runs one compiled step against this state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxshard.driver.consistency import agree, describe_step, with_buffer_broadcast
+from fxshard.driver.runtime import Abandoned, World, broadcast_buffers, collective_failure
+from fxshard.driver.steps import CompiledStep
+from fxshard.ir.errors import CollectiveMismatchError, FxShardError
+from fxshard.ir.plan import ShardPlan
+from fxshard.passes.context import GradSync
+
+
+class RunState:
+    def __init__(self, world: World, compute: str, broadcast: bool):
+        self.world = world
+        self.compute = compute
+        self.broadcast = broadcast
+        self.requires_gradient_sync = True
+        self.accumulators: dict[int, torch.Tensor] = {}
+        self.pending: set[int] = set()
+        # (what to call it, tensor, requires_grad when planned): checked before every step.
+        self.planned_requires_grad: list[tuple[str, torch.Tensor, bool]] = []
+        self.module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
+        self.broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
+        self.abandoned = Abandoned()
+
+    # -- no_sync ------------------------------------------------------------------------------
+
+    def grad_sync(self, groups: Iterable[int] | None = None) -> GradSync:
+        """What a training step run now does with the gradients of ``groups`` (default: all):
+        add them up inside ``no_sync``, else reduce them, with the sums still waiting.
+
+        A group read by several graphs (the backend, with graph breaks) is flushed by
+        the first of them to run: ``run`` takes it out of ``pending``.
+        """
+        if not self.requires_gradient_sync:
+            return GradSync(accumulate=True)
+        pending = self.pending if groups is None else self.pending.intersection(groups)
+        return GradSync(flush=frozenset(pending))
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        if not requires and self.compute == "inductor":
+            raise FxShardError(
+                "no_sync / set_requires_gradient_sync(False) is not supported with "
+                "compute='inductor' yet: its accumulators are buffers the eager graphs update in "
+                "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
+            )
+        self.requires_gradient_sync = requires
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+    def accumulators_for(self, plan: ShardPlan, device: torch.device) -> dict[int, torch.Tensor]:
+        """One unsharded gradient sum per flat group with a gradient, made on first need."""
+        if not self.accumulators:
+            for g in plan.groups:
+                if g.requires_grad:
+                    dtype = g.reduce_dtype or g.compute_dtype
+                    self.accumulators[g.index] = torch.zeros(g.padded_numel, dtype=dtype, device=device)
+        return self.accumulators
+
+    def drop_pending_sums(self) -> None:
+        """zero_grad: forget what no_sync has added up and not yet reduced (DDP's semantics:
+        those gradients live in ``.grad``, which zero_grad clears)."""
+        for g in self.pending:
+            acc = self.accumulators.get(g)
+            if acc is not None:  # as after a reduction: track_accumulation makes it anew
+                acc.untyped_storage().resize_(0)
+        self.pending.clear()
+
+    def refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer, plan: ShardPlan) -> None:
+        """An optimizer step while no_sync's sums wait to be reduced would step over shards
+        without those gradients (None, or the previous step's), and the sums would then be
+        added into the next step's."""
+        if not self.pending:
+            return
+        units = sorted({plan.groups[g].unit or "<root>" for g in self.pending})
+        raise FxShardError(
+            f"{type(optimizer).__name__}.step() ran while the gradients of units {units} are still "
+            "being added up inside no_sync(): every backward since the last reduction ran inside "
+            "no_sync(), so they were never reduced and the shards have no gradient from them. Run "
+            "the last micro-batch's backward outside no_sync() (or after "
+            "set_requires_gradient_sync(True)), then step. To drop the sums instead, call "
+            "zero_grad() on the sharded module (DDP drops them at zero_grad)."
+        )
+
+    def track_accumulation(self, step: CompiledStep) -> None:
+        """Before a training step runs: a fresh zero sum for each group it starts
+        accumulating, and which sums it reduces (they are released by its backward)."""
+        if step.grad_sync.accumulate:
+            for g in sorted(step.groups - self.pending):
+                acc = self.accumulators.get(g)
+                if acc is None:
+                    continue  # no gradient: nothing to add up
+                acc.untyped_storage().resize_(acc.numel() * acc.element_size())
+                acc.zero_()
+                self.pending.add(g)
+        else:
+            self.pending -= step.grad_sync.flush
+
+    # -- running a step -----------------------------------------------------------------------
+
+    def check_requires_grad(self) -> None:
+        """Refuse to run when a parameter's ``requires_grad`` changed after sharding: the flat
+        groups, and the graphs, were made for the values at that time."""
+        for what, tensor, planned in self.planned_requires_grad:
+            if tensor.requires_grad != planned:
+                raise FxShardError(
+                    f"{what} had requires_grad={planned} when fxshard sharded the model and has "
+                    f"requires_grad={tensor.requires_grad} now. fxshard groups parameters into flat "
+                    "shards by requires_grad and compiles the step for those values, so the change "
+                    "cannot take effect. Freeze or unfreeze parameters on the model before sharding "
+                    "it (fxshard.compile / fxshard.parameters), and change it back now."
+                )
+
+    def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
+        """Run a compiled step. Before its forward, and before its backward, every rank
+        checks that all ranks are about to issue the same collectives."""
+        self.abandoned.check(self.world.rank)
+        self.check_requires_grad()
+        buffers = self.buffers_to_broadcast()
+        self.agree(step, "forward", inputs, broadcast=bool(buffers))
+        if buffers:
+            broadcast_buffers(buffers, self.world)
+        self.broadcast_next = torch.is_grad_enabled()
+        if torch.is_grad_enabled() and step.trains:
+            self.track_accumulation(step)
+        try:
+            flat = step.fn(*inputs)
+        except BaseException as e:
+            self.abandoned.leave("the forward", e)
+            failure = collective_failure(e, self.world.rank, "forward")
+            if failure is None:
+                raise
+            raise failure from e
+        if step.trains:
+            outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads: self.agree(step, "backward", inputs), mode="any")
+        return step.output_spec.unflatten(flat)
+
+    def agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
+              broadcast: bool = False) -> None:
+        graph, collectives, digest = step.phases[phase]
+        if broadcast:
+            digest = with_buffer_broadcast(digest)
+        grad = torch.is_grad_enabled() or phase == "backward"  # a backward runs with grad off
+        try:
+            agree(phase, digest,
+                  lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast),
+                  self.world)
+        except CollectiveMismatchError:
+            raise  # every rank raised it, after a completed exchange: the groups are fine
+        except BaseException as e:
+            self.abandoned.leave(f"the agreement before the {phase}", e)
+            raise
+
+    def buffers_to_broadcast(self) -> list[torch.Tensor]:
+        """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""
+        if not (self.broadcast and self.broadcast_next and self.module is not None
+                and self.world.job_size > 1):
+            return []
+        return list(self.module.buffers())
