@@ -34,22 +34,10 @@ def aliases(root: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.N
     return sorted(seen, key=order.__getitem__)
 
 
-def is_saved_buffer(node: fx.Node) -> bool:
-    """A backward input that is a gathered buffer kept from forward (a unit not resharded)."""
-    return P.is_placeholder(node) and meta.role_of(node) is meta.Role.SAVED
-
-
 def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
     """Every gathered flat buffer in the graph, in graph order: the result of each gather
     chain, and (backward) each buffer kept from forward."""
     return [c.result for c in gather_chains(graph)]
-
-
-def buffer_group(node: fx.Node) -> int:
-    info = meta.get_info(node)
-    if info is None:
-        raise KeyError(f"{node.name} carries no fxshard metadata")
-    return info.group
 
 
 def buffer_bytes(node: fx.Node) -> int:

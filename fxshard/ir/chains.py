@@ -80,10 +80,6 @@ class Chain:
         return sum(_nbytes(c.args[0]) for c in self.collectives)
 
     @property
-    def result_bytes(self) -> int:
-        return _nbytes(self.result)
-
-    @property
     def device(self) -> torch.device | None:
         val = self.result.meta.get("val")
         return val.device if isinstance(val, torch.Tensor) else None
