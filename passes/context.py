@@ -109,9 +109,13 @@ class PassContext:
             return "replicated"
         return "hybrid" if self.layout.replicate is not None else "sharded"
 
-    def wire(self, group: int) -> str:
-        """How a gather's bytes travel: "dtype", the group's compute dtype (its shard's, or
-        mixed precision's param_dtype)."""
+    def wire(self, group: int, reduces: bool = False) -> str:
+        """How the bytes travel. A gather's: "dtype", the group's compute dtype (its shard's,
+        or mixed precision's param_dtype). A reduction's: "dtype", summed by the collective in
+        the reduce dtype; "terms" (``reduce_in_rank_order``), each rank's term sent as it is
+        and summed in rank order where it lands."""
+        if reduces and self.options.reduce_in_rank_order and self.topology(group) != "local":
+            return "terms"
         return "dtype"
 
     def placement(self, group: int) -> str:

@@ -25,10 +25,18 @@ reduce     hybrid            dtype       device     ``reduce_scatter_all_reduce`
                                                     over the replicas
 reduce     replicated        dtype       device     ``all_reduce``: NO_SHARD; all_reduce over
                                                     the shard group (then the replicas)
+reduce     sharded           terms       device     ``all_to_all_sum``: reduce_in_rank_order;
+                                                    cast, divide, all_to_all over the shard
+                                                    group, wait, the terms added in rank order
+reduce     hybrid            terms       device     ``all_to_all_all_gather_sum``: the row's
+                                                    terms then all_gathered over the replicas
+reduce     replicated        terms       device     ``all_gather_sum``: NO_SHARD's; all_gather
+                                                    over the shard group (then the replicas)
 =========  ================  ==========  =========  ==========================================
 
-``wire`` is how a gather's bytes travel ("dtype": the compute dtype, a plain cast
-when it differs from the shard's) and ``placement`` where the shard lives
+``wire`` is how the bytes travel (a gather's "dtype": the compute dtype, a plain
+cast when it differs from the shard's; a reduction's "dtype", summed by the
+collective, or "terms", summed in rank order where they land) and ``placement`` where the shard lives
 ("device": where it computes). A new wire format or placement is one more row
 and the option that selects it; docs/architecture.md names the two planned
 (fp8 all-gather, CPU offload).
@@ -185,9 +193,50 @@ def _reduction(name: str, first: str) -> Lowering:
     return lower
 
 
+def _summed_in_rank_order(b: ChainBuilder, terms: fx.Node, count: int) -> fx.Node:
+    """``terms`` holds ``count`` equal pieces, one per rank in rank order: their sum
+    ((t0 + t1) + t2) + ..., one add at a time (a sum over a dimension may pair them in
+    another order)."""
+    rows = b.add(aten.view.default, (terms, [count, -1]), Role.SUM)
+    total = b.add(aten.select.int, (rows, 0, 0), Role.SUM)
+    for k in range(1, count):
+        total = b.add(aten.add.Tensor, (total, b.add(aten.select.int, (rows, 0, k), Role.SUM)), Role.SUM)
+    return total
+
+
+def _terms(name: str) -> Lowering:
+    """reduce_in_rank_order: every rank's term of this rank's part reaches it unsummed, and
+    it adds them in rank order. Sharded: an all_to_all over the shard group hands each rank
+    the shard group's terms of its shard. Replicated (NO_SHARD): an all_gather of the
+    whole gradient. HSDP then gathers those terms over the replicas, so the terms come
+    in the mesh's row-major order: the job's rank order for ``init_device_mesh``'s."""
+    def lower(site: Site, ctx: PassContext) -> fx.Node:
+        shard, replicate = ctx.layout.shard, ctx.layout.replicate
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.marker.group))
+        scaled = _scaled(b, site, ctx)
+        numel = scaled.meta["val"].numel()
+        if ctx.plan.groups[site.marker.group].replicated:
+            terms = b.collective(P.ALL_GATHER, (scaled, shard.size, shard.name), Role.ALL_GATHER)
+        else:
+            splits = [numel // shard.size] * shard.size
+            terms = b.collective(P.ALL_TO_ALL, (scaled, splits, splits, shard.name), Role.ALL_TO_ALL)
+        count = shard.size
+        if replicate is not None:
+            terms = b.collective(P.ALL_GATHER, (terms, replicate.size, replicate.name), Role.ALL_GATHER,
+                                 after=terms)
+            count *= replicate.size
+        total = _summed_in_rank_order(b, terms, count)  # before the marker, so after the waits
+        return b.cast(total, site.marker.out_dtype, Role.CAST_BACK)
+    lower.__name__ = name
+    return lower
+
+
 reduce_scatter = _reduction("reduce_scatter", "reduce_scatter")
 reduce_scatter_all_reduce = _reduction("reduce_scatter_all_reduce", "reduce_scatter")
 all_reduce = _reduction("all_reduce", "all_reduce")
+all_to_all_sum = _terms("all_to_all_sum")
+all_to_all_all_gather_sum = _terms("all_to_all_all_gather_sum")
+all_gather_sum = _terms("all_gather_sum")
 
 G, R = Direction.GATHER, Direction.REDUCE
 LOWERINGS: dict[LoweringKey, Lowering] = {
@@ -200,6 +249,9 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(R, "sharded"): reduce_scatter,
     LoweringKey(R, "hybrid"): reduce_scatter_all_reduce,
     LoweringKey(R, "replicated"): all_reduce,
+    LoweringKey(R, "sharded", wire="terms"): all_to_all_sum,
+    LoweringKey(R, "hybrid", wire="terms"): all_to_all_all_gather_sum,
+    LoweringKey(R, "replicated", wire="terms"): all_gather_sum,
 }
 
 
@@ -212,8 +264,8 @@ def lowering_for(key: LoweringKey) -> Lowering:
 
 def key_for(m: P.Marker, ctx: PassContext, topology: str | None = None) -> LoweringKey:
     direction = Direction.REDUCE if m.kind.is_gradient else Direction.GATHER
-    return LoweringKey(direction, topology or ctx.topology(m.group), ctx.wire(m.group),
-                       ctx.placement(m.group))
+    return LoweringKey(direction, topology or ctx.topology(m.group),
+                       ctx.wire(m.group, direction is Direction.REDUCE), ctx.placement(m.group))
 
 
 def lower(gm: fx.GraphModule, m: P.Marker, ctx: PassContext, value: fx.Node | None = None) -> fx.Node:

@@ -151,6 +151,59 @@ def test_hpz_gathers_forward_in_the_shard_group_and_backward_within_the_partitio
         assert _collectives(_compiled(reshard_after_forward=1)) == _collectives(_compiled(reshard_after_forward=False))
 
 
+def test_reduce_in_rank_order_sends_each_ranks_term_and_adds_them_in_rank_order() -> None:
+    """reduce_in_rank_order on every topology: the collectives, their groups, the adds in
+    rank order, and the report's bytes (launching.md's formulas)."""
+    def reduction(mesh_shape: tuple[int, ...]) -> tuple[Any, list[tuple[str, Any]], dict[int, int]]:
+        sharded = _compiled(mesh=init_device_mesh("cpu", mesh_shape), reduce_in_rank_order=True,
+                            verify_passes=True)
+        backward = sharded.graphs["backward"]
+        reductions = [(P.group_name(n), n) for n in nodes(backward, P.is_collective)
+                      if meta.get_info(n).chain.direction is meta.Direction.REDUCE]
+        size = {g.index: g.padded_numel * g.dtype.itemsize for g in sharded.plan.groups}
+        return sharded, reductions, size
+
+    with fake_world(4, rank=1):
+        sharded, reductions, size = reduction((4,))  # FULL_SHARD: an all_to_all, 3 adds
+        assert len(reductions) == 3 and all(P.is_all_to_all(n) for _, n in reductions)
+        for _, n in reductions:
+            quarter = n.args[0].meta["val"].numel() // 4
+            assert n.args[1] == n.args[2] == [quarter] * 4
+            chain = meta.get_info(n).chain
+            body = [m for m in sharded.graphs["backward"].graph.nodes if meta.get_info(m) is not None
+                    and meta.get_info(m).chain == chain]
+            adds = [m for m in body if m.target is torch.ops.aten.add.Tensor]
+            # ((t0 + t1) + t2) + t3: each add reads the previous sum and the next rank's row.
+            assert [a.args[1].args[1:] for a in adds] == [(0, 1), (0, 2), (0, 3)]
+            assert adds[0].args[0].args[1:] == (0, 0)
+            assert [a.args[0] for a in adds[1:]] == adds[:-1]
+            assert chain.lowering == "all_to_all_sum"
+        bus = sharded.report().comm_bytes_per_step
+        assert bus["all_to_all"] == sum(b * 3 // 4 for b in size.values()) and bus["reduce_scatter"] == 0
+
+        sharded, reductions, size = reduction((2, 2))  # HSDP: the row's all_to_all, the column's gather
+        world = sharded._driver.world
+        row, column = world.comm[0].group_name, world.replicas.comm[0].group_name
+        assert [(P.is_all_to_all(n), g) for g, n in reductions] == [(True, row), (False, column)] * 3
+        assert all(P.is_all_gather(n) and n.args[1] == 2 for g, n in reductions if g == column)
+        gathers = {g.index: 0 for g in sharded.plan.groups}
+        for n in nodes(sharded.graphs["forward"], P.is_all_gather) + nodes(sharded.graphs["backward"],
+                                                                            P.is_all_gather):
+            if meta.get_info(n).chain.direction is meta.Direction.GATHER:
+                gathers[meta.get_info(n).group] += 1
+        s, r = 2, 2
+        assert sharded.report().comm_bytes_per_dimension == {
+            "shard": sum(gathers[g] * size[g] // s * (s - 1) + size[g] * (s - 1) // s for g in size),
+            "replicate": sum(size[g] * (r - 1) for g in size)}
+        # The unit's gathers are its parameters' (the reduction's all_gather is not one).
+        assert {u.name: u.gathers for u in sharded.report().units} == {
+            sharded.plan.groups[g].unit: n for g, n in gathers.items()}
+
+        sharded, reductions, size = reduction((4, 1))  # NO_SHARD: the whole gradient gathered
+        assert len(reductions) == 3 and all(P.is_all_gather(n) and n.args[1] == 4 for _, n in reductions)
+        assert sharded.report().comm_bytes_per_dimension == {"shard": sum(b * 3 for b in size.values())}
+
+
 def test_bad_mesh_arguments_are_refused_with_the_fix() -> None:
     with fake_world(4):
         with pytest.raises(TypeError, match="mesh= or process_group=, not both"):
@@ -173,11 +226,31 @@ def _zero1(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
+def _sum_in_rank_order(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP comm hook (unannotated: DDP checks the annotations' objects, and this module's
+    are strings): each rank's gradient divided by the world size, as DDP's own
+    all-reduce divides it, then every rank's term gathered and added in rank order,
+    ((g0 + g1) + g2) + g3, where gloo's ring adds each chunk starting at another rank."""
+    world = torch.distributed.get_world_size()
+    term = bucket.buffer().div_(world)
+    terms = [torch.empty_like(term) for _ in range(world)]
+    torch.distributed.all_gather(terms, term)
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    done = torch.futures.Future()  # type: ignore[var-annotated]
+    done.set_result(total)
+    return done
+
+
 def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end: str = "compile",
                  optimizer: Any = _sgd, after: Any = None, **options: Any) -> dict[str, Any]:
-    """Four SGD steps of ``model`` through ``front_end`` with ``options``, and of DDP beside it;
-    ``after(sharded, optimizer)`` adds what it returns to the result."""
+    """Four SGD steps of ``model`` through ``front_end`` with ``options``, and of DDP beside it
+    (with ``reduce_in_rank_order``, DDP sums in rank order too); ``after(sharded, optimizer)``
+    adds what it returns to the result."""
     ddp = DDP(copy.deepcopy(model))
+    if options.get("reduce_in_rank_order"):
+        ddp.register_comm_hook(None, _sum_in_rank_order)
     if front_end == "compile":
         sharded = fxshard.compile(model, **options)
         params = list(sharded.parameters())
@@ -203,7 +276,7 @@ def _against_ddp(model: nn.Module, rank: int, shape: tuple[int, int], front_end:
             **(after(sharded, opt) if after is not None else {})}
 
 
-def _zero1_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _zero1_cases(rank: int, world_size: int, root: str, **options: Any) -> dict[str, Any]:
     """ZeRO-1: NO_SHARD with torch's ZeroRedundancyOptimizer, against DDP; and what is refused."""
     torch.manual_seed(0)
     no_shard = init_device_mesh("cpu", (world_size, 1))
@@ -217,7 +290,7 @@ def _zero1_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
         return {"held": len(opt.optim.state)}  # flat groups whose optimizer state this rank holds
 
     run = _against_ddp(MLP(), rank, (12, 5), optimizer=_zero1, after=after, policy=by_class(nn.Linear),
-                       mesh=no_shard)
+                       mesh=no_shard, **options)
     run["refused"] = refused
     torch.manual_seed(0)
     full_shard = fxshard.compile(MLP(), policy=by_class(nn.Linear))
@@ -335,6 +408,14 @@ def four_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         torch.manual_seed(0)
         out[name] = _against_ddp(MLP(), rank, (12, 5), front_end, policy=by_class(nn.Linear),
                                  mesh=flat, reshard_after_forward=hpz)
+    in_rank_order = {"reduce_in_rank_order": True}
+    for name, shape, hpz in (("full_shard", (world_size,), True), ("hsdp", (2, world_size // 2), True),
+                             ("no_shard", (world_size, 1), True), ("hpz", (world_size,), 2)):
+        torch.manual_seed(0)
+        out[f"{name}_in_rank_order"] = _against_ddp(
+            MLP(), rank, (12, 5), policy=by_class(nn.Linear), mesh=init_device_mesh("cpu", shape),
+            reshard_after_forward=hpz, **in_rank_order)
+    out["zero1_in_rank_order"] = _zero1_cases(rank, world_size, f"{root}/in_rank_order", **in_rank_order)
     hsdp = init_device_mesh("cpu", (2, world_size // 2))
     out["hsdp_recipe"] = _recipe_against_ddp(rank, hsdp)
     out["hsdp_features"] = _hsdp_features(rank, hsdp)
@@ -388,6 +469,12 @@ def test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_re
         assert 0 <= zero1["held"] < 3
         assert "consolidate_state_dict(to=0)" in zero1["refused"][0]
         assert "would overwrite every other rank's different shard" in zero1["refused"][1]
+        # Summed in rank order, as DDP with a comm hook that sums in rank order: every
+        # topology trains exactly like DDP, bit for bit.
+        for name in ("full_shard", "hsdp", "no_shard", "hpz", "zero1"):
+            run = r[f"{name}_in_rank_order"]
+            assert run["losses"] == run["ref_losses"], name
+            _assert_states(run["state"], run["ref_state"], exact=True)
         for name in ("no_shard", "hsdp", "full_shard", "hpz", "zero1"):
             torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r[name]["ref_losses"]),
                                        rtol=1e-5, atol=1e-6, msg=name)

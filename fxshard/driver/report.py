@@ -25,7 +25,7 @@ class UnitReport:
     name: str
     padded_bytes: int  # the unit's full (gathered) flat buffers
     shard_bytes: int  # what this rank holds
-    gathers: int  # all_gathers per step
+    gathers: int  # all_gathers of its parameters per step
     comm_bytes: int  # bus bytes per step, all kinds
 
 
@@ -192,7 +192,7 @@ def build_report(
             unit.name,
             sum(g.padded_numel * g.dtype.itemsize for g in groups),
             sum(g.shard_numel * g.dtype.itemsize for g in groups),
-            sum(1 for c in mine if c.kind == "all_gather"),
+            sum(1 for c in mine if c.kind == "all_gather" and c.direction == "gather"),
             sum(c.bus_bytes for c in mine),
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,

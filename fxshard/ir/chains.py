@@ -30,7 +30,7 @@ from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.meta import ChainTag, Direction, Role
 
-_COLLECTIVE_ROLES = (Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE)
+_COLLECTIVE_ROLES = (Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE, Role.ALL_TO_ALL)
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains
 
-KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce"}
+KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce",
+         P.ALL_TO_ALL: "all_to_all"}
 
 
 @dataclass(frozen=True)
 class Collective:
     graph: str  # "forward", "backward" or "inference"
-    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce", "all_to_all"
     unit: str
     shape: tuple[int, ...]  # of the input tensor
     dtype: torch.dtype
@@ -35,6 +36,7 @@ class Collective:
     dimension: str = ""
     slot: int = 0
     lowering: str = ""  # the lowering table's entry that made it (passes/lowering.py)
+    direction: str = ""  # its chain's: "gather" (parameters in) or "reduce" (gradients out)
 
     @property
     def input_bytes(self) -> int:
@@ -64,6 +66,8 @@ def bus_bytes(kind: str, input_bytes: int, group_size: int) -> int:
         return input_bytes * (n - 1) // n
     if kind == "all_reduce":  # reduce-scatter + all-gather
         return 2 * input_bytes * (n - 1) // n
+    if kind == "all_to_all":  # input is the full buffer; each rank keeps its own 1/N
+        return input_bytes * (n - 1) // n
     raise ValueError(kind)
 
 
@@ -87,6 +91,9 @@ def collectives(graph_name: str, gm: fx.GraphModule,
             _, op, name = node.args
             assert isinstance(name, str)
             size = compat.resolve_process_group(name).size()
+        elif P.is_all_to_all(node):
+            _, splits, _, name = node.args
+            size, op = len(splits), None  # type: ignore[arg-type]
         else:
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)
@@ -94,7 +101,7 @@ def collectives(graph_name: str, gm: fx.GraphModule,
         result.append(Collective(graph_name, KINDS[node.target], chain.unit,  # type: ignore[index]
                                  tuple(val.shape), val.dtype, size, name,
                                  op if isinstance(op, str) else None, dimension, slot,
-                                 chain.lowering))
+                                 chain.lowering, chain.direction.value))
     return result
 
 
@@ -127,7 +134,7 @@ def bytes_per_kind(sequence: list[Collective], agreement_bytes: int = 0,
     totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "agreement": agreement_bytes}
     if broadcast_bytes:
         totals["broadcast"] = broadcast_bytes
-    for c in sequence:
-        totals[c.kind] += c.bus_bytes
+    for c in sequence:  # "all_to_all" only where a step issues one (reduce_in_rank_order)
+        totals[c.kind] = totals.get(c.kind, 0) + c.bus_bytes
     totals["total"] = sum(totals.values())
     return totals

@@ -30,10 +30,12 @@ class Role(enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
     WAIT = "wait"
     FREE = "free"
     CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient before its reduction
     SCALE = "scale"  # a gradient divided by the ranks it is averaged over, before its reduction
+    SUM = "sum"  # reduce_in_rank_order: the ranks' received terms added in rank order
     CAST_BACK = "cast_back"  # mixed precision: a reduced gradient cast to the shard's dtype
     ACCUMULATE = "accumulate"  # no_sync: a gradient added to (or flushed from) its accumulator
     SAVED = "saved_buffer"  # backward input: a gathered buffer kept from forward (not resharded)

@@ -53,6 +53,13 @@ class ShardingOptions:
     # Parameters with fewer elements than this stay whole on every rank; their
     # gradients are all-reduced (DeepSpeed's persistence threshold). 0: off.
     replicate_below: int = 0
+    # Sum each gradient element's terms in rank order, ((g0 + g1) + g2) + ..., on the
+    # rank that keeps it, whatever the topology: an all_to_all (the reduce_scatter's
+    # bytes) and local adds in place of the reduce_scatter; HSDP then gathers the
+    # row's terms across replicas (S times the all_reduce's bytes there). FULL_SHARD,
+    # HSDP, NO_SHARD and hpZ of one job size then give the same bits, and the same
+    # as DDP with a comm hook that sums in rank order (docs/launching.md).
+    reduce_in_rank_order: bool = False
 
     def __post_init__(self) -> None:
         hpz = self.reshard_after_forward

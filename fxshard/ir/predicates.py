@@ -24,9 +24,10 @@ _c10d = compat.c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
+ALL_TO_ALL = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
 
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 
 
 def is_call(node: fx.Node) -> bool:
@@ -127,12 +128,16 @@ def is_all_reduce(node: fx.Node) -> bool:
     return is_call(node) and node.target is ALL_REDUCE
 
 
+def is_all_to_all(node: fx.Node) -> bool:
+    return is_call(node) and node.target is ALL_TO_ALL
+
+
 def is_collective(node: fx.Node) -> bool:
     return is_call(node) and node.target in COLLECTIVES
 
 
 # Position of the group name among each collective's arguments.
-_GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2}
+_GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_TO_ALL: 3}
 
 
 def _group_arg(node: fx.Node) -> int:
