@@ -42,7 +42,7 @@ from fxshard.ir.errors import (
     PlanError,
     TraceError,
 )
-from fxshard.ir.options import ShardingOptions
+from fxshard.ir.options import CPUOffloadPolicy, ShardingOptions
 from fxshard.ir.plan import FlatGroup, FSDPUnit, ShardPlan, make_plan
 from fxshard.ir.precision import MixedPrecision
 from fxshard.passes import verify
@@ -52,6 +52,7 @@ logging.getLogger("fxshard").addHandler(logging.NullHandler())
 
 __all__ = [
     "BudgetError",
+    "CPUOffloadPolicy",
     "CollectiveMismatchError",
     "CompileConfig",
     "Explanation",

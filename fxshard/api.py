@@ -156,7 +156,7 @@ class ShardedModule(nn.Module):
 
         buffers = dict(self._skeleton.named_buffers(remove_duplicate=False))
         step = StepFunction(self._skeleton, self._driver.plan, list(self.flat_params), buffers, rebuild,
-                            self._driver.config.mixed_precision)
+                            self._driver.config.mixed_precision, self._driver.offloaded_to)
         buffer_bytes = sum(b.numel() * b.element_size()
                            for b in self._skeleton.buffers())
         compiled = self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],

@@ -89,9 +89,10 @@ class _GraphStep(TracedStep):
     gm: fx.GraphModule
 
     def __init__(self, gm: fx.GraphModule, plan: ShardPlan, shards: dict[int, nn.Parameter],
-                 param_inputs: dict[int, str], n_inputs: int):
+                 param_inputs: dict[int, str], n_inputs: int, device: torch.device | None = None):
         super().__init__()
         object.__setattr__(self, "gm", gm)  # not a submodule: nothing of it is lifted
+        self.device = device  # where compute runs, when the shards live elsewhere (offload)
         self.plan = plan
         self.groups = sorted(shards)
         for g in self.groups:
@@ -103,7 +104,7 @@ class _GraphStep(TracedStep):
         object.__setattr__(self, "skeleton", gm)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        views = parameter_views(self.plan, {g: getattr(self, f"shard{g}") for g in self.groups})
+        views = parameter_views(self.plan, {g: getattr(self, f"shard{g}") for g in self.groups}, self.device)
         it = iter(inputs)
         args = [views[self.param_inputs[i]] if i in self.param_inputs else next(it)
                 for i in range(self.n_inputs)]
@@ -197,7 +198,7 @@ class FxShardBackend:
         param_inputs = {i: sharding.slots[id(x)][1] for i, x in params}
         groups = sorted({sharding.slots[id(x)][0] for _, x in params})
         step = _GraphStep(gm, driver.plan, {g: driver.shards[g] for g in groups}, param_inputs,
-                          len(example_inputs))
+                          len(example_inputs), driver.offloaded_to)
         user_inputs = [x for i, x in enumerate(example_inputs) if i not in param_inputs]
         graph = _CompiledGraph(driver, step, set(param_inputs),
                                f"the graph Dynamo captured ({len(gm.graph.nodes)} nodes)")

@@ -119,8 +119,10 @@ class PassContext:
         return "dtype"
 
     def placement(self, group: int) -> str:
-        """Where the group's shard lives: "device", where it computes."""
-        return "device"
+        """Where the group's shard lives: "device", where it computes; "cpu", on the host
+        (``offload_policy=CPUOffloadPolicy()``), its gradient reduced on the device and
+        copied back, the optimizer stepping there."""
+        return "cpu" if self.options.offloads(self.unit_of(group)) else "device"
 
     def keeps_buffer(self, group: int) -> bool:
         """In the joint graph: does backward read this group's forward buffer (not resharded,

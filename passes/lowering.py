@@ -34,18 +34,23 @@ reduce     replicated        terms       device     ``all_gather_sum``: NO_SHARD
                                                     over the shard group (then the replicas)
 =========  ================  ==========  =========  ==========================================
 
+Every row has a twin with placement "cpu" (``offload_policy``): a gather's
+lowering wrapped in ``<name>_from_host`` (the shard copied to the device first),
+a reduction's in ``<name>_to_host`` (the shard's gradient copied to the host
+last); hpZ's backward gather reads a piece kept on the device and is unchanged.
+
 ``wire`` is how the bytes travel (a gather's "dtype": the compute dtype, a plain
 cast when it differs from the shard's; a reduction's "dtype", summed by the
 collective, or "terms", summed in rank order where they land) and ``placement`` where the shard lives
-("device": where it computes). A new wire format or placement is one more row
-and the option that selects it; docs/architecture.md names the two planned
-(fp8 all-gather, CPU offload).
+("device": where it computes; "cpu": the host). A new wire format or placement
+is one more row and the option that selects it; docs/architecture.md shows CPU
+offload's and names the fp8 all-gather's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,7 +58,7 @@ import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.chains import next_chain_id
+from fxshard.ir.chains import next_chain_id, tag_of
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.meta import ChainTag, Direction, Role
 from fxshard.ir.nodes import call
@@ -101,25 +106,25 @@ class ChainBuilder:
         return node
 
     def add(self, target: Any, args: tuple[Any, ...], role: Role, *, before: fx.Node | None = None,
-            after: fx.Node | None = None) -> fx.Node:
+            after: fx.Node | None = None, op_kwargs: dict[str, Any] | None = None) -> fx.Node:
         where = self.gm.graph.inserting_after(after) if after is not None \
             else self.gm.graph.inserting_before(before or self.at)
         with where:
-            node = call(self.gm.graph, target, args)
+            node = call(self.gm.graph, target, args, op_kwargs)
         node.meta.update({k: v for k, v in self.like.meta.items() if k not in (meta.KEY, "val")})
         return self.tag_node(node, role)
 
-    def cast(self, value: fx.Node, dtype: torch.dtype | None, role: Role = Role.CAST,
-             **where: fx.Node) -> fx.Node:
+    def cast(self, value: fx.Node, dtype: torch.dtype | None, role: Role = Role.CAST, *,
+             before: fx.Node | None = None, after: fx.Node | None = None) -> fx.Node:
         """``value`` converted to ``dtype``; ``value`` itself when it has it or ``dtype`` is None."""
         if dtype is None or value.meta["val"].dtype == dtype:
             return value
-        return self.add(CONVERT, (value, dtype), role, **where)
+        return self.add(CONVERT, (value, dtype), role, before=before, after=after)
 
-    def collective(self, collective: Any, args: tuple[Any, ...], role: Role,
-                   **where: fx.Node) -> fx.Node:
+    def collective(self, collective: Any, args: tuple[Any, ...], role: Role, *,
+                   before: fx.Node | None = None, after: fx.Node | None = None) -> fx.Node:
         """``wait_tensor(collective(*args))``; returns the wait."""
-        issued = self.add(collective, args, role, **where)
+        issued = self.add(collective, args, role, before=before, after=after)
         return self.add(P.WAIT, (issued,), Role.WAIT, after=issued)
 
 
@@ -238,6 +243,51 @@ all_to_all_sum = _terms("all_to_all_sum")
 all_to_all_all_gather_sum = _terms("all_to_all_all_gather_sum")
 all_gather_sum = _terms("all_gather_sum")
 
+def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
+    """Make the chain the inner lowering made for ``result`` (if any) part of ``b``'s, and
+    ``result`` itself too when it is a node of the lowering's own (a cast out of no chain)."""
+    inner = tag_of(result)
+    for node in gm.graph.nodes:
+        info = meta.get_info(node)
+        if info is not None and inner is not None and info.chain == inner:
+            b.tag_node(node, info.role)
+    info = meta.get_info(result)
+    if inner is None and info is not None and info.role is Role.CAST:
+        b.tag_node(result, Role.CAST)
+
+
+def _from_host(inner: Lowering, name: str) -> Lowering:
+    """Offload (placement "cpu"): the shard is copied from the host to the device it
+    computes on, then ``inner`` gathers the copy; the copy is the chain's first node, so
+    prefetch moves it ahead with the gather."""
+    def lower(site: Site, ctx: PassContext) -> fx.Node:
+        m = site.marker
+        b = ChainBuilder(site, Direction.GATHER, name, ctx.unit_of(m.group))
+        device = m.device or site.value.meta["val"].device
+        copy = b.add(aten._to_copy.default, (site.value,), Role.TO_DEVICE,
+                     op_kwargs={"device": device, "non_blocking": True})
+        result = inner(replace(site, value=copy), ctx)
+        _joined(b, site.gm, result)
+        return result
+    lower.__name__ = name
+    return lower
+
+
+def _to_host(inner: Lowering, name: str) -> Lowering:
+    """Offload: ``inner`` reduces the gradient on the device, and the shard's gradient is
+    copied to the host, where the shard and the optimizer step are."""
+    def lower(site: Site, ctx: PassContext) -> fx.Node:
+        m = site.marker
+        result = inner(site, ctx)
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(m.group))  # a chain number after inner's
+        _joined(b, site.gm, result)
+        device = m.device or result.meta["val"].device
+        return b.add(aten._to_copy.default, (result,), Role.TO_HOST,
+                     op_kwargs={"device": device, "non_blocking": True})
+    lower.__name__ = name
+    return lower
+
+
 G, R = Direction.GATHER, Direction.REDUCE
 LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(G, "local"): keep_whole,
@@ -253,6 +303,17 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(R, "hybrid", wire="terms"): all_to_all_all_gather_sum,
     LoweringKey(R, "replicated", wire="terms"): all_gather_sum,
 }
+# Offload: every row again with the shard on the host. A gather copies the shard in first;
+# a reduction copies the shard's gradient out last. hpZ's backward gather reads the piece
+# forward kept on the device: the same lowering.
+for _key, _lowering in list(LOWERINGS.items()):
+    _host = replace(_key, placement="cpu")
+    if _key.topology == "partition":
+        LOWERINGS[_host] = _lowering
+    elif _key.direction is G:
+        LOWERINGS[_host] = _from_host(_lowering, f"{_lowering.__name__}_from_host")
+    else:
+        LOWERINGS[_host] = _to_host(_lowering, f"{_lowering.__name__}_to_host")
 
 
 def lowering_for(key: LoweringKey) -> Lowering:

@@ -52,7 +52,8 @@ def _flatten_chain(start: list[fx.Node], into: fx.Node, order: dict[fx.Node, int
 
 
 def schedule_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    found = reduce_chains(gm.graph)
+    # Chains that communicate (one offloaded rank's is a copy to the host alone: it stays put).
+    found = [c for c in reduce_chains(gm.graph) if c.collectives]
     if not found:
         return gm
     schedule = schedule_of(gm)

@@ -65,7 +65,8 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
                               checkpointing=checkpointing, grad_sync=grad_sync, accumulators=accumulators)
         graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
-                              num_fwd_outputs, accumulator_bytes=accumulator_bytes)
+                              num_fwd_outputs, accumulator_bytes=accumulator_bytes,
+                              host_groups=trial_config.options.offloaded_groups(plan.groups))
         prediction = _prediction(report, graphs, plan, unit_bytes)
         return replace(prediction, peak=_largest_over_ranks(world, prediction.peak))
 

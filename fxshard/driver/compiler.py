@@ -107,7 +107,8 @@ class Driver:
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
         self.budget_choice: BudgetChoice | None = None  # memory_budget: the planner's choice
         self.budget_inputs = ""  # the inputs of the step it was planned on
-        self.device = torch.device("cpu")
+        self.device = torch.device("cpu")  # where compute runs
+        self.shard_device = torch.device("cpu")  # where the shards live: the host under offload
         self.shards: list[nn.Parameter] = []
         self.steps: list[CompiledStep] = []  # every step compiled, in order
         self.cache = StepCache()  # the same steps, by the front end's key
@@ -159,18 +160,31 @@ class Driver:
         if self.runs:
             _check_compute_dtype(self.config, self.device)
             _check_cast_batch_norms(module, self.config, self.device)
+        offload = options.offload_policy
+        self.shard_device = torch.device("cpu") if offload is not None and self.device.type != "meta" \
+            else self.device
         if sync:
-            self.shards = broadcast_shards(module, self._plan, self.world, self.device)
+            self.shards = broadcast_shards(module, self._plan, self.world, self.shard_device)
         elif on_meta and self.runs and not allow_meta:
             self.shards = materialise_shards(module, self._plan, self.world, self.device,
-                                             self.config.param_init_fn)
+                                             self.config.param_init_fn, shard_device=self.shard_device)
         else:
             self.shards = make_shards(module, self._plan, self.world.rank,
-                                      torch.device("meta") if on_meta else self.device)
+                                      torch.device("meta") if on_meta else self.shard_device)
+        if offload is not None and offload.pin_memory and self.shard_device != self.device \
+                and self.device.type != "meta":  # page-locked: the copies overlap compute
+            self.shards = [nn.Parameter(s.detach().pin_memory(), requires_grad=s.requires_grad)
+                           for s in self.shards]
         check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
+
+    @property
+    def offloaded_to(self) -> torch.device | None:
+        """The device the shards compute on when they live elsewhere (offload): what the
+        traced markers carry. None: they compute where they are."""
+        return self.device if self.shard_device != self.device else None
 
     def strip(self, module: nn.Module, *, on_device: bool = False,
               use: str = "sharded.parameters()", by: str = "fxshard.compile") -> None:
@@ -297,7 +311,8 @@ class Driver:
                             step.num_user_outputs, agreement, broadcast,
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.state.accumulators.values())
-                            if step.grad_sync != REDUCE else 0)
+                            if step.grad_sync != REDUCE else 0,
+                            host_groups=self.config.options.offloaded_groups(self.plan.groups))
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
                          topology=self.world.topology())

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fxshard.driver.runtime import comm_device
 from fxshard.ir import compat
 
 
@@ -76,7 +77,9 @@ def _global_norms(tensors: list[torch.Tensor], norms: list[torch.Tensor], p: flo
             by_group.setdefault(group.group_name, []).append(i)
             groups[group.group_name] = group
     for name, indices in by_group.items():
-        local = torch.stack([norms[i] for i in indices]).to(torch.float32)
+        # Offloaded shards' norms are on the host: the reduction runs where the group
+        # communicates (nccl reduces device tensors only).
+        local = torch.stack([norms[i] for i in indices]).to(comm_device(groups[name]), torch.float32)
         if math.isinf(p):
             op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
             dist.all_reduce(local, op=op, group=groups[name])
@@ -89,7 +92,7 @@ def _global_norms(tensors: list[torch.Tensor], norms: list[torch.Tensor], p: flo
             dist.all_reduce(powers, group=groups[name])
             combined = powers.pow(1.0 / p)
         for k, i in enumerate(indices):
-            result[i] = combined[k].to(norms[i].dtype)
+            result[i] = combined[k].to(norms[i].device, norms[i].dtype)
     return result
 
 

@@ -139,8 +139,10 @@ def agree_on_rng(world: World, device: torch.device) -> None:
 
 
 def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device: torch.device,
-                       init_fn: InitFn | None) -> list[nn.Parameter]:
-    """This rank's flat shards of the meta-device ``module``, initialised module by module."""
+                       init_fn: InitFn | None, *, shard_device: torch.device | None = None,
+                       ) -> list[nn.Parameter]:
+    """This rank's flat shards of the meta-device ``module``, initialised module by module on
+    ``device``; the shards are kept on ``shard_device`` (the host, under offload)."""
     _check_initialisable(module, init_fn)
     agree_on_rng(world, device)
     where = {}
@@ -148,7 +150,7 @@ def materialise_shards(module: nn.Module, plan: ShardPlan, world: World, device:
         for slot in group.params:
             for name in slot.names:
                 where[name] = (group, slot)
-    shards = [torch.zeros(g.shard_numel, dtype=g.dtype, device=device) for g in plan.groups]
+    shards = [torch.zeros(g.shard_numel, dtype=g.dtype, device=shard_device or device) for g in plan.groups]
     written: set[int] = set()  # flat-group slots already copied (a tied parameter: its first init)
     # Writes an ancestor's init made to a tensor still on the meta device, by its qualified
     # name, with the meta tensor they were made to: replayed after the tensor's own init.

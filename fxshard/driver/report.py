@@ -51,6 +51,9 @@ class Report:
     # no_sync: the unsharded gradient sums (one full gradient per flat group) that
     # a step inside no_sync, or the first after, keeps; counted in the peak.
     accumulator_bytes: int = 0
+    # Offload: the parameter and gradient shards on the host, not in the device peak (the
+    # optimizer's state follows them there: Adam's is twice the parameter shards in fp32).
+    host_bytes: int = 0
     # Predicted live bytes after each node of the forward, then the backward graph.
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
@@ -80,6 +83,9 @@ class Report:
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
             f"  buffers, inputs     {(self.buffer_bytes + self.input_bytes) / mib:10.3f} MiB",
+            *([f"  on the host         {self.host_bytes / mib:10.3f} MiB  (offloaded parameter and "
+               "gradient shards, not in the peak; the optimizer state follows them)"]
+              if self.host_bytes else []),
             "  communication per step (bytes each rank sends):",
         ]
         for kind, value in self.comm_bytes_per_step.items():
@@ -135,10 +141,15 @@ def build_report(
     agreement_bytes: int = 0,
     broadcast_bytes: int = 0,
     accumulator_bytes: int = 0,
+    host_groups: frozenset[int] = frozenset(),
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
-    base = shard_bytes + buffer_bytes + input_bytes + accumulator_bytes
+    # Offload: these groups' shards and gradient shards live on the host; the graphs copy
+    # them in and out (the copies to the host count nothing on the device: fxshard.ir.memory).
+    host = [s for g, s in enumerate(shards) if g in host_groups]
+    host_bytes = _tensor_bytes(host) + _tensor_bytes([s for s in host if s.requires_grad])
+    base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
@@ -197,5 +208,5 @@ def build_report(
         ))
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
                   input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
-                  bytes_per_dimension(sequence), accumulator_bytes=accumulator_bytes,
+                  bytes_per_dimension(sequence), accumulator_bytes=accumulator_bytes, host_bytes=host_bytes,
                   memory_curve=curves, at_peak=at_peak)

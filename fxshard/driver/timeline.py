@@ -33,7 +33,7 @@ def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, i
         for collective, wait in zip(chain.collectives, chain.waits):
             comms.append((kind, chain.unit, order[collective], order[wait]))
         if chain.gathers:
-            start = order[chain.waits[0]]
+            start = order[(chain.waits or (chain.result,))[0]]  # one offloaded rank: the copy
             uses = [order[u] for v in aliases(chain.result) for u in v.users if not P.is_free(u)]
             windows.append((chain.unit, start, max(uses, default=start)))
     compute = [order[n] for n in gm.graph.nodes

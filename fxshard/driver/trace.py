@@ -128,17 +128,20 @@ class _ModuleScopes:
             h.remove()
 
 
-def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor],
+                    device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Each parameter (under every name) as a view of its group's unsharded flat buffer.
 
     ``shards`` maps flat-group indices to the shard tensors to unshard; each
     enters through its marker, so this is where parameters enter a trace.
+    ``device``: where the buffers compute, when the shards live elsewhere (offload).
     """
     views: dict[str, torch.Tensor] = {}
     for index, shard in shards.items():
         group = plan.groups[index]
         marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
-        full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype)
+        full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype,
+                      device if device is not None and device != shard.device else None)
         spans = group.spans()  # the padding's pieces are split off and never read
         for (slot, _), piece in zip(spans, torch.split(full, [n for _, n in spans])):
             if slot is None:
@@ -226,8 +229,10 @@ class StepFunction(TracedStep):
         buffers: dict[str, torch.Tensor],
         rebuild_inputs: Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]],
         precision: MixedPrecision | None = None,
+        device: torch.device | None = None,
     ):
         super().__init__()
+        self.device = device  # where compute runs, when the shards live elsewhere (offload)
         # A plain attribute, not a submodule: its (meta) parameters must not be lifted.
         object.__setattr__(self, "skeleton", skeleton)
         self.plan = plan
@@ -244,7 +249,7 @@ class StepFunction(TracedStep):
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tensors = parameter_views(
-            self.plan, {g.index: getattr(self, f"shard{g.index}") for g in self.plan.groups}
+            self.plan, {g.index: getattr(self, f"shard{g.index}") for g in self.plan.groups}, self.device
         )
         for i, name in enumerate(self.buffer_names):
             tensors[name] = getattr(self, f"buffer{i}")

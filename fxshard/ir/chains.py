@@ -66,8 +66,10 @@ class Chain:
 
     @property
     def gathers(self) -> bool:
-        """Parameters come in and are gathered here (not a buffer kept from forward)."""
-        return self.direction is Direction.GATHER and bool(self.collectives)
+        """Parameters come in and are gathered (or, offloaded on one rank, copied from the
+        host) here, into a buffer of the chain's own: not a buffer kept from forward."""
+        return self.direction is Direction.GATHER and (
+            bool(self.collectives) or any(meta.role_of(n) is Role.TO_DEVICE for n in self.issue))
 
     @property
     def group_names(self) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.ir import compat
+from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 
 
@@ -65,7 +65,8 @@ def storage_owners(
                 pass  # multi-output: each getitem owns its storage
             else:
                 storage[node] = node
-                size[node] = storage_nbytes(node.meta.get("val"))
+                # Offload: a gradient copied to the host takes no device memory.
+                size[node] = 0 if meta.role_of(node) is meta.Role.TO_HOST else storage_nbytes(node.meta.get("val"))
     return storage, size
 
 

@@ -16,6 +16,11 @@ dtype, reduce_dtype)`` is the full buffer in ``dtype``, and its gradient
 ``reduce_grad(grad, g, N, reduce_dtype, out_dtype)`` is reduced in
 ``reduce_dtype`` and returned in ``out_dtype`` (the shard's). None: no cast.
 
+With offload the shard lives on the host and computes on a device: ``unshard``
+and ``replicate`` then carry the ``device`` the full buffer is on, and their
+gradient markers the ``out_device`` the shard's gradient goes back to. None:
+the input's device.
+
 ``free`` releases a gathered buffer's storage. It is declared as mutating its
 argument, so ``fx`` treats it as impure and dead-code elimination keeps it.
 """
@@ -30,7 +35,7 @@ from torch import Tensor
 
 @torch.library.custom_op("fxshard::unshard", mutates_args=())
 def unshard(shard: Tensor, group: int, world_size: int, dtype: torch.dtype | None = None,
-            reduce_dtype: torch.dtype | None = None) -> Tensor:
+            reduce_dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
     raise RuntimeError(
         "fxshard::unshard is a trace-time marker and must be lowered by "
         "insert_all_gather_pass before the graph runs"
@@ -39,13 +44,14 @@ def unshard(shard: Tensor, group: int, world_size: int, dtype: torch.dtype | Non
 
 @unshard.register_fake
 def _unshard_fake(shard: Tensor, group: int, world_size: int, dtype: torch.dtype | None = None,
-                  reduce_dtype: torch.dtype | None = None) -> Tensor:
-    return shard.new_empty(shard.numel() * world_size, dtype=dtype or shard.dtype)
+                  reduce_dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+    return shard.new_empty(shard.numel() * world_size, dtype=dtype or shard.dtype,
+                           device=device or shard.device)
 
 
 @torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
 def reduce_grad(grad: Tensor, group: int, world_size: int, reduce_dtype: torch.dtype | None = None,
-                out_dtype: torch.dtype | None = None) -> Tensor:
+                out_dtype: torch.dtype | None = None, out_device: torch.device | None = None) -> Tensor:
     raise RuntimeError(
         "fxshard::reduce_grad is a trace-time marker and must be lowered by "
         "insert_reduce_scatter_pass before the graph runs"
@@ -54,21 +60,25 @@ def reduce_grad(grad: Tensor, group: int, world_size: int, reduce_dtype: torch.d
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad: Tensor, group: int, world_size: int, reduce_dtype: torch.dtype | None = None,
-                      out_dtype: torch.dtype | None = None) -> Tensor:
-    return grad.new_empty(grad.numel() // world_size, dtype=out_dtype or reduce_dtype or grad.dtype)
+                      out_dtype: torch.dtype | None = None, out_device: torch.device | None = None) -> Tensor:
+    return grad.new_empty(grad.numel() // world_size, dtype=out_dtype or reduce_dtype or grad.dtype,
+                          device=out_device or grad.device)
 
 
 def _unshard_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     ctx.group, ctx.world_size = inputs[1], inputs[2]
     ctx.reduce_dtype = inputs[4] if len(inputs) > 4 else None
     ctx.shard_dtype = inputs[0].dtype
+    # Offload: the full buffer on another device than the shard; its gradient goes back.
+    ctx.out_device = inputs[0].device if len(inputs) > 5 and inputs[5] is not None else None
 
 
 def _unshard_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     # The gradient of the shard is in the shard's dtype, reduced in reduce_dtype.
     out = ctx.shard_dtype if ctx.shard_dtype != (ctx.reduce_dtype or grad.dtype) else None
-    return (torch.ops.fxshard.reduce_grad(grad, ctx.group, ctx.world_size, ctx.reduce_dtype, out),
-            None, None, None, None)
+    return (torch.ops.fxshard.reduce_grad(grad, ctx.group, ctx.world_size, ctx.reduce_dtype, out,
+                                          ctx.out_device),
+            None, None, None, None, None)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
@@ -76,7 +86,7 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 @torch.library.custom_op("fxshard::replicate", mutates_args=())
 def replicate(param: Tensor, group: int, world_size: int, dtype: torch.dtype | None = None,
-              reduce_dtype: torch.dtype | None = None) -> Tensor:
+              reduce_dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
     raise RuntimeError(
         "fxshard::replicate is a trace-time marker and must be lowered by "
         "insert_all_gather_pass before the graph runs"
@@ -85,13 +95,13 @@ def replicate(param: Tensor, group: int, world_size: int, dtype: torch.dtype | N
 
 @replicate.register_fake
 def _replicate_fake(param: Tensor, group: int, world_size: int, dtype: torch.dtype | None = None,
-                    reduce_dtype: torch.dtype | None = None) -> Tensor:
-    return torch.empty_like(param, dtype=dtype or param.dtype)
+                    reduce_dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+    return torch.empty_like(param, dtype=dtype or param.dtype, device=device or param.device)
 
 
 @torch.library.custom_op("fxshard::allreduce_grad", mutates_args=())
 def allreduce_grad(grad: Tensor, group: int, world_size: int, reduce_dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None) -> Tensor:
+                   out_dtype: torch.dtype | None = None, out_device: torch.device | None = None) -> Tensor:
     raise RuntimeError(
         "fxshard::allreduce_grad is a trace-time marker and must be lowered by "
         "insert_reduce_scatter_pass before the graph runs"
@@ -100,14 +110,15 @@ def allreduce_grad(grad: Tensor, group: int, world_size: int, reduce_dtype: torc
 
 @allreduce_grad.register_fake
 def _allreduce_grad_fake(grad: Tensor, group: int, world_size: int, reduce_dtype: torch.dtype | None = None,
-                         out_dtype: torch.dtype | None = None) -> Tensor:
-    return torch.empty_like(grad, dtype=out_dtype or reduce_dtype or grad.dtype)
+                         out_dtype: torch.dtype | None = None, out_device: torch.device | None = None) -> Tensor:
+    return torch.empty_like(grad, dtype=out_dtype or reduce_dtype or grad.dtype, device=out_device or grad.device)
 
 
 def _replicate_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     out = ctx.shard_dtype if ctx.shard_dtype != (ctx.reduce_dtype or grad.dtype) else None
-    return (torch.ops.fxshard.allreduce_grad(grad, ctx.group, ctx.world_size, ctx.reduce_dtype, out),
-            None, None, None, None)
+    return (torch.ops.fxshard.allreduce_grad(grad, ctx.group, ctx.world_size, ctx.reduce_dtype, out,
+                                             ctx.out_device),
+            None, None, None, None, None)
 
 
 replicate.register_autograd(_replicate_backward, setup_context=_unshard_setup)

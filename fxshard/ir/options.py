@@ -22,6 +22,25 @@ REMOVED = {
 
 
 @dataclass(frozen=True)
+class CPUOffloadPolicy:
+    """FSDP2's ``CPUOffloadPolicy``: every flat shard, its gradient and so the optimizer
+    state and step live on the host. Each gather copies the shard to the device first
+    (scheduled ahead with the gather), each reduction copies the shard's gradient back.
+    ``pin_memory``: the host shards are pinned (page-locked) where the device is an
+    accelerator, so the copies overlap compute."""
+
+    pin_memory: bool = True
+
+
+# FSDP1's spelling, and what to write instead.
+_FSDP1_OFFLOAD = (
+    "fxshard takes FSDP2's spelling of CPU offload: replace "
+    "cpu_offload=CPUOffload(offload_params=True) with "
+    "offload_policy=fxshard.CPUOffloadPolicy() (pin_memory=True by default, as FSDP2's)"
+)
+
+
+@dataclass(frozen=True)
 class ShardingOptions:
     # ZeRO-3 (True): gathered parameters are freed after forward and gathered
     # again in backward. ZeRO-2 (False): kept from forward to backward. An int
@@ -60,6 +79,9 @@ class ShardingOptions:
     # HSDP, NO_SHARD and hpZ of one job size then give the same bits, and the same
     # as DDP with a comm hook that sums in rank order (docs/launching.md).
     reduce_in_rank_order: bool = False
+    # FSDP2's offload_policy: CPUOffloadPolicy() keeps the shards, their gradients and
+    # the optimizer step on the host (docs/memory.md). None: on the device.
+    offload_policy: CPUOffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         hpz = self.reshard_after_forward
@@ -69,6 +91,16 @@ class ShardingOptions:
                 "gathered parameters for backward) or a number of ranks h >= 1 dividing the shard "
                 f"group's size (keep them sharded over groups of h ranks: hpZ), got {hpz!r}"
             )
+        policy = self.offload_policy
+        if policy is not None and not isinstance(policy, CPUOffloadPolicy):
+            if type(policy).__name__ == "CPUOffloadPolicy":  # torch.distributed.fsdp's
+                object.__setattr__(self, "offload_policy",
+                                   CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True))))
+            elif type(policy).__name__ == "OffloadPolicy":  # FSDP2's base class: no offload
+                object.__setattr__(self, "offload_policy", None)
+            else:
+                raise TypeError(f"offload_policy takes fxshard.CPUOffloadPolicy() (or FSDP2's), got "
+                                f"{policy!r}")
         if self.reshard_units is not None:
             if isinstance(self.reshard_units, str) or not all(isinstance(u, str) for u in self.reshard_units):
                 raise TypeError("reshard_units takes unit names, e.g. {'blocks.0', ''} ('' is the root), "
@@ -91,10 +123,20 @@ class ShardingOptions:
         for name, why in REMOVED.items():
             if name in kwargs:
                 raise TypeError(f"fxshard option {name!r} was removed: {why}")
+        if "cpu_offload" in kwargs:
+            raise TypeError(_FSDP1_OFFLOAD)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown fxshard option(s) {unknown}; options are {sorted(known)}")
         return cls(**kwargs)
+
+    def offloads(self, unit: str) -> bool:
+        """Does ``unit``'s shard live on the host (``offload_policy``)?"""
+        return self.offload_policy is not None
+
+    def offloaded_groups(self, groups: Any) -> frozenset[int]:
+        """The indices of the flat groups (``ShardPlan.groups``) whose shards live on the host."""
+        return frozenset(g.index for g in groups if self.offloads(g.unit))
 
     def prefetch_mode(self, graph: str) -> BackwardPrefetch:
         """How gathers of ``graph`` ("forward", "inference", "backward") are prefetched;
@@ -105,6 +147,16 @@ class ShardingOptions:
 
     def reshards(self, unit: str) -> bool:
         """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
+        policy = self.offload_policy
+        if policy is not None and not isinstance(policy, CPUOffloadPolicy):
+            if type(policy).__name__ == "CPUOffloadPolicy":  # torch.distributed.fsdp's
+                object.__setattr__(self, "offload_policy",
+                                   CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True))))
+            elif type(policy).__name__ == "OffloadPolicy":  # FSDP2's base class: no offload
+                object.__setattr__(self, "offload_policy", None)
+            else:
+                raise TypeError(f"offload_policy takes fxshard.CPUOffloadPolicy() (or FSDP2's), got "
+                                f"{policy!r}")
         if self.reshard_units is not None:
             return unit in self.reshard_units
         if unit == "":

@@ -98,6 +98,14 @@ class Marker:
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     out_dtype: torch.dtype | None = None
+    # Offload: the device the full buffer computes on (parameter markers), and the one the
+    # shard's gradient goes back to (gradient markers). None: the value's own device.
+    device: torch.device | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        """Does the shard live on another device than it computes on (as traced)?"""
+        return self.device is not None
 
 
 def marker(node: fx.Node) -> Marker | None:
@@ -105,15 +113,18 @@ def marker(node: fx.Node) -> Marker | None:
     kind = _MARKERS.get(node.target) if is_call(node) else None  # type: ignore[call-overload]
     if kind is None:
         return None
-    args: list[Any] = list(node.args) + [None] * (5 - len(node.args))
-    value, group, world_size, first, second = args[:5]
-    if (len(node.args) > 5 or not isinstance(value, fx.Node) or not isinstance(group, int)
+    args: list[Any] = list(node.args) + [None] * (6 - len(node.args))
+    value, group, world_size, first, second, device = args[:6]
+    if (len(node.args) > 6 or not isinstance(value, fx.Node) or not isinstance(group, int)
             or not isinstance(world_size, int)
-            or not all(d is None or isinstance(d, torch.dtype) for d in (first, second))):
+            or not all(d is None or isinstance(d, torch.dtype) for d in (first, second))
+            or not (device is None or isinstance(device, torch.device))):
         raise GraphInvariantError(f"{node.name}: malformed fxshard.{kind.value} marker {node.args}")
     if kind.is_gradient:
-        return Marker(kind, node, value, group, world_size, reduce_dtype=first, out_dtype=second)
-    return Marker(kind, node, value, group, world_size, compute_dtype=first, reduce_dtype=second)
+        return Marker(kind, node, value, group, world_size, reduce_dtype=first, out_dtype=second,
+                      device=device)
+    return Marker(kind, node, value, group, world_size, compute_dtype=first, reduce_dtype=second,
+                  device=device)
 
 
 def is_all_gather(node: fx.Node) -> bool:

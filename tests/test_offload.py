@@ -1,0 +1,150 @@
+"""offload_policy=fxshard.CPUOffloadPolicy() (FSDP2's): shards, their gradients and the optimizer
+step on the host; each gather copies the shard to the device first, each reduction copies the
+shard's gradient back.
+
+The copies' chains on a fake process group of 4 ranks and on one rank; the report's host bytes
+and device peak; training on 2 gloo ranks against DDP. On CPU compute the host is the device:
+offload trains exactly as without it, copies included (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxshard
+from fxshard.ir import meta
+from fxshard.ir.chains import chains
+from fxshard.ir.meta import Direction, Role
+from fxshard.policies import by_class
+
+from dist_utils import run_ranks
+from graph_utils import fake_world
+from models import MLP, Block, TinyGPT
+
+
+def _compiled(**options: Any) -> Any:
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), verify_passes=True, **options)
+    F.mse_loss(sharded(torch.randn(2, 12)), torch.randn(2, 5)).backward()
+    return sharded
+
+
+def _roles(sharded: Any, graph: str) -> list[tuple[str, list[str]]]:
+    return [(c.lowering, [meta.role_of(n).value for n in c.nodes])  # type: ignore[union-attr]
+            for c in chains(sharded.graphs[graph].graph)]
+
+
+def test_each_gather_copies_the_shard_in_first_and_each_reduction_copies_the_gradient_out() -> None:
+    offload = fxshard.CPUOffloadPolicy()
+    with fake_world(4):
+        sharded = _compiled(offload_policy=offload)
+        gather = ("all_gather_from_host", ["to_device", "all_gather", "wait", "free"])
+        assert _roles(sharded, "forward") == [gather] * 3
+        reduce = ("reduce_scatter_to_host", ["scale", "reduce_scatter", "wait", "to_host"])
+        assert _roles(sharded, "backward") == [gather] * 2 + [reduce] * 3
+        for graph in ("forward", "backward"):
+            for chain in chains(sharded.graphs[graph].graph):
+                if chain.direction is Direction.GATHER:
+                    copy_in = chain.issue[0]  # issued with its gather: prefetch moves both
+                    assert meta.role_of(copy_in) is Role.TO_DEVICE and copy_in.args[0].op == "placeholder"
+                    assert list(copy_in.users) == [chain.collectives[0]]
+                    assert copy_in.kwargs["non_blocking"] is True
+                else:
+                    assert meta.role_of(chain.result) is Role.TO_HOST and chain.result.args[0] is chain.waits[-1]
+        # Without offload: the same chains, no copies.
+        plain = _compiled()
+        assert [(lowering.removesuffix("_from_host").removesuffix("_to_host"),
+                 [r for r in roles if r not in ("to_device", "to_host")])
+                for lowering, roles in _roles(sharded, "backward")] == _roles(plain, "backward")
+        # The report: the shards and their gradients on the host, out of the device's peak.
+        report, before = sharded.report(), plain.report()
+        assert report.host_bytes == report.shard_bytes + report.grad_shard_bytes > 0
+        assert before.host_bytes == 0 and "on the host" in str(report)
+        assert report.predicted_peak_bytes < before.predicted_peak_bytes
+    # One rank: nothing to gather; the copies alone, freed after use like a gathered buffer.
+    one = _compiled(offload_policy=offload)
+    assert _roles(one, "forward") == [("keep_whole_from_host", ["to_device", "free"])] * 3
+    assert _roles(one, "backward")[-3:] == [("keep_local_to_host", ["to_host"])] * 3
+
+
+def test_explain_offload_lowers_the_device_peak_by_the_shards_and_gradients() -> None:
+    """A transformer at world size 8 in bf16, as explain plans it: the parameter and gradient
+    shards go to the host, and the device peak drops by at least the parameter shards. (The
+    peak is in backward, before most gradients exist: the gradient shards leave the device's
+    curve, but the peak only by those already made there.)"""
+    def explained(**options: Any) -> Any:
+        torch.manual_seed(0)
+        return fxshard.explain(TinyGPT(vocab=512, dim=256, heads=4, layers=4, seq=64), torch.randint(0, 512, (2, 64)),
+                               by_class(Block), world_size=8,
+                               mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+                               **options).report
+    on_device, offloaded = explained(), explained(offload_policy=fxshard.CPUOffloadPolicy())
+    shards = on_device.shard_bytes + on_device.grad_shard_bytes
+    assert offloaded.host_bytes == shards
+    assert on_device.predicted_peak_bytes - offloaded.predicted_peak_bytes >= on_device.shard_bytes
+
+
+def test_fsdp1s_cpu_offload_is_refused_with_the_one_line_change_and_fsdp2s_policy_is_taken() -> None:
+    with pytest.raises(TypeError, match=r"replace cpu_offload=CPUOffload\(offload_params=True\) with "
+                                        r"offload_policy=fxshard.CPUOffloadPolicy\(\)"):
+        fxshard.compile(MLP(), cpu_offload=True)
+    with pytest.raises(TypeError, match="offload_policy takes fxshard.CPUOffloadPolicy"):
+        fxshard.ShardingOptions(offload_policy="cpu")  # type: ignore[arg-type]
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    assert fxshard.ShardingOptions(offload_policy=CPUOffloadPolicy(pin_memory=False)).offload_policy == \
+        fxshard.CPUOffloadPolicy(pin_memory=False)
+    assert fxshard.ShardingOptions(offload_policy=OffloadPolicy()).offload_policy is None
+
+
+def offload_worker(rank: int, world_size: int, front_end: str) -> dict[str, Any]:
+    """AdamW with clipping, through ``front_end`` with offload, and DDP beside it."""
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(copy.deepcopy(model))
+    options: dict[str, Any] = {"policy": by_class(nn.Linear), "offload_policy": fxshard.CPUOffloadPolicy()}
+    if front_end == "compile":
+        sharded = fxshard.compile(model, **options)
+        params = list(sharded.parameters())
+    else:
+        sharded = torch.compile(model, backend=fxshard.backend(**options), dynamic=False)
+        params = list(fxshard.parameters(sharded))
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + rank)
+    out: dict[str, Any] = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
+    for _ in range(3):
+        x, y = torch.randn(6, 12, generator=gen), torch.randn(6, 5, generator=gen)
+        for module, optimizer, tag in ((sharded, opt, ""), (ddp, ref_opt, "ref_")):
+            loss = F.mse_loss(module(x), y)
+            loss.backward()
+            out[f"{tag}losses"].append(loss.item())
+            # torch's own clipping: over the shards, fxshard makes each norm the global one.
+            norm = torch.nn.utils.clip_grad_norm_(params if module is sharded else ddp.parameters(), 0.5)
+            out[f"{tag}norms"].append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad()
+    out["devices"] = sorted({str(p.device) for p in params} | {str(s.device) for p in params
+                                                                 for s in opt.state[p].values()
+                                                                 if isinstance(s, torch.Tensor)})
+    out["state"] = fxshard.get_model_state_dict(sharded, options=torch.distributed.checkpoint.state_dict
+                                                .StateDictOptions(full_state_dict=True))
+    out["ref_state"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("front_end", ["compile", "backend"])
+def test_offload_trains_exactly_like_ddp_with_clipping_and_adamw(front_end: str) -> None:
+    for r in run_ranks(offload_worker, 2, front_end):
+        assert r["losses"] == r["ref_losses"]
+        assert r["norms"] == r["ref_norms"]
+        assert r["devices"] == ["cpu"]  # the shards and the optimizer state: the host
+        for name, value in r["ref_state"].items():
+            assert torch.equal(r["state"][name], value), name
