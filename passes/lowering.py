@@ -41,8 +41,9 @@ last); hpZ's backward gather reads a piece kept on the device and is unchanged.
 
 ``wire`` is how the bytes travel (a gather's "dtype": the compute dtype, a plain
 cast when it differs from the shard's; a reduction's "dtype", summed by the
-collective, or "terms", summed in rank order where they land) and ``placement`` where the shard lives
-("device": where it computes; "cpu": the host). A new wire format or placement
+collective, or "terms", summed in rank order where they land) and
+``placement`` where the shard lives ("device": where it computes; "cpu": the
+host). A new wire format or placement
 is one more row and the option that selects it; docs/architecture.md shows CPU
 offload's and names the fp8 all-gather's.
 """
@@ -242,6 +243,7 @@ all_reduce = _reduction("all_reduce", "all_reduce")
 all_to_all_sum = _terms("all_to_all_sum")
 all_to_all_all_gather_sum = _terms("all_to_all_all_gather_sum")
 all_gather_sum = _terms("all_gather_sum")
+
 
 def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
     """Make the chain the inner lowering made for ``result`` (if any) part of ``b``'s, and
