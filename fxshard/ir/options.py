@@ -147,16 +147,6 @@ class ShardingOptions:
 
     def reshards(self, unit: str) -> bool:
         """Is ``unit``'s gathered buffer freed after forward (and gathered again in backward)?"""
-        policy = self.offload_policy
-        if policy is not None and not isinstance(policy, CPUOffloadPolicy):
-            if type(policy).__name__ == "CPUOffloadPolicy":  # torch.distributed.fsdp's
-                object.__setattr__(self, "offload_policy",
-                                   CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True))))
-            elif type(policy).__name__ == "OffloadPolicy":  # FSDP2's base class: no offload
-                object.__setattr__(self, "offload_policy", None)
-            else:
-                raise TypeError(f"offload_policy takes fxshard.CPUOffloadPolicy() (or FSDP2's), got "
-                                f"{policy!r}")
         if self.reshard_units is not None:
             return unit in self.reshard_units
         if unit == "":
