@@ -134,14 +134,14 @@ def parameter_views(plan: ShardPlan, shards: dict[int, torch.Tensor],
 
     ``shards`` maps flat-group indices to the shard tensors to unshard; each
     enters through its marker, so this is where parameters enter a trace.
-    ``device``: where the buffers compute, when the shards live elsewhere (offload).
+    ``device``: where the buffers compute, when the shards live elsewhere (offload;
+    ``Driver.offloaded_to``); None: where the shards are.
     """
     views: dict[str, torch.Tensor] = {}
     for index, shard in shards.items():
         group = plan.groups[index]
         marker = torch.ops.fxshard.replicate if group.replicated else torch.ops.fxshard.unshard
-        full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype,
-                      device if device is not None and device != shard.device else None)
+        full = marker(shard, group.index, group.world_size, group.param_dtype, group.reduce_dtype, device)
         spans = group.spans()  # the padding's pieces are split off and never read
         for (slot, _), piece in zip(spans, torch.split(full, [n for _, n in spans])):
             if slot is None:
