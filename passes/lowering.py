@@ -265,7 +265,7 @@ def _from_host(inner: Lowering, name: str) -> Lowering:
     def lower(site: Site, ctx: PassContext) -> fx.Node:
         m = site.marker
         b = ChainBuilder(site, Direction.GATHER, name, ctx.unit_of(m.group))
-        device = m.device or site.value.meta["val"].device
+        device = m.node.meta["val"].device  # the marker's buffer: where the unit computes
         copy = b.add(aten._to_copy.default, (site.value,), Role.TO_DEVICE,
                      op_kwargs={"device": device, "non_blocking": True})
         result = inner(replace(site, value=copy), ctx)
@@ -283,7 +283,7 @@ def _to_host(inner: Lowering, name: str) -> Lowering:
         result = inner(site, ctx)
         b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(m.group))  # a chain number after inner's
         _joined(b, site.gm, result)
-        device = m.device or result.meta["val"].device
+        device = torch.device(ctx.placement(m.group))  # "cpu": the host
         return b.add(aten._to_copy.default, (result,), Role.TO_HOST,
                      op_kwargs={"device": device, "non_blocking": True})
     lower.__name__ = name

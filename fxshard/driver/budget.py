@@ -21,7 +21,7 @@ import torch.fx as fx
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import World, comm_device
-from fxshard.ir import meta
+from fxshard.ir import compat, meta
 from fxshard.ir.budget import MIB, BudgetChoice, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig
@@ -34,6 +34,7 @@ PARAMS = "parameter shards, buffers and inputs"
 GATHERED = "gathered parameters"
 GRADS = "gradients"
 ACTIVATIONS = "activations and temporaries"
+STATE = "optimizer state"
 
 
 def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkpointing | None,
@@ -66,23 +67,41 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
         graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
-                              host_groups=trial_config.options.offloaded_groups(plan.groups))
-        prediction = _prediction(report, graphs, plan, unit_bytes)
-        return replace(prediction, peak=_largest_over_ranks(world, prediction.peak))
+                              host_groups=trial_config.options.offloaded_groups(plan.groups),
+                              optimizer=config.optimizer)
+        prediction = _prediction(report, graphs, plan, unit_bytes, config)
+        peak, step = _largest_over_ranks(world, [prediction.peak, prediction.step_peak])
+        return replace(prediction, peak=peak, step_peak=step)
 
     choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
                     list(regions.regions) if regions is not None else [],
-                    config.options.max_inflight_gathers, unit_bytes)
+                    config.options.max_inflight_gathers, unit_bytes, _offloadable(config, plan, shards))
     chosen_config, checkpointing = configured(choice.chosen)
     return choice, chosen_config, checkpointing
 
 
+def _offloadable(config: CompileConfig, plan: ShardPlan, shards: Sequence[torch.Tensor]) -> list[str]:
+    """The units offload may move to the host, the largest shards first (the fewest units,
+    so the fewest copies, for the bytes): all with offload_policy= and no offload_units=
+    of the user's; none otherwise."""
+    if config.options.offload_policy is None or config.options.offload_units is not None:
+        return []
+    nbytes = {u.name: sum(shards[g].numel() * shards[g].element_size() for g in u.groups) for u in plan.units}
+    return sorted(nbytes, key=lambda u: -nbytes[u])  # stable: ties in plan order
+
+
 def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPlan,
-                unit_bytes: dict[str, int]) -> Prediction:
+                unit_bytes: dict[str, int], config: CompileConfig) -> Prediction:
     """The peak, and what is alive there by kind (for the error of a budget that cannot be met)."""
     kind, _, _ = report.peak_phase.partition(":")
     nodes = {n.name: n for n in graphs[kind].graph.nodes} if kind in graphs else {}
-    parts = {PARAMS: report.shard_bytes + report.buffer_bytes + report.input_bytes, GATHERED: 0, GRADS: 0}
+    step = report.memory_curve.get("optimizer step", (0,))[0]
+    resident = report.shard_bytes - report.offloaded_shard_bytes + report.buffer_bytes + report.input_bytes
+    parts = {PARAMS: resident, GATHERED: 0, GRADS: 0}
+    if kind == "optimizer step":
+        parts[STATE] = report.optimizer_state_bytes
+        assert config.optimizer is not None and config.optimizer.states  # else never the peak
+        parts[GRADS] = report.optimizer_state_bytes // config.optimizer.states  # the device's shards'
     for name, nbytes in report.at_peak.items():
         info = meta.get_info(nodes[name]) if name in nodes else None
         role = info.role if info is not None else None
@@ -93,22 +112,32 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
             parts[GRADS] += nbytes
     parts[ACTIVATIONS] = max(0, report.predicted_peak_bytes - sum(parts.values()))
     largest = max(plan.units, key=lambda u: unit_bytes[u.name])
+    offload = ("only offload lowers it: pass offload_policy=fxshard.CPUOffloadPolicy() with the budget, "
+               "and the planner moves as few units' shards, gradients and optimizer state to the host "
+               "as fit" if config.options.offload_policy is None else
+               "every unit offload may move is on the host already")
     hints = {
-        PARAMS: "no schedule lowers it: shard over more ranks, or keep the parameters in a smaller dtype",
+        PARAMS: "no schedule lowers it: shard over more ranks, keep the parameters in a smaller dtype, "
+                "or " + offload.replace("only offload lowers it: ", ""),
+        STATE: f"the optimizer's state ({config.optimizer}): {offload}, or shard over more ranks",
         GATHERED: f"the largest unit, {largest.label}, gathers {unit_bytes[largest.name] / MIB:.3f} MiB "
                   "at once: a finer wrapping policy (smaller units) gathers less at a time",
-        GRADS: "gradients of every parameter until the optimizer step: shard over more ranks",
+        GRADS: "gradients of every parameter until the optimizer step: shard over more ranks, or "
+               + offload.replace("only offload lowers it: ", ""),
         ACTIVATIONS: "use a smaller batch or sequence, or recompute finer regions "
                      "(activation_checkpointing= a policy of smaller modules)",
     }
-    return Prediction(report.predicted_peak_bytes, report.peak_phase, parts, hints)
+    return Prediction(report.predicted_peak_bytes, report.peak_phase, parts, hints, step)
 
 
-def _largest_over_ranks(world: World, nbytes: int) -> int:
-    """The largest of the ranks' ``nbytes`` (a MAX all_reduce on fxshard's group)."""
+def _largest_over_ranks(world: World, nbytes: list[int]) -> list[int]:
+    """Each of ``nbytes``' largest over the ranks (a MAX all_reduce on fxshard's group)."""
     if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         return nbytes
     group = world.job_group
-    value = torch.tensor([nbytes], dtype=torch.int64, device=comm_device(group))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return int(value.item())
+    # Real tensors: the planner runs inside the trace's fake mode, where a collective over
+    # fake tensors communicates nothing.
+    with compat.fake_tensor.unset_fake_temporarily():
+        value = torch.tensor(nbytes, dtype=torch.int64, device=comm_device(group))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in value.tolist()]

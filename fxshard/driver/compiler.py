@@ -52,6 +52,7 @@ from fxshard.driver.runtime import (
 from fxshard.driver.steps import CompiledStep, StepCache
 from fxshard.driver.trace import TracedStep, trace_step
 from fxshard.ir import compat
+from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
@@ -144,10 +145,11 @@ class Driver:
                                mixed_precision=self.config.mixed_precision,
                                replicate_all=self.config.no_shard,
                                replicate=self.config.replicate)
-        unknown = sorted((options.reshard_units or frozenset()) - {u.name for u in self._plan.units})
-        if unknown:
-            raise FxShardError(f"reshard_units names no unit of the plan: {unknown}; the units are "
-                               f"{[u.name for u in self._plan.units]} ('' is the root)")
+        for name in ("reshard_units", "offload_units"):
+            unknown = sorted((getattr(options, name) or frozenset()) - {u.name for u in self._plan.units})
+            if unknown:
+                raise FxShardError(f"{name} names no unit of the plan: {unknown}; the units are "
+                                   f"{[u.name for u in self._plan.units]} ('' is the root)")
         self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(
@@ -171,14 +173,31 @@ class Driver:
         else:
             self.shards = make_shards(module, self._plan, self.world.rank,
                                       torch.device("meta") if on_meta else self.shard_device)
-        if offload is not None and offload.pin_memory and self.shard_device != self.device \
-                and self.device.type != "meta":  # page-locked: the copies overlap compute
-            self.shards = [nn.Parameter(s.detach().pin_memory(), requires_grad=s.requires_grad)
-                           for s in self.shards]
+        self.place_shards()
         check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         return self.shards
+
+    def place_shards(self) -> list[int]:
+        """Each shard where the options keep it: an offloaded unit's on the host (pinned where
+        the device is an accelerator: the copies then overlap compute), the others on the
+        device. A move keeps the ``nn.Parameter`` (an optimizer already built over the shards
+        stays valid). Returns the indices of the groups moved."""
+        if self.device.type == "meta" or self.shard_device == self.device:
+            return []
+        offload = self.config.options.offload_policy
+        host = self.config.options.offloaded_groups(self.plan.groups)
+        moved = []
+        for g, shard in zip(self.plan.groups, self.shards):
+            target = self.shard_device if g.index in host else self.device
+            pin = g.index in host and offload is not None and offload.pin_memory
+            if shard.device != target:
+                moved.append(g.index)
+                shard.data = shard.data.to(target)
+            if pin and not shard.is_pinned():
+                shard.data = shard.data.pin_memory()
+        return moved
 
     @property
     def offloaded_to(self) -> torch.device | None:
@@ -291,6 +310,13 @@ class Driver:
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, choice.table())
         self.budget_choice, self.config, self.checkpointing = choice, config, checkpointing
         self.budget_inputs = inputs  # what the budget was planned for
+        moved = set(self.place_shards())  # the units it offloads, and those it keeps on the device
+        for node in joint.graph.nodes:  # the trace's shards move with them
+            m = P.marker(node)
+            if m is not None and not m.kind.is_gradient and m.group in moved and m.value.op == "placeholder":
+                val = m.value.meta["val"]
+                with val.fake_mode:
+                    m.value.meta["val"] = val.to(self.shards[m.group].device)
         self.pipelines = build_pipelines(config)
         compiler.config, compiler.pipelines, compiler.checkpointing = config, self.pipelines, checkpointing
 
@@ -312,7 +338,8 @@ class Driver:
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.state.accumulators.values())
                             if step.grad_sync != REDUCE else 0,
-                            host_groups=self.config.options.offloaded_groups(self.plan.groups))
+                            host_groups=self.config.options.offloaded_groups(self.plan.groups),
+                            optimizer=self.config.optimizer)
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
                          topology=self.world.topology())

@@ -17,6 +17,7 @@ from fxshard.ir import compat, meta
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
 from fxshard.ir.memory import simulate
+from fxshard.ir.optimizer import OptimizerState
 from fxshard.ir.plan import ShardPlan
 
 
@@ -33,8 +34,10 @@ class UnitReport:
 class Report:
     world_size: int
     rank: int
-    predicted_peak_bytes: int  # one forward + backward, gradients cleared beforehand
-    peak_phase: str  # "forward" or "backward", and the node at the peak
+    # One forward + backward, gradients cleared beforehand, and with optimizer= the
+    # optimizer step after it.
+    predicted_peak_bytes: int
+    peak_phase: str  # "forward" or "backward", and the node at the peak; or "optimizer step"
     shard_bytes: int  # parameters held by this rank
     grad_shard_bytes: int
     buffer_bytes: int  # module buffers (BatchNorm statistics)
@@ -51,9 +54,15 @@ class Report:
     # no_sync: the unsharded gradient sums (one full gradient per flat group) that
     # a step inside no_sync, or the first after, keeps; counted in the peak.
     accumulator_bytes: int = 0
-    # Offload: the parameter and gradient shards on the host, not in the device peak (the
-    # optimizer's state follows them there: Adam's is twice the parameter shards in fp32).
+    # Offload: the parameter and gradient shards on the host, not in the device peak, and
+    # with optimizer= their optimizer state, which follows them there.
     host_bytes: int = 0
+    offloaded_shard_bytes: int = 0  # the part of shard_bytes on the host
+    # optimizer=: the optimizer's state on the device (its shards' states), counted in the
+    # optimizer step's phase: after backward, the gradient shards and the state alive
+    # together with the parameter shards. 0 without optimizer=.
+    optimizer_state_bytes: int = 0
+    optimizer: str = ""
     # Predicted live bytes after each node of the forward, then the backward graph.
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
@@ -83,8 +92,11 @@ class Report:
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
             f"  buffers, inputs     {(self.buffer_bytes + self.input_bytes) / mib:10.3f} MiB",
+            *([f"  optimizer state     {self.optimizer_state_bytes / mib:10.3f} MiB  ({self.optimizer}, "
+               "on the device)"] if self.optimizer else []),
             *([f"  on the host         {self.host_bytes / mib:10.3f} MiB  (offloaded parameter and "
-               "gradient shards, not in the peak; the optimizer state follows them)"]
+               "gradient shards" + (", and their optimizer state" if self.optimizer else
+                                    "; the optimizer state follows them") + "; not in the peak)"]
               if self.host_bytes else []),
             "  communication per step (bytes each rank sends):",
         ]
@@ -142,13 +154,15 @@ def build_report(
     broadcast_bytes: int = 0,
     accumulator_bytes: int = 0,
     host_groups: frozenset[int] = frozenset(),
+    optimizer: OptimizerState | None = None,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
     # Offload: these groups' shards and gradient shards live on the host; the graphs copy
     # them in and out (the copies to the host count nothing on the device: fxshard.ir.memory).
     host = [s for g, s in enumerate(shards) if g in host_groups]
-    host_bytes = _tensor_bytes(host) + _tensor_bytes([s for s in host if s.requires_grad])
+    host_grads = _tensor_bytes([s for s in host if s.requires_grad])
+    host_bytes = _tensor_bytes(host) + host_grads
     base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
@@ -195,6 +209,14 @@ def build_report(
         curves["backward"] = tuple(bw.curve)
         if bw.peak > peak:
             peak, phase, at_peak = bw.peak, f"backward: {bw.peak_at}", bw.at_peak
+        if optimizer is not None:
+            # The optimizer step: what backward leaves (the shards, their gradients) and the
+            # state of the shards on the device; the host's shards step on the host.
+            states = optimizer.states * (grad_bytes - host_grads)
+            host_bytes += optimizer.states * host_grads
+            curves["optimizer step"] = (bw.end + states,)
+            if bw.end + states > peak:
+                peak, phase, at_peak = bw.end + states, "optimizer step", {}
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]
@@ -209,4 +231,8 @@ def build_report(
     return Report(plan.world_size, rank, peak, phase, shard_bytes, grad_bytes, buffer_bytes,
                   input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
                   bytes_per_dimension(sequence), accumulator_bytes=accumulator_bytes, host_bytes=host_bytes,
+                  offloaded_shard_bytes=_tensor_bytes(host),
+                  optimizer_state_bytes=optimizer.states * (grad_bytes - host_grads)
+                  if optimizer is not None and "backward" in graphs else 0,
+                  optimizer=str(optimizer) if optimizer is not None and "backward" in graphs else "",
                   memory_curve=curves, at_peak=at_peak)

@@ -53,10 +53,12 @@ class Candidate:
     selective: tuple[str, ...]  # regions recomputed except their matmuls and attention
     full: tuple[str, ...]  # regions recomputed entirely
     step: str  # the ladder step that made it
+    offloaded: tuple[str, ...] = ()  # units whose shards live on the host (offload_policy=)
 
     def options(self, base: ShardingOptions) -> ShardingOptions:
+        offload = {"offload_units": frozenset(self.offloaded)} if base.offload_policy is not None else {}
         return replace(base, reshard_units=frozenset(self.resharded),
-                       max_inflight_gathers=self.max_inflight)
+                       max_inflight_gathers=self.max_inflight, **offload)
 
     def checkpointing(self, base: Checkpointing | None) -> Checkpointing | None:
         regions = self.selective + self.full
@@ -74,6 +76,8 @@ class Candidate:
             parts.append(f"{len(self.selective)} regions recomputed selectively")
         if self.full:
             parts.append(f"{len(self.full)} regions recomputed fully")
+        if self.offloaded:
+            parts.append(f"{len(self.offloaded)} units offloaded")
         return ", ".join(parts)
 
 
@@ -84,6 +88,7 @@ class UnitChoice:
     resharded: bool
     recompute: str  # "none", "selective", "full", or a mix "selective: a; full: b"
     why: str
+    offloaded: bool = False  # its shards, gradients and optimizer state on the host
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,10 @@ class BudgetChoice:
     def table(self) -> str:
         lines = [f"memory budget {self.budget / MIB:.3f} MiB: predicted peak {self.peak / MIB:.3f} MiB "
                  f"with {self.chosen.describe()} (ladder step: {self.chosen.step})"]
-        header = ("unit", "gathered MiB", "after forward", "recompute", "why")
+        header = ("unit", "gathered MiB", "after forward", "recompute", "shards", "why")
         rows = [(u.unit or "<root>", f"{u.gathered_bytes / MIB:.3f}",
-                 "reshard" if u.resharded else "keep", u.recompute, u.why) for u in self.units]
+                 "reshard" if u.resharded else "keep", u.recompute, "host" if u.offloaded else "device",
+                 u.why) for u in self.units]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
         for r in [header, *rows]:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
@@ -116,12 +122,16 @@ class Prediction:
     where: str  # "backward: mm_8"
     parts: dict[str, int]  # "parameter shards", "gathered parameters", ... -> bytes at the peak
     hints: dict[str, str]  # the same keys -> what would lower that part
+    step_peak: int = 0  # the optimizer step's phase alone (0: not predicted)
 
 
 def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequence[str],
-           regions: Sequence[str], max_inflight: int, unit_bytes: dict[str, int]) -> BudgetChoice:
+           regions: Sequence[str], max_inflight: int, unit_bytes: dict[str, int],
+           offloadable: Sequence[str] = ()) -> BudgetChoice:
     """The first candidate along the ladder whose predicted peak is within ``budget``; else
-    BudgetError naming the lowest peak tried, which no budget's accepted schedule beats."""
+    BudgetError naming the lowest peak tried, which no budget's accepted schedule beats.
+    ``offloadable``: the units offload may move to the host, in the order it takes them
+    (empty: offload is not allowed)."""
     if budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}")
     tried: list[tuple[str, int]] = []
@@ -160,9 +170,31 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         ("recompute regions selectively", lambda c: prefixes(c, selective)),
         ("recompute regions fully", lambda c: prefixes(c, full)),
     ]
+    def offload(c: Candidate) -> list[Candidate]:
+        return [replace(c, offloaded=tuple(offloadable[:k])) for k in range(len(c.offloaded), len(offloadable) + 1)]
+
+    if offloadable:
+        ladder.append(("offload more units", offload))
     current = Candidate((), max_inflight, (), (), "keep every unit gathered")
     if peak(current).peak <= budget:
         return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
+    if offloadable and peak(current).step_peak > budget:
+        # The optimizer step holds every shard, gradient and state on the device, and only
+        # offload lowers it: first the fewest units (in order) whose offload fits that phase.
+        lo, hi = 0, len(offloadable)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(replace(current, offloaded=tuple(offloadable[:mid]))).step_peak <= budget:
+                hi = mid
+            else:
+                lo = mid
+        current = replace(current, offloaded=tuple(offloadable[:hi]), step="offload what the optimizer step needs")
+        if peak(current).peak <= budget:
+            return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
+    if peak(current).step_peak > budget:
+        # No schedule changes what the optimizer step holds (the shards, their gradients and
+        # state, the inputs): nothing below can fit.
+        raise _unmet(budget, current, peak(current), "the optimizer step alone holds")
     for step, choices in ladder:
         steps = [replace(c, step=step) for c in choices(current)][1:]  # [0] is current itself
         if not steps:
@@ -191,12 +223,16 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
             current = lowest
     # Every prefix of every step was scanned on the way here, along the same path any larger
     # budget takes until it fits: no budget accepts a schedule below the lowest tried.
-    best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: cp[1].peak)
+    best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: (cp[1].peak, len(cp[0].offloaded)))
+    raise _unmet(budget, best, smallest, "the lowest peak of the schedules fxshard tried is")
+
+
+def _unmet(budget: int, best: Candidate, smallest: Prediction, what: str) -> BudgetError:
     parts = sorted(smallest.parts.items(), key=lambda kv: -kv[1])
     dominant = parts[0][0] if parts else "?"
-    raise BudgetError(
-        f"memory_budget {budget / MIB:.3f} MiB cannot be met: the lowest peak of the schedules "
-        f"fxshard tried is {smallest.peak / MIB:.3f} MiB ({best.describe()}), at {smallest.where}. "
+    return BudgetError(
+        f"memory_budget {budget / MIB:.3f} MiB cannot be met: {what} {smallest.peak / MIB:.3f} MiB "
+        f"({best.describe()}), at {smallest.where}. "
         "There it holds " + ", ".join(f"{k} {v / MIB:.3f} MiB" for k, v in parts if v)
         + f". The largest part is {dominant}: {smallest.hints.get(dominant, '')}"
     )
@@ -220,7 +256,11 @@ def _choice(budget: int, chosen: Candidate, peak: int, tried: list[tuple[str, in
             why += "; recomputed but its matmuls: resharding and prefetch limits alone do not fit"
         elif recompute != "none":
             why += "; recomputed in full: selective recompute of every region does not fit"
-        rows.append(UnitChoice(unit, unit_bytes.get(unit, 0), resharded, recompute, why))
+        offloaded = unit in chosen.offloaded
+        if offloaded:
+            why = (f"offloaded: the budget needs {len(chosen.offloaded)} of {len(units)} units' shards, "
+                   f"gradients and optimizer state on the host, the largest first; {why}")
+        rows.append(UnitChoice(unit, unit_bytes.get(unit, 0), resharded, recompute, why, offloaded))
     return BudgetChoice(budget, chosen, peak, tuple(tried), tuple(rows))
 
 

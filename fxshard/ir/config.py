@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.fx as fx
 
+from fxshard.ir.optimizer import OptimizerState, optimizer_state
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.policies import Policy
 from fxshard.ir.precision import MixedPrecision
@@ -87,12 +88,18 @@ class CompileConfig:
     # policy value (by_class(Block); selective(by_class(Block)) saves matmul
     # and attention outputs). passes/checkpoint_activations.py.
     activation_checkpointing: Policy | None = None
-    # Bytes the predicted peak of a training step (forward + backward, as
-    # report() counts it; optimizer state not included) must stay within. The
-    # planner (fxshard.ir.budget) picks, per unit, resharding, prefetch and
-    # recompute at the first training trace; activation_checkpointing then
-    # names the regions it may recompute (default: the units' modules).
+    # Bytes the predicted peak of a training step (forward, backward and, with
+    # optimizer=, the optimizer step, as report() counts it) must stay within.
+    # The planner (fxshard.ir.budget) picks, per unit, resharding, prefetch,
+    # recompute and, with offload_policy=, offload at the first training trace;
+    # activation_checkpointing then names the regions it may recompute
+    # (default: the units' modules).
     memory_budget: int | None = None
+    # The optimizer the step will use (torch.optim.AdamW, or a functools.partial
+    # of a class): its state per parameter shard is counted in the optimizer
+    # step's phase of the predicted peak (fxshard.ir.optimizer). None: that
+    # phase is not predicted.
+    optimizer: OptimizerState | None = None
     # FSDP2's MixedPrecisionPolicy semantics (fxshard.ir.precision).
     mixed_precision: MixedPrecision | None = None
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
@@ -136,6 +143,7 @@ class CompileConfig:
                                                 or self.memory_budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes (an int), "
                              f"got {self.memory_budget!r}")
+        object.__setattr__(self, "optimizer", optimizer_state(self.optimizer))
         if self.compute not in ("eager", "inductor"):
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
         if self.timeout is not None and not self.timeout > 0:
@@ -155,7 +163,8 @@ class CompileConfig:
         Takes ``policy``, ``process_group`` or ``mesh``, ``compute``, ``verify_passes``,
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
-        ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, ``replicate``, and
+        ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, ``optimizer``,
+        ``replicate``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

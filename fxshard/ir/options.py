@@ -82,6 +82,10 @@ class ShardingOptions:
     # FSDP2's offload_policy: CPUOffloadPolicy() keeps the shards, their gradients and
     # the optimizer step on the host (docs/memory.md). None: on the device.
     offload_policy: CPUOffloadPolicy | None = None
+    # When set with offload_policy, exactly these units (names; "" the root) keep their
+    # shards on the host, the others on the device. The memory budget planner sets it:
+    # with offload_policy and memory_budget, it offloads only the units the budget needs.
+    offload_units: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         hpz = self.reshard_after_forward
@@ -101,11 +105,17 @@ class ShardingOptions:
             else:
                 raise TypeError(f"offload_policy takes fxshard.CPUOffloadPolicy() (or FSDP2's), got "
                                 f"{policy!r}")
-        if self.reshard_units is not None:
-            if isinstance(self.reshard_units, str) or not all(isinstance(u, str) for u in self.reshard_units):
-                raise TypeError("reshard_units takes unit names, e.g. {'blocks.0', ''} ('' is the root), "
-                                f"got {self.reshard_units!r}")
-            object.__setattr__(self, "reshard_units", frozenset(self.reshard_units))
+        for name in ("reshard_units", "offload_units"):
+            units = getattr(self, name)
+            if units is None:
+                continue
+            if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+                raise TypeError(f"{name} takes unit names, e.g. {{'blocks.0', ''}} ('' is the root), "
+                                f"got {units!r}")
+            object.__setattr__(self, name, frozenset(units))
+        if self.offload_units and self.offload_policy is None:
+            raise ValueError("offload_units names units to keep on the host, which needs "
+                             "offload_policy=fxshard.CPUOffloadPolicy() too")
         if self.backward_prefetch not in ("pre", "post", None):
             raise ValueError(
                 f"backward_prefetch must be 'pre', 'post' or None, got {self.backward_prefetch!r}"
@@ -131,8 +141,11 @@ class ShardingOptions:
         return cls(**kwargs)
 
     def offloads(self, unit: str) -> bool:
-        """Does ``unit``'s shard live on the host (``offload_policy``)?"""
-        return self.offload_policy is not None
+        """Does ``unit``'s shard live on the host (``offload_policy``, and ``offload_units``
+        where set)?"""
+        if self.offload_policy is None:
+            return False
+        return self.offload_units is None or unit in self.offload_units
 
     def offloaded_groups(self, groups: Any) -> frozenset[int]:
         """The indices of the flat groups (``ShardPlan.groups``) whose shards live on the host."""

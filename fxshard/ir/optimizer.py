@@ -1,0 +1,69 @@
+"""What an optimizer keeps per parameter, for the memory model's optimizer-step phase.
+
+``optimizer=torch.optim.AdamW`` (or ``functools.partial(torch.optim.SGD, momentum=0.9)``)
+on ``fxshard.compile``, ``fxshard.backend`` or ``fxshard.explain``: nothing is
+built from it; the report and the memory budget count its state. torch's
+optimizers create each state tensor with ``zeros_like(param)``, so a state is
+a parameter shard's size and dtype; the scalar ``step`` counters are left out.
+The foreach and fused implementations' temporaries (foreach Adam's square
+root of the second moment, one state's size) are left out too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """``states`` tensors of each parameter shard's size and dtype, kept between steps."""
+
+    name: str
+    states: int
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.states} state{'' if self.states == 1 else 's'} per parameter)"
+
+
+def _adam(kw: dict[str, Any]) -> int:
+    return 3 if kw.get("amsgrad", False) else 2
+
+
+def _sgd(kw: dict[str, Any]) -> int:
+    return 1 if kw.get("momentum", 0) else 0
+
+
+def _rmsprop(kw: dict[str, Any]) -> int:
+    return 1 + bool(kw.get("momentum", 0)) + bool(kw.get("centered", False))
+
+
+# Per-parameter state tensors of torch.optim's optimizers, from their constructor's arguments.
+_STATES: dict[str, Any] = {
+    "Adam": _adam, "AdamW": _adam, "Adamax": lambda kw: 2, "NAdam": lambda kw: 2,
+    "RAdam": lambda kw: 2, "Adadelta": lambda kw: 2, "Adagrad": lambda kw: 1,
+    "SGD": _sgd, "RMSprop": _rmsprop, "Rprop": lambda kw: 2, "ASGD": lambda kw: 1,
+}
+
+
+def optimizer_state(spec: Any) -> OptimizerState | None:
+    """The state ``spec`` keeps: a torch.optim class, a ``functools.partial`` of one (its
+    keywords decide momentum buffers), an ``OptimizerState``, or None."""
+    if spec is None or isinstance(spec, OptimizerState):
+        return spec
+    cls, kwargs = spec, {}
+    if isinstance(spec, functools.partial):
+        cls, kwargs = spec.func, dict(spec.keywords)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        # torch's optimizers, and subclasses of them: the state of the class they extend.
+        for klass in cls.__mro__:
+            if klass.__name__ in _STATES and klass.__module__.startswith("torch.optim"):
+                return OptimizerState(cls.__name__, _STATES[klass.__name__](kwargs))
+    raise TypeError(
+        f"optimizer takes a torch.optim class, a functools.partial of one (partial(torch.optim.SGD, "
+        f"momentum=0.9)), or fxshard.OptimizerState(name, states) for an optimizer keeping `states` "
+        f"tensors the size of each parameter; got {spec!r}. Known: {sorted(_STATES)}"
+    )
