@@ -188,3 +188,19 @@ def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_th
     assert later.predicted_peak_bytes > budget and later.within_budget is False
     assert "planned on the first training step, inputs int64[4, 32]" in str(later)
     assert "this step exceeds the memory budget" in str(later) and "example_inputs=" in str(later)
+
+
+def _largest_worker(rank: int, world_size: int) -> list[int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxshard.driver.budget import _largest_over_ranks
+
+    sharded = fxshard.compile(TinyGPT(vocab=61, dim=32, heads=2, layers=1, seq=8), by_class(Block))
+    with FakeTensorMode():  # where the planner runs: inside the trace's fake mode
+        return _largest_over_ranks(sharded._driver.world, [rank, 10 - rank])
+
+
+def test_every_rank_plans_on_the_largest_peak_over_the_ranks() -> None:
+    """The planner's trials take each peak's largest over the ranks, so ranks with different
+    inputs choose one schedule: a collective over the trace's fake tensors would send nothing."""
+    assert run_ranks(_largest_worker, 2) == [[1, 10], [1, 10]]

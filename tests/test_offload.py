@@ -91,6 +91,91 @@ def test_explain_offload_lowers_the_device_peak_by_the_shards_and_gradients() ->
     assert on_device.predicted_peak_bytes - offloaded.predicted_peak_bytes >= on_device.shard_bytes
 
 
+def test_offload_chains_on_every_topology() -> None:
+    """HSDP and reduce_in_rank_order: each reduction's row wrapped in its copy to the host, each
+    gather's in its copy to the device (4 fake ranks); NO_SHARD is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    offload = fxshard.CPUOffloadPolicy()
+    with fake_world(4, rank=1):
+        sharded = _compiled(mesh=init_device_mesh("cpu", (2, 2)), offload_policy=offload)
+        assert {lowering for lowering, _ in _roles(sharded, "forward")} == {"all_gather_from_host"}
+        assert [lowering for lowering, _ in _roles(sharded, "backward")][-3:] == \
+            ["reduce_scatter_all_reduce_to_host"] * 3
+        # Whole parameters (NO_SHARD) are refused, naming what to do instead.
+        with pytest.raises(fxshard.FxShardError, match=r"offload_policy with parameters kept whole .*"
+                                                       r"NO_SHARD mesh \(N, 1\).*offload_units="):
+            _compiled(mesh=init_device_mesh("cpu", (4, 1)), offload_policy=offload)
+        in_order = _compiled(offload_policy=offload, reduce_in_rank_order=True)
+        lowered = _roles(in_order, "backward")[-3:]
+        assert [lowering for lowering, _ in lowered] == ["all_to_all_sum_to_host"] * 3
+        assert all(roles[-1] == "to_host" and "all_to_all" in roles for _, roles in lowered)
+
+
+def _optimizer_step(**options: Any) -> Any:
+    """TinyGPT at world size 2 in bf16 with AdamW, on an input small enough that the
+    optimizer step (parameter, gradient and state shards) is the peak."""
+    torch.manual_seed(0)
+    return fxshard.explain(TinyGPT(vocab=512, dim=256, heads=4, layers=4, seq=64), torch.randint(0, 512, (1, 8)),
+                           by_class(Block), world_size=2,
+                           mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+                           **{"optimizer": torch.optim.AdamW, **options}).report
+
+
+def test_the_optimizer_step_is_a_phase_of_the_peak_and_offload_takes_it_to_the_host() -> None:
+    on_device, offloaded = _optimizer_step(), _optimizer_step(offload_policy=fxshard.CPUOffloadPolicy())
+    params, grads = on_device.shard_bytes, on_device.grad_shard_bytes
+    assert on_device.peak_phase == "optimizer step"
+    assert on_device.optimizer_state_bytes == 2 * grads  # AdamW: exp_avg and exp_avg_sq
+    # After backward: the shards, their gradients (and the loss and inputs), then the state.
+    backward_end = on_device.memory_curve["backward"][-1]
+    assert on_device.predicted_peak_bytes == backward_end + 2 * grads >= params + 3 * grads
+    assert "optimizer state" in str(on_device) and "AdamW (2 states per parameter)" in str(on_device)
+    # Offload: the shards, gradients and state on the host; the device peak drops by at least
+    # the parameter and gradient shards (here by the state as well, less what backward holds).
+    assert offloaded.host_bytes == params + 3 * grads and offloaded.optimizer_state_bytes == 0
+    assert offloaded.peak_phase != "optimizer step"
+    assert on_device.predicted_peak_bytes - offloaded.predicted_peak_bytes >= params + grads
+    # SGD without momentum keeps no state; with it, one.
+    from functools import partial
+
+    assert _optimizer_step(optimizer=torch.optim.SGD).optimizer_state_bytes == 0
+    assert _optimizer_step(optimizer=partial(torch.optim.SGD, momentum=0.9)).optimizer_state_bytes == grads
+    with pytest.raises(TypeError, match="optimizer takes a torch.optim class"):
+        _optimizer_step(optimizer="adam")
+
+
+def test_the_budget_offloads_only_the_units_it_needs_largest_first() -> None:
+    """One rank: the optimizer step holds every shard, gradient and AdamW state. A budget
+    below it is an error naming offload without offload_policy, and with it the planner
+    offloads the fewest units, the largest first, and explains each."""
+    def planned(budget: int, **options: Any) -> Any:
+        torch.manual_seed(0)
+        return fxshard.explain(TinyGPT(vocab=512, dim=256, heads=4, layers=4, seq=64),
+                               torch.randint(0, 512, (1, 8)), by_class(Block),
+                               optimizer=torch.optim.AdamW, memory_budget=budget, **options).report
+
+    free = _optimizer_step_alone = planned(1 << 40)
+    assert free.peak_phase == "optimizer step"
+    budget = free.predicted_peak_bytes * 3 // 4
+    with pytest.raises(fxshard.BudgetError, match=r"the optimizer step alone holds .*The largest part is "
+                                                  r"optimizer state: .*pass offload_policy=fxshard.CPUOffload"):
+        planned(budget)
+    report = planned(budget, offload_policy=fxshard.CPUOffloadPolicy())
+    assert report.budget is not None and report.predicted_peak_bytes <= budget
+    chosen = report.budget.chosen
+    by_size = sorted(report.units, key=lambda u: -u.shard_bytes)  # the root (embeddings) first
+    assert 0 < len(chosen.offloaded) < len(report.units)
+    assert list(chosen.offloaded) == [u.name for u in by_size[:len(chosen.offloaded)]]
+    # The fewest: one unit fewer does not fit the optimizer step.
+    fewer = sum(u.shard_bytes for u in by_size[:len(chosen.offloaded) - 1])
+    assert free.predicted_peak_bytes - 4 * fewer > budget  # each byte: parameter, gradient, 2 states
+    rows = {u.unit: u for u in report.budget.units}
+    assert {u for u, row in rows.items() if row.offloaded} == set(chosen.offloaded)
+    assert "host" in str(report) and "offloaded: the budget needs" in str(report)
+    assert report.host_bytes == 4 * sum(u.shard_bytes for u in report.units if u.name in chosen.offloaded)
+
+
 def test_fsdp1s_cpu_offload_is_refused_with_the_one_line_change_and_fsdp2s_policy_is_taken() -> None:
     with pytest.raises(TypeError, match=r"replace cpu_offload=CPUOffload\(offload_params=True\) with "
                                         r"offload_policy=fxshard.CPUOffloadPolicy\(\)"):
@@ -104,13 +189,33 @@ def test_fsdp1s_cpu_offload_is_refused_with_the_one_line_change_and_fsdp2s_polic
     assert fxshard.ShardingOptions(offload_policy=OffloadPolicy()).offload_policy is None
 
 
+def _step_peak(rank: int) -> int:
+    """MLP's predicted peak with AdamW on 2 ranks: the optimizer step (nothing offloaded)."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), optimizer=torch.optim.AdamW)
+    F.mse_loss(sharded(torch.randn(6, 12)), torch.randn(6, 5)).backward()
+    report = sharded.report()
+    assert report.peak_phase == "optimizer step"
+    return report.predicted_peak_bytes
+
+
 def offload_worker(rank: int, world_size: int, front_end: str) -> dict[str, Any]:
-    """AdamW with clipping, through ``front_end`` with offload, and DDP beside it."""
+    """AdamW with clipping, through ``front_end`` with offload, and DDP beside it. "budget":
+    memory_budget chooses the units to offload; "no_sync": two micro-batches a step, the
+    first inside no_sync, beside fxshard without offload (no_sync's sums differ from DDP's
+    by rounding: test_recipe)."""
     torch.manual_seed(0)
     model = MLP()
-    ddp = DDP(copy.deepcopy(model))
+    ddp: Any = DDP(copy.deepcopy(model))
+    if front_end == "no_sync":
+        ddp = fxshard.compile(copy.deepcopy(model), policy=by_class(nn.Linear))
     options: dict[str, Any] = {"policy": by_class(nn.Linear), "offload_policy": fxshard.CPUOffloadPolicy()}
-    if front_end == "compile":
+    if front_end == "budget":
+        budget = _step_peak(rank) * 4 // 5
+        torch.manual_seed(0)
+        model = MLP()
+        options.update(memory_budget=budget, optimizer=torch.optim.AdamW)
+    if front_end in ("compile", "budget", "no_sync"):
         sharded = fxshard.compile(model, **options)
         params = list(sharded.parameters())
     else:
@@ -123,26 +228,42 @@ def offload_worker(rank: int, world_size: int, front_end: str) -> dict[str, Any]
     for _ in range(3):
         x, y = torch.randn(6, 12, generator=gen), torch.randn(6, 5, generator=gen)
         for module, optimizer, tag in ((sharded, opt, ""), (ddp, ref_opt, "ref_")):
-            loss = F.mse_loss(module(x), y)
+            inputs, targets = x, y
+            if front_end == "no_sync":  # a first micro-batch: its gradients summed locally
+                with module.no_sync():
+                    F.mse_loss(module(x[:3]), y[:3]).backward()
+                inputs, targets = x[3:], y[3:]
+            loss = F.mse_loss(module(inputs), targets)
             loss.backward()
             out[f"{tag}losses"].append(loss.item())
             # torch's own clipping: over the shards, fxshard makes each norm the global one.
-            norm = torch.nn.utils.clip_grad_norm_(params if module is sharded else ddp.parameters(), 0.5)
+            norm = torch.nn.utils.clip_grad_norm_(list(optimizer.param_groups[0]["params"]), 0.5)
             out[f"{tag}norms"].append(float(norm))
             optimizer.step()
             optimizer.zero_grad()
     out["devices"] = sorted({str(p.device) for p in params} | {str(s.device) for p in params
                                                                  for s in opt.state[p].values()
                                                                  if isinstance(s, torch.Tensor)})
+    if front_end == "budget":
+        report = sharded.report()
+        assert report.budget is not None and report.predicted_peak_bytes <= report.budget.budget
+        out["offloaded"] = report.budget.chosen.offloaded
+        out["units"] = [u.name for u in report.units]
     out["state"] = fxshard.get_model_state_dict(sharded, options=torch.distributed.checkpoint.state_dict
                                                 .StateDictOptions(full_state_dict=True))
-    out["ref_state"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    out["ref_state"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()} \
+        if isinstance(ddp, DDP) else fxshard.get_model_state_dict(
+            ddp, options=torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=True))
     return out
 
 
-@pytest.mark.parametrize("front_end", ["compile", "backend"])
+@pytest.mark.parametrize("front_end", ["compile", "backend", "budget", "no_sync"])
 def test_offload_trains_exactly_like_ddp_with_clipping_and_adamw(front_end: str) -> None:
-    for r in run_ranks(offload_worker, 2, front_end):
+    results = run_ranks(offload_worker, 2, front_end)
+    if front_end == "budget":  # every rank chose the same units, some but not all
+        assert results[0]["offloaded"] == results[1]["offloaded"]
+        assert 0 < len(results[0]["offloaded"]) < len(results[0]["units"])
+    for r in results:
         assert r["losses"] == r["ref_losses"]
         assert r["norms"] == r["ref_norms"]
         assert r["devices"] == ["cpu"]  # the shards and the optimizer state: the host

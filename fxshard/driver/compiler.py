@@ -150,6 +150,15 @@ class Driver:
             if unknown:
                 raise FxShardError(f"{name} names no unit of the plan: {unknown}; the units are "
                                    f"{[u.name for u in self._plan.units]} ('' is the root)")
+        whole = sorted({g.unit or "<root>" for g in self._plan.groups
+                        if g.replicated and options.offloads(g.unit)})
+        if whole:
+            raise FxShardError(
+                f"offload_policy with parameters kept whole on every rank (units {whole}: a NO_SHARD "
+                "mesh (N, 1), replicate= or replicate_below=): their backward would keep the device "
+                "copy from forward, which offload does not rematerialise yet. Shard them (a (1, N) or "
+                "(R, S) mesh, no replicate=/replicate_below=), or leave those units on the device "
+                "(offload_units= names the ones to offload)")
         self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(

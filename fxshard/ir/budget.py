@@ -56,9 +56,9 @@ class Candidate:
     offloaded: tuple[str, ...] = ()  # units whose shards live on the host (offload_policy=)
 
     def options(self, base: ShardingOptions) -> ShardingOptions:
-        offload = {"offload_units": frozenset(self.offloaded)} if base.offload_policy is not None else {}
-        return replace(base, reshard_units=frozenset(self.resharded),
-                       max_inflight_gathers=self.max_inflight, **offload)
+        return replace(base, reshard_units=frozenset(self.resharded), max_inflight_gathers=self.max_inflight,
+                       offload_units=frozenset(self.offloaded) if base.offload_policy is not None
+                       else base.offload_units)
 
     def checkpointing(self, base: Checkpointing | None) -> Checkpointing | None:
         regions = self.selective + self.full
