@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +104,64 @@ def test_explain_plans_llama3_70b_on_a_128_by_8_mesh() -> None:
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     assert e.report.shard_bytes * 8 == psi  # every unit's numel divides by 8: no padding
     assert set(e.report.comm_bytes_per_dimension) == {"shard", "replicate"}
+
+
+def _llama3_8b(layers: int) -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llama import LLAMA3_8B, Llama
+
+    with torch.device("meta"):
+        return Llama(dataclasses.replace(LLAMA3_8B, layers=layers))
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_world_size_1_fits_70_gib_only_with_offload() -> None:
+    """32 layers, bf16, AdamW, 70 GiB: the optimizer step alone holds about 120 GiB (fp32
+    shards, gradients and two states), which no schedule but offload lowers. With
+    offload_policy the planner offloads the fewest units, largest first, and says why."""
+    model = _llama3_8b(32)
+    from llama import TransformerBlock
+
+    def explained(**options: Any) -> Any:
+        return fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), by_class(TransformerBlock),
+                               mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+                               optimizer=torch.optim.AdamW, memory_budget=70 << 30, **options).report
+
+    with pytest.raises(fxshard.BudgetError, match="the optimizer step alone holds .* offload_policy="):
+        explained()
+    report = explained(offload_policy=fxshard.CPUOffloadPolicy())
+    assert report.budget is not None and report.predicted_peak_bytes <= 70 << 30
+    psi = sum(p.numel() for p in model.parameters())
+    offloaded = report.budget.chosen.offloaded
+    on_host = sum(u.shard_bytes for u in report.units if u.name in offloaded)
+    assert report.host_bytes == 4 * on_host  # fp32 shard, gradient, exp_avg, exp_avg_sq
+    # What stays on the device steps there: 16 bytes a parameter, within the budget.
+    last = next(u.shard_bytes for u in report.units if u.name == offloaded[-1])
+    assert 16 * psi - report.host_bytes <= 70 << 30 < 16 * psi - report.host_bytes + 4 * last  # the fewest
+    rows = [u for u in report.budget.units if u.offloaded]
+    assert {u.unit for u in rows} == set(offloaded) and offloaded[0] == ""  # the root: the largest
+    assert all(u.why.startswith("offloaded: the budget needs") for u in rows)
+
+
+@pytest.mark.slow
+def test_offload_lowers_llama3_8bs_peak_at_world_size_8() -> None:
+    """8 layers, world size 8, bf16, AdamW: the shards, gradients and state move to the host
+    (the report's host bytes). The device peak is the backward's start, where no gradient
+    exists yet: offload lowers it by the parameter shards."""
+    model = _llama3_8b(8)
+    from llama import TransformerBlock
+
+    def explained(**options: Any) -> Any:
+        return fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), by_class(TransformerBlock),
+                               world_size=8, mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+                               optimizer=torch.optim.AdamW, **options).report
+
+    on_device, offloaded = explained(), explained(offload_policy=fxshard.CPUOffloadPolicy())
+    params = on_device.shard_bytes
+    assert params * 8 == sum(p.numel() * 4 for p in model.parameters())  # fp32, no padding
+    assert offloaded.host_bytes == 4 * params  # shards, gradients and AdamW's two states
+    assert on_device.predicted_peak_bytes - offloaded.predicted_peak_bytes >= params
+    assert "on the host" in str(offloaded)
 
 
 def test_explain_leaves_a_real_model_untouched() -> None:
