@@ -10,7 +10,15 @@ reshard a unit after forward          one more all_gather of it per step
 one gather in flight at most          less overlap of communication
 selective recompute of a region       backward reruns its cheap operators
 full recompute of a region            backward reruns all of it, matmuls too
+offload a unit (offload_policy=)      its shard copied in before each gather,
+                                      its gradient out; its optimizer steps on
+                                      the host
 ====================================  ==========================================
+
+Offload comes first where the optimizer step's phase alone (optimizer=: the
+shards, gradients and state) exceeds the budget, since no other choice lowers
+it: the fewest units, largest first, that bring that phase within it. After
+that it is the last step of the ladder.
 
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
