@@ -163,6 +163,7 @@ def build_report(
     host = [s for g, s in enumerate(shards) if g in host_groups]
     host_grads = _tensor_bytes([s for s in host if s.requires_grad])
     host_bytes = _tensor_bytes(host) + host_grads
+    state_bytes = 0  # optimizer=: the state of the shards on the device
     base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
@@ -212,11 +213,11 @@ def build_report(
         if optimizer is not None:
             # The optimizer step: what backward leaves (the shards, their gradients) and the
             # state of the shards on the device; the host's shards step on the host.
-            states = optimizer.states * (grad_bytes - host_grads)
+            state_bytes = optimizer.states * (grad_bytes - host_grads)
             host_bytes += optimizer.states * host_grads
-            curves["optimizer step"] = (bw.end + states,)
-            if bw.end + states > peak:
-                peak, phase, at_peak = bw.end + states, "optimizer step", {}
+            curves["optimizer step"] = (bw.end + state_bytes,)
+            if bw.end + state_bytes > peak:
+                peak, phase, at_peak = bw.end + state_bytes, "optimizer step", {}
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]
@@ -232,7 +233,6 @@ def build_report(
                   input_bytes, bytes_per_kind(sequence, agreement_bytes, broadcast_bytes), tuple(units),
                   bytes_per_dimension(sequence), accumulator_bytes=accumulator_bytes, host_bytes=host_bytes,
                   offloaded_shard_bytes=_tensor_bytes(host),
-                  optimizer_state_bytes=optimizer.states * (grad_bytes - host_grads)
-                  if optimizer is not None and "backward" in graphs else 0,
-                  optimizer=str(optimizer) if optimizer is not None and "backward" in graphs else "",
+                  optimizer_state_bytes=state_bytes,
+                  optimizer=str(optimizer) if "optimizer step" in curves else "",
                   memory_curve=curves, at_peak=at_peak)
