@@ -10,6 +10,7 @@ N-rank job would emit.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -62,6 +63,20 @@ def _to_meta(model: nn.Module) -> nn.Module:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
+
+
+def _create_on_meta(model: nn.Module) -> None:
+    """Make the tensors ``model``'s forward creates without a device (``torch.ones(t, t)``,
+    ``torch.arange(n)``) land on meta, beside its parameters, as they land beside them when
+    the model runs on its own device (CPU, or a default device set by the user)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def on_meta(*args: Any, **kwargs: Any) -> Any:
+        with torch.device("meta"):
+            return forward(*args, **kwargs)
+
+    model.forward = on_meta  # type: ignore[method-assign]
 
 
 def embedding_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[int, str]:
@@ -152,6 +167,7 @@ def explain(
         )
     meta_model = _to_meta(model)
     meta_model.train(train)
+    _create_on_meta(meta_model)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     meta_args = pytree.tree_map(
         lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, args

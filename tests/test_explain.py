@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import shlex
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class
 
 from graph_utils import fake_world
-from models import MLP, Block, TinyGPT
+from models import MLP, Attention, Block, TinyGPT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,6 +174,52 @@ def test_explain_leaves_a_real_model_untouched() -> None:
         assert v.device.type == "cpu" and torch.equal(v, before[k])
     inference = fxshard.explain(model, torch.randn(4, 12), world_size=3, train=False)
     assert "backward" not in inference.graphs
+
+
+class _DeviceLessAttention(Attention):
+    """Attention as most models write it: the causal mask made without a device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class _DeviceLessGPT(TinyGPT):
+    """TinyGPT whose forward makes its positions and masks without a device, as ordinary
+    models do (it trains on CPU as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            attn = _DeviceLessAttention(32, 4)
+            attn.load_state_dict(block.attn.state_dict())
+            block.attn = attn
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def test_explain_creates_a_forwards_device_less_tensors_on_meta_beside_the_parameters() -> None:
+    """torch.arange(n) and torch.ones(t, t) with no device land where the parameters are
+    during the trace (meta), so explain plans such a model as it plans TinyGPT at world size 8."""
+    idx = torch.randint(0, 61, (2, 16))
+    devless, reference = (fxshard.explain(m, idx, policy=by_class(Block), world_size=8)
+                          for m in (_DeviceLessGPT(), TinyGPT()))
+    assert devless.report.predicted_peak_bytes == reference.report.predicted_peak_bytes > 0
+    for name in ("forward", "backward"):
+        assert devless.graphs[name].code == reference.graphs[name].code
+    torch.manual_seed(0)
+    model = _DeviceLessGPT()
+    assert model(idx).shape == (2, 16, 61)  # the model itself still runs on CPU, on its own
 
 
 def test_explain_refuses_inside_a_job() -> None:
