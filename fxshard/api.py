@@ -29,6 +29,13 @@ from fxshard.passes.context import REDUCE
 log = logging.getLogger("fxshard")
 
 
+def _autocast_state(device: torch.device) -> tuple[Any, ...]:
+    """What ``torch.autocast`` does to a forward on ``device``: traced into the graph, so a
+    step traced under one autocast state is not run under another."""
+    return tuple((kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else (kind, None)
+                 for kind in dict.fromkeys((device.type, "cpu")))
+
+
 class ShardedModule(nn.Module):
     """A module whose parameters are this rank's flat shards; steps run as compiled graphs.
 
@@ -136,7 +143,8 @@ class ShardedModule(nn.Module):
 
     def _signature(self, leaves: list[Any], spec: pytree.TreeSpec) -> Any:
         parts: list[Any] = [self.training, torch.is_grad_enabled(), str(spec),
-                            self._driver.state.grad_sync() if torch.is_grad_enabled() else None]
+                            self._driver.state.grad_sync() if torch.is_grad_enabled() else None,
+                            _autocast_state(self._driver.device)]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 parts.append((tuple(x.shape), x.dtype, str(x.device), x.requires_grad))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 from functools import cache
 from typing import Any
 
@@ -425,6 +426,36 @@ def _bf16_backend_against_fsdp2(rank: int) -> dict[str, Any]:
             "reduced": {c.dtype for c in collectives if c.kind == "reduce_scatter"}}
 
 
+def _autocast_against_fsdp2(rank: int) -> dict[str, Any]:
+    """The FairScale seed's recipe: fp32 parameters, the forward under torch.autocast. Three
+    steps under bf16 autocast, then one without it (a new trace, not the autocast graph)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    for m in reference.modules():
+        if isinstance(m, Block):
+            fully_shard(m)
+    fully_shard(reference)
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (sharded, reference)]
+    gen = torch.Generator().manual_seed(rank)
+    losses: list[list[float]] = [[], []]
+    for step in range(4):
+        x, y = _gpt_inputs(gen)
+        for m, opt, out in zip((sharded, reference), opts, losses):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step < 3):
+                loss = F.cross_entropy(m(x).flatten(0, -2).float(), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+    return {"losses": losses[0], "ref_losses": losses[1], "state": sharded.full_state_dict(),
+            "ref_state": {k: v.full_tensor() for k, v in reference.state_dict().items()},
+            "steps": len(sharded._driver.steps)}
+
+
 def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
     if world_size == 2:
@@ -432,6 +463,7 @@ def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
         results["rotary"] = _bf16_against_fsdp2(rank, "rotary")
         results["fp16"] = _fp16_scaler(rank)
         results["backend"] = _bf16_backend_against_fsdp2(rank)
+        results["autocast"] = _autocast_against_fsdp2(rank)
     return results
 
 
@@ -469,6 +501,15 @@ def test_bf16_through_the_backend_matches_fsdp2_mixed_precision() -> None:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-3)
         for k, v in r["ref_state"].items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-2, atol=1e-3, msg=k)
+
+
+def test_a_forward_under_autocast_trains_like_fsdp2_under_the_same_autocast() -> None:
+    for r in (res["autocast"] for res in precision_results(2)):
+        # Bit for bit: the same bf16 casts of the same fp32 weights, then the same sums.
+        assert r["losses"] == r["ref_losses"]
+        for k, v in r["ref_state"].items():
+            assert torch.equal(r["state"][k], v), k
+        assert r["steps"] == 2  # autocast on and off are two traces, each used as it was traced
 
 
 def test_fp16_grad_scaler_skips_an_overflow_on_every_rank() -> None:
@@ -651,8 +692,30 @@ def _forgotten_flush(rank: int, world_size: int) -> dict[str, Any]:
     F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
     opt.step()
     ref_opt.step()
-    return {"error": error, "unchanged": unchanged, "state": sharded.full_state_dict(),
-            "ref_state": ddp.module.state_dict()}
+    result = {"error": error, "unchanged": unchanged, "state": sharded.full_state_dict(),
+              "ref_state": ddp.module.state_dict()}
+
+    # step(closure), as Lightning steps: the closure runs the last micro-batch's backward,
+    # so the check comes after it. A flush there is a step; one inside no_sync is refused.
+    def closure(sync: bool) -> torch.Tensor:
+        x, y = batches[1]
+        with contextlib.nullcontext() if sync else sharded.no_sync():
+            loss = F.cross_entropy(sharded(x).flatten(0, 1), y.flatten())
+            loss.backward()
+        return loss
+
+    for sync in (True, False):
+        opt.zero_grad()
+        x, y = batches[0]
+        with sharded.no_sync():
+            F.cross_entropy(sharded(x).flatten(0, 1), y.flatten()).backward()
+        try:
+            opt.step(functools.partial(closure, sync))
+            result[f"closure {sync}"] = "no error"
+        except fxshard.FxShardError as e:
+            result[f"closure {sync}"] = str(e)
+    sharded.zero_grad()
+    return result
 
 
 def test_a_step_over_sums_no_sync_never_reduced_raises_and_zero_grad_drops_them() -> None:
@@ -660,6 +723,8 @@ def test_a_step_over_sums_no_sync_never_reduced_raises_and_zero_grad_drops_them(
         assert "SGD.step() ran while the gradients of units" in r["error"], r["error"]
         assert "outside no_sync()" in r["error"] and "zero_grad()" in r["error"]
         assert r["unchanged"]
+        assert r["closure True"] == "no error"
+        assert "SGD.step() ran while the gradients of units" in r["closure False"], r["closure False"]
         for k, v in r["ref_state"].items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 

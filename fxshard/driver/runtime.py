@@ -249,7 +249,7 @@ _HOOK: list[Any] = []
 _STEP_CHECKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     checks: dict[int, Callable[[torch.optim.Optimizer], None]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -264,8 +264,23 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"so it would never change. Build the optimizer over {use}, e.g. "
                     f"torch.optim.AdamW({use}, lr=...)."
                 )
-    for check in checks.values():
-        check(optimizer)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, ...)
+    if closure is None:
+        for check in checks.values():
+            check(optimizer)
+        return None
+    if not checks:
+        return None
+
+    # step(closure) runs the forward and backward itself (Lightning steps this way): the
+    # gradients to check exist once the closure has run, just before the update.
+    def checked() -> Any:
+        result = closure()
+        for check in checks.values():
+            check(optimizer)
+        return result
+
+    return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": checked}
 
 
 def retire(params: list[nn.Parameter], use: str) -> None:

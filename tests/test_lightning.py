@@ -1,0 +1,181 @@
+"""PyTorch Lightning: FxShardStrategy against Lightning's own DDP strategy, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lightning")
+import lightning.pytorch as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import fxshard  # noqa: E402
+from fxshard.lightning import FxShardMixedPrecision, FxShardStrategy  # noqa: E402
+from fxshard.policies import by_class  # noqa: E402
+
+from dist_utils import run_ranks  # noqa: E402
+from models import Block, TinyGPT  # noqa: E402
+
+
+class LitGPT(L.LightningModule):
+    """The suite's TinyGPT as a LightningModule; built in configure_model, which FxShardStrategy
+    runs on the meta device (meta init) and DDP on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: torch.nn.Module | None = None
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = TinyGPT()
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        assert self.model is not None
+        loss = F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The gradient's norm before Lightning clips it: over all ranks' shards under fxshard.
+        self.norms.append(torch.nn.utils.clip_grad_norm_(self.parameters(), float("inf")).item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 61, (16, 16), generator=gen)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=2)  # 4 steps a rank and epoch
+
+
+def _fit(strategy: Any, epochs: int, ckpt_path: str | None = None, save: str | None = None,
+         **trainer: Any) -> tuple[LitGPT, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    lit = LitGPT()
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  **trainer)
+    t.fit(lit, _data(), ckpt_path=ckpt_path)
+    if save is not None:
+        t.save_checkpoint(save)
+    return lit, t
+
+
+def _weights(lit: LitGPT) -> dict[str, torch.Tensor]:
+    model = lit.model
+    if isinstance(model, fxshard.ShardedModule):
+        return model.full_state_dict()
+    assert model is not None
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def lightning_worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    # Lightning finds the processes already made (LOCAL_RANK) and the process group up.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    out: dict[str, Any] = {}
+    ddp, _ = _fit("ddp", 2)
+    out["ddp"] = (ddp.losses, _weights(ddp))
+    strategy = FxShardStrategy(policy=by_class(Block))
+    whole, trainer = _fit(strategy, 2)
+    out["fxshard"] = (whole.losses, _weights(whole))
+    out["sharded"] = isinstance(whole.model, fxshard.ShardedModule) and trainer.strategy is strategy
+    out["units"] = len(whole.model.plan.units)  # type: ignore[union-attr]
+    # Resumed: one epoch, a checkpoint, and fit(ckpt_path=) to the second epoch.
+    ckpt = str(Path(directory) / "epoch1.ckpt")
+    first, _ = _fit(FxShardStrategy(policy=by_class(Block)), 1, save=ckpt)
+    resumed, t = _fit(FxShardStrategy(policy=by_class(Block)), 2, ckpt_path=ckpt)
+    out["resumed"] = (first.losses + resumed.losses, _weights(resumed), t.global_step)
+    # Gradient accumulation (no_sync for the batch that does not step) and clipping.
+    ddp_acc, _ = _fit("ddp", 1, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    acc, t = _fit("fxshard", 1, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    out["accumulate"] = (ddp_acc.losses, _weights(ddp_acc), acc.losses, _weights(acc))
+    out["norms"] = (ddp_acc.norms, acc.norms)
+    out["grad_sync"] = [s.grad_sync for s in acc.model._driver.steps]  # type: ignore[union-attr]
+    bf16, t = _fit(FxShardStrategy(policy=by_class(Block)), 1, precision="bf16-mixed")
+    out["bf16"] = (type(t.precision_plugin), bf16.model.config.mixed_precision,  # type: ignore[union-attr]
+                   {c.dtype for c in bf16.model._driver.steps[-1].collectives  # type: ignore[union-attr]
+                    if c.kind == "all_gather"})
+    return out
+
+
+@cache
+def _results(directory: str) -> list[dict[str, Any]]:
+    return run_ranks(lightning_worker, 2, directory)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _results(str(tmp_path_factory.mktemp("lightning")))
+
+
+def test_fxshard_strategy_trains_like_lightnings_ddp(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["sharded"] and r["units"] == 3  # two blocks and the root, built on meta
+        ddp_losses, ddp_weights = r["ddp"]
+        losses, weights = r["fxshard"]
+        assert len(losses) == 8  # 2 epochs of 4 steps on each rank
+        # Step for step, bit for bit: the same init (meta init draws as the CPU build does),
+        # data, clipping by the global norm and AdamW.
+        assert losses == ddp_losses
+        for k, v in ddp_weights.items():
+            assert torch.equal(weights[k], v), k
+
+
+def test_a_resumed_fit_equals_the_uninterrupted_one(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        losses, weights, step = r["resumed"]
+        assert losses == r["fxshard"][0] and step == 8
+        for k, v in r["fxshard"][1].items():
+            assert torch.equal(weights[k], v), k
+
+
+def test_accumulate_grad_batches_and_clipping_train_like_ddp(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        ddp_losses, ddp_weights, losses, weights = r["accumulate"]
+        assert len(losses) == 4
+        # The batch that does not step ran inside no_sync, the next flushed its sum.
+        assert [(g.accumulate, bool(g.flush)) for g in r["grad_sync"]] == [(True, False), (False, True)]
+        # no_sync adds the unreduced gradients and reduces the sum once, DDP reduces each
+        # backward's, and the global norm adds the shards' squares: the same sums in another
+        # order, rounding apart (test_recipe's bounds for both).
+        assert losses == pytest.approx(ddp_losses, rel=1e-5)
+        for k, v in ddp_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-6, msg=k)
+        ddp_norms, norms = r["norms"]
+        assert norms == pytest.approx(ddp_norms, rel=1e-5) and min(norms) > 1.0  # the clip acts
+
+
+def test_bf16_mixed_maps_to_fxshards_mixed_precision(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        plugin, precision, gathered = r["bf16"]
+        assert plugin is FxShardMixedPrecision  # no autocast: the module computes in bf16
+        assert precision == fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        assert gathered == {torch.bfloat16}
+
+
+def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["fxshard"]["strategy"] is FxShardStrategy
+    with pytest.raises(TypeError, match="Trainer\\(precision="):
+        FxShardStrategy(mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="reshard_after_forwards"):
+        FxShardStrategy(reshard_after_forwards=False)
+    lit = LitGPT()
+    lit.model, lit.head = TinyGPT(), torch.nn.Linear(2, 2)
+    with pytest.raises(fxshard.FxShardError, match="found 2 \\(model, head\\).*module=\"model\""):
+        FxShardStrategy()._child_name(lit)
+    del lit.head
+    lit.scale = torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(fxshard.FxShardError, match="\\['scale'\\] lie outside it"):
+        FxShardStrategy(module="model")._shard(lit)
