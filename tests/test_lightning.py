@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 from pathlib import Path
@@ -105,6 +106,16 @@ def lightning_worker(rank: int, world_size: int, directory: str) -> dict[str, An
     out["bf16"] = (type(t.precision_plugin), bf16.model.config.mixed_precision,  # type: ignore[union-attr]
                    {c.dtype for c in bf16.model._driver.steps[-1].collectives  # type: ignore[union-attr]
                     if c.kind == "all_gather"})
+    # fp16 with Lightning's GradScaler (on CPU only as a plugin: Trainer(precision="16-mixed")
+    # turns into bf16 there), and fxshard's own options through the strategy.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    fp16, t = _fit(FxShardStrategy(policy=by_class(Block), activation_checkpointing=by_class(Block)), 1,
+                   plugins=[MixedPrecision("16-mixed", "cpu")])
+    out["fp16"] = (type(t.precision_plugin), t.precision_plugin.scaler is not None,  # type: ignore[attr-defined]
+                   fp16.model.config.mixed_precision, fp16.losses,  # type: ignore[union-attr]
+                   [len(m.graphs["forward"].graph.output_node().args[0])  # type: ignore[union-attr]
+                    for m in (fp16.model, bf16.model)])  # what forward saves for backward
     return out
 
 
@@ -161,6 +172,15 @@ def test_bf16_mixed_maps_to_fxshards_mixed_precision(results: list[dict[str, Any
         assert plugin is FxShardMixedPrecision  # no autocast: the module computes in bf16
         assert precision == fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         assert gathered == {torch.bfloat16}
+
+
+def test_16_mixed_keeps_lightnings_scaler_and_options_reach_fxshard(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        plugin, scaled, precision, losses, (saved, saved_without_ac) = r["fp16"]
+        assert plugin is FxShardMixedPrecision and scaled
+        assert precision == fxshard.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        assert len(losses) == 4 and all(map(math.isfinite, losses))
+        assert saved < saved_without_ac  # activation_checkpointing= reached fxshard.compile
 
 
 def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
