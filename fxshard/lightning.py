@@ -298,7 +298,7 @@ class FxShardStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if self.root_device.type != "cpu" and self.root_device.index is not None:
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()

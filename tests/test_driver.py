@@ -292,3 +292,23 @@ def test_cli_prints_the_pass_list_for_the_options_given(capsys: pytest.CaptureFi
     assert "place_gathers_pass: first scheduling constraint" in out and "insert_free_pass" not in out
     assert cli.main(["passes", "--option", "disable_passes=insert_all_gather_pass"]) == 2
     assert "insert_all_gather_pass cannot be disabled" in capsys.readouterr().err
+
+
+def test_collectives_run_on_the_accelerator_whose_backend_the_group_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One path for every accelerator (torch.accelerator): XPU with xccl as CUDA with nccl;
+    gloo, or a backend that is not the accelerator's, communicates from the CPU."""
+    import torch.distributed as dist
+
+    from fxshard.driver import runtime
+
+    for accelerator, backend, expected in (("xpu", "xccl", torch.device("xpu", 3)),
+                                           ("cuda", "nccl", torch.device("cuda", 3)),
+                                           ("xpu", "gloo", torch.device("cpu")),
+                                           ("cuda", "xccl", torch.device("cpu"))):
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda check_available=False, a=accelerator: torch.device(a))
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert runtime.comm_device(None) == expected, (accelerator, backend)  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    assert runtime.comm_device(None) == torch.device("cpu")  # type: ignore[arg-type]

@@ -147,12 +147,12 @@ def resolve_world(process_group: dist.ProcessGroup | None) -> World:
 
 
 def comm_device(group: dist.ProcessGroup) -> torch.device:
-    """Where ``group``'s backend takes its tensors: CUDA for nccl, XPU for xccl, else the CPU."""
+    """Where ``group``'s backend takes its tensors: the current accelerator's device when the
+    backend is torch's for it (nccl for CUDA, xccl for XPU), else the CPU (gloo)."""
     backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend in ("xccl", "ccl") and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", torch.xpu.current_device())
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and backend == dist.get_default_backend_for_device(accelerator):
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 

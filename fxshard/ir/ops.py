@@ -153,21 +153,19 @@ FREE = torch.ops.fxshard.free.default
 
 
 def generator_state(device: torch.device) -> Tensor:
-    """The state of ``device``'s default generator (a CPU uint8 tensor)."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    if device.type == "xpu":
-        return torch.xpu.get_rng_state(device)
-    return torch.get_rng_state()
+    """The state of ``device``'s default generator (a CPU uint8 tensor); an accelerator's
+    through its device module (torch.cuda, torch.xpu, ...)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    state: Tensor = torch.get_device_module(device.type).get_rng_state(device)
+    return state
 
 
 def _set_generator_state(device: torch.device, state: Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    elif device.type == "xpu":
-        torch.xpu.set_rng_state(state, device)
-    else:
+    if device.type == "cpu":
         torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
