@@ -314,9 +314,9 @@ def compile(
     gm)`` (called with each graph as traced, pass name ``"traced"``, and after
     every pass; ``graph`` is "joint", "forward", "backward" or "inference"),
     ``mesh`` (a ``DeviceMesh`` instead of ``process_group``, with FSDP2's
-    conventions: 1-D shards over its ranks, ``(N, 1)`` is NO_SHARD: every
-    parameter whole on every rank and its gradient all-reduced; HSDP's
-    ``(R, S)`` with both above 1 is refused, not run yet),
+    conventions: 1-D shards over its ranks, ``(R, S)`` is HSDP: S-way shards
+    replicated R times, ``(N, 1)`` is NO_SHARD: every parameter whole on every
+    rank and its gradient all-reduced),
     ``replicate`` (a policy: the units it selects are NO_SHARD, whole on every rank),
     ``timeout`` (seconds any collective of a step waits for the other ranks;
     default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
