@@ -1,7 +1,7 @@
 """The ``fxshard`` command line.
 
     fxshard explain MODULE:FACTORY (--world-size N | --mesh RxS) --policy "by_class(Block)" \\
-        --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] \\
+        --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
         [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB]
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
 
@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="peak bytes per rank (e.g. 2GiB): shows the schedule the planner chooses")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
+    ex.add_argument("--trace", default=None, metavar="FILE",
+                    help="write the predicted step as a Chrome trace (JSON; Perfetto, chrome://tracing); "
+                         "its time axis is node order")
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
     ps = sub.add_parser("passes", help="the pass list of every graph, and why each pass is where it is")
     ps.add_argument("--option", action="append", default=[], help="option key=value, as for explain")
@@ -280,11 +283,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxshard explain: error: {e}{note}", file=sys.stderr)
         return 2
     print(result)
+    if args.trace:
+        from fxshard.driver.trace_events import write_trace
+
+        try:
+            path = write_trace(args.trace, result.graphs, result.report)
+        except OSError as e:
+            print(f"fxshard explain: error: cannot write the trace to {args.trace}: {e}", file=sys.stderr)
+            return 2
+        print(f"\nwrote {path}: the predicted step as a Chrome trace (open in ui.perfetto.dev); its time "
+              "axis is node order, 1 node = 1 us")
     if args.graphs:
         for name, gm in result.graphs.items():
             print(f"\n--- {name} graph ---\n{gm.code}")
     if args.dump:
-        print(f"\ndumped to {args.dump}: plan.txt, report.txt, passes/, timeline.png/.svg, units.graphml/.dot")
+        print(f"\ndumped to {args.dump}: plan.txt, report.txt, passes/, trace.json, timeline.png/.svg, "
+              "units.graphml/.dot")
     return 0
 
 

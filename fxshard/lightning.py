@@ -57,6 +57,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.plugins.precision.double import DoublePrecision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -68,11 +69,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
-import fxshard
 from fxshard.api import ShardedModule
+from fxshard.api import compile as compile_module
+from fxshard.checkpoint import get_model_state_dict, get_optimizer_state_dict, load, save
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.policies import Policy
+from fxshard.ir.precision import MixedPrecision as FxShardPrecision
 
 log = logging.getLogger("fxshard")
 
@@ -183,12 +186,12 @@ class FxShardStrategy(ParallelStrategy):
             return  # sharded by an earlier fit/validate of this Trainer
         options = dict(self._options)
         if isinstance(self.precision_plugin, FxShardMixedPrecision):
-            options["mixed_precision"] = fxshard.MixedPrecision(param_dtype=self.precision_plugin.param_dtype,
-                                                                reduce_dtype=torch.float32)
+            options["mixed_precision"] = FxShardPrecision(param_dtype=self.precision_plugin.param_dtype,
+                                                          reduce_dtype=torch.float32)
         on_meta = any(t.is_meta for t in [*child.parameters(), *child.buffers()])
         if not on_meta:
             child.to(self.root_device)
-        setattr(lm, name, fxshard.compile(child, self._policy, **options))
+        setattr(lm, name, compile_module(child, self._policy, **options))
 
     def _map_precision(self) -> None:
         plugin = self.precision_plugin
@@ -269,8 +272,7 @@ class FxShardStrategy(ParallelStrategy):
         self._shard(self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()  # built over the shards, not the model's tensors
-            self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)  # after sharding: over the shards
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -328,11 +330,13 @@ class FxShardStrategy(ParallelStrategy):
         """This rank's pieces (fxshard's sharded state dict), under the LightningModule's names."""
         assert self.lightning_module is not None
         name = self._child_name(self.lightning_module)
-        pieces = fxshard.get_model_state_dict(self.sharded)
+        pieces = get_model_state_dict(self.sharded)
         return {f"{name}.{k}": v for k, v in pieces.items()}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return fxshard.get_optimizer_state_dict(self.sharded, getattr(optimizer, "_optimizer", optimizer))
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return get_optimizer_state_dict(self.sharded, optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint has loaded the shards
@@ -354,8 +358,7 @@ class FxShardStrategy(ParallelStrategy):
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         extra = {_EXTRA_KEY: base64.b64encode(buffer.getvalue()).decode("ascii")}
-        fxshard.checkpoint.save(path, self.sharded, [getattr(o, "_optimizer", o) for o in self.optimizers],
-                                extra=extra)
+        save(path, self.sharded, self.optimizers, extra=extra)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -365,7 +368,7 @@ class FxShardStrategy(ParallelStrategy):
                 "For a single-file checkpoint, load its state dict into the model before fit, or "
                 "use fxshard.checkpoint.load_safetensors."
             )
-        extra = fxshard.checkpoint.load(path, self.sharded, [getattr(o, "_optimizer", o) for o in self.optimizers])
+        extra = load(path, self.sharded, self.optimizers)
         if not extra or _EXTRA_KEY not in extra:
             raise FxShardError(f"{path} is an fxshard checkpoint without Lightning's state: it was not "
                                "written by trainer.save_checkpoint under FxShardStrategy")

@@ -6,6 +6,12 @@ step (no gradient needed) goes straight to ``compile_inference``. Each hook
 runs the pipeline the driver built for its graph, recompiles the GraphModule and
 returns it as a boxed callable, so AOTAutograd's own runtime (the
 autograd.Function around the graphs, buffer mutation write-back) runs it.
+
+Under a torch profiler the eager graphs run a copy with named ranges around
+each collective and each wait (``with_profiler_ranges``); the graphs that
+``sharded.graphs``, the report and ``verify`` read have none. Inductor removes
+``record_function`` ops from the graphs it compiles, so ``compute="inductor"``
+runs without them: its collectives keep torch's own names only.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import torch.fx as fx
 from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
-from fxshard.ir.chains import next_chain_id
+from fxshard.ir.chains import chains, next_chain_id
 from fxshard.ir.checkpointing import Checkpointing
+from fxshard.ir.collectives import KINDS
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
@@ -181,12 +188,64 @@ def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:
     The generated code takes the argument list and clears it, so each input
     (a saved activation, a tangent) dies after its last use in the graph
     rather than when the graph returns. ``gm`` itself keeps the plain
-    signature, for reading and for calling by hand.
+    signature, for reading and for calling by hand. While a profiler records,
+    a second copy runs instead, with ``with_profiler_ranges``, made at the first
+    call under a profiler; without one, the ranges cost a flag read per call.
     """
-    runnable = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    plain = _boxed_copy(gm, copy.deepcopy(gm.graph)).forward
+    if not any(P.is_collective(n) for n in gm.graph.nodes):
+        return plain
+    ranged: list[Callable[[list[Any]], Any]] = []
+
+    def run(args: list[Any]) -> Any:
+        if not compat.profiler_enabled():
+            return plain(args)
+        if not ranged:
+            ranged.append(_boxed_copy(gm, with_profiler_ranges(gm.graph)).forward)
+        return ranged[0](args)
+
+    return run
+
+
+def _boxed_copy(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    runnable = fx.GraphModule(gm, graph)
     runnable.graph.set_codegen(BoxedCodeGen())
     runnable.recompile()
-    return runnable.forward
+    return runnable
+
+
+RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
+
+def range_name(kind: str, unit: str, wait: bool = False) -> str:
+    """``fxshard all_gather blocks.0``, ``fxshard wait reduce_scatter <root>``: a profiler range."""
+    return f"fxshard {'wait ' if wait else ''}{kind} {unit or '<root>'}"
+
+
+def with_profiler_ranges(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with a ``record_function`` range around each collective and each
+    wait, named by ``range_name``.
+
+        all_gather(shard)  ->  enter("fxshard all_gather blocks.0") -> all_gather(shard) -> exit
+        wait(ag)           ->  enter("fxshard wait all_gather blocks.0") -> wait(ag) -> exit
+
+    The issue and the wait get a range each, not one from issue to wait: ranges on one
+    thread must nest, and collectives in flight together (prefetch, reductions waited late)
+    overlap without nesting. For running only: the new nodes carry no metadata.
+    """
+    ranged = copy.deepcopy(graph)
+    for chain in chains(ranged):
+        for collective in chain.collectives:
+            kind = KINDS[collective.target]  # type: ignore[index]
+            (wait,) = collective.users  # invariant 3: a collective's one user is its wait
+            for node, is_wait in ((collective, False), (wait, True)):
+                with ranged.inserting_before(node):
+                    enter = ranged.call_function(RANGE_ENTER, (range_name(kind, chain.unit, is_wait), None))
+                with ranged.inserting_after(node):
+                    ranged.call_function(RANGE_EXIT, (enter,))
+    ranged.lint()
+    return ranged
 
 
 class BoxedCodeGen(fx.graph.CodeGen):

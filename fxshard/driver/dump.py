@@ -5,6 +5,7 @@ Files written to the dump directory:
     plan.txt, report.txt
     passes/NN-<graph>-<pass>.py      graph code after each pass
     passes/NN-<graph>-<pass>.diff    unified diff against the graph before that pass
+    trace.json                       the same step as a Chrome trace (Perfetto); x: node order
     timeline.png, timeline.svg       one rank's step: compute and communication lanes,
                                      predicted live memory, unit windows (needs matplotlib)
     units.graphml, units.dot         the unit graph (execution order, nesting)
@@ -21,6 +22,7 @@ import networkx as nx
 import torch.fx as fx
 
 from fxshard.driver.report import Report
+from fxshard.driver.trace_events import write_trace
 from fxshard.ir.plan import ShardPlan
 
 log = logging.getLogger("fxshard")
@@ -85,6 +87,7 @@ def write_dump(directory: Path, *, plan: ShardPlan, graphs: dict[str, fx.GraphMo
     nx.write_graphml(units, directory / "units.graphml")
     written.append(directory / "units.graphml")
     write(directory / "units.dot", _dot(units))
+    written.append(write_trace(directory / "trace.json", graphs, report))
     try:
         from fxshard.driver.timeline import draw_timeline
     except ImportError as e:  # matplotlib is an optional extra

@@ -67,6 +67,9 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   collectives of the compiled graphs (``_is_key_in_tls`` and its siblings, absent on 2.11, which
   stashes nothing). Without it a gloo worker could drop the last reference after interpreter
   finalization began: SIGABRT at exit (docs/situations.md, "A clean exit").
+- ``profiler_enabled`` (``torch.autograd.profiler._is_profiler_enabled``): torch's fast check
+  that a profiler is recording; the eager graphs then run the copy with named ranges
+  (``driver/codegen.py``).
 - ``register_backend``, ``optimized_module_class``, ``innermost_backend``, ``original_module``,
   ``dynamo_exc`` (``torch._dynamo``): the torch.compile backend.
 - ``inductor_*`` (``torch._inductor``): ``compute="inductor"``.
@@ -137,7 +140,8 @@ __all__ = [
     "flatten_state_dict", "foreach_norm", "functorch_config", "gloo_threads", "group_timeout",
     "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
     "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "load_state_dict_from_keys",
-    "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module", "pytree",
+    "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
+    "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
     "storage_key",
 ]
@@ -176,6 +180,12 @@ def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
 def is_boxed(fn: Callable[..., Any]) -> bool:
     """Does ``fn`` take the boxed calling convention (Inductor's compiled graphs do)?"""
     return bool(getattr(fn, "_boxed_call", False))
+
+
+def profiler_enabled() -> bool:
+    """Is a torch profiler recording? (A module global that ``torch.profiler.profile`` and
+    ``torch.autograd.profiler.profile`` set on entry and clear on exit.)"""
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def storage_key(t: torch.Tensor) -> int:
