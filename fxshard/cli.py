@@ -2,7 +2,7 @@
 
     fxshard explain MODULE:FACTORY (--world-size N | --mesh RxS) --policy "by_class(Block)" \\
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
-        [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB]
+        [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW]
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
@@ -133,6 +133,30 @@ def parse_bytes(text: str) -> int:
                            "1.5e9") from None
 
 
+def parse_optimizer(text: str) -> Any:
+    """``AdamW``, ``SGD(momentum=0.9)``: a torch.optim class, or a partial of one with
+    literal keywords (what ``optimizer=`` takes)."""
+    import ast
+    import functools
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        call = tree if isinstance(tree, ast.Call) else None
+        name = (call.func if call else tree)
+        if not isinstance(name, ast.Name) or (call and call.args):
+            raise ValueError(text)
+        keywords = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords} if call else {}
+        if call and any(k.arg is None for k in call.keywords):
+            raise ValueError(text)
+    except (SyntaxError, ValueError):
+        raise FxShardError(f"--optimizer takes a torch.optim class name, with keywords if its state "
+                           f"depends on them: AdamW, SGD(momentum=0.9); got {text!r}") from None
+    cls = getattr(torch.optim, name.id, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise FxShardError(f"--optimizer {text!r}: torch.optim has no optimizer {name.id!r}")
+    return functools.partial(cls, **keywords) if keywords else cls
+
+
 def _value(text: str) -> Any:
     lowered = text.lower()
     if lowered in ("true", "false"):
@@ -233,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='regions to recompute: a policy, or "selective(by_class(Block))"')
     ex.add_argument("--memory-budget", default=None,
                     help="peak bytes per rank (e.g. 2GiB): shows the schedule the planner chooses")
+    ex.add_argument("--optimizer", default=None, metavar="CLASS",
+                    help="count the optimizer step's state in the peak: AdamW, SGD(momentum=0.9)")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
     ex.add_argument("--trace", default=None, metavar="FILE",
@@ -271,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             options["activation_checkpointing"] = parse_checkpointing(args.activation_checkpointing, module)
         if args.memory_budget:
             options["memory_budget"] = parse_bytes(args.memory_budget)
+        if args.optimizer:
+            options["optimizer"] = parse_optimizer(args.optimizer)
         inputs = _inputs(args.input_shape, args.input_dtype)
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)

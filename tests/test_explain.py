@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import shlex
@@ -390,6 +391,26 @@ def test_logging_is_silent_by_default_and_goes_through_one_logger(
     assert all(r.name == "fxshard" for r in ours), {r.name for r in ours}
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_cli_explain_counts_the_optimizer_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxshard import cli
+
+    args = ["explain", str(ROOT / "tests" / "models.py") + ":TinyGPT", "--world-size", "4",
+            "--policy", "by_class(Block)", "--input-shape", "2,16", "--input-dtype", "int64"]
+    expected = {name: fxshard.explain(TinyGPT(), torch.zeros(2, 16, dtype=torch.long), by_class(Block), 4,
+                                      optimizer=opt).report.optimizer_state_bytes
+                for name, opt in (("AdamW", torch.optim.AdamW),
+                                  ("SGD(momentum=0.9)", functools.partial(torch.optim.SGD, momentum=0.9)))}
+    assert expected["AdamW"] == 2 * expected["SGD(momentum=0.9)"] > 0
+    for name, states in (("AdamW", "AdamW (2 states per parameter)"),
+                         ("SGD(momentum=0.9)", "SGD (1 state per parameter)")):
+        assert cli.main([*args, "--optimizer", name]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "optimizer state" in x)
+        assert f"{expected[name] / 2**20:.3f} MiB" in line and states in line
+    for bad, message in (("Foo", "torch.optim has no optimizer 'Foo'"), ("SGD(0.1)", "with keywords if")):
+        assert cli.main([*args, "--optimizer", bad]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_explain_shows_the_memory_budget_choice(capsys: pytest.CaptureFixture[str]) -> None:
