@@ -142,7 +142,7 @@ class FxShardStrategy(ParallelStrategy):
         self._module_name = module
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._process_group_timeout = timeout
         self.num_nodes = 1
 
     # -- the sharded module ------------------------------------------------------------------
@@ -252,7 +252,7 @@ class FxShardStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = dist.get_default_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self._process_group_timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)

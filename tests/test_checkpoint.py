@@ -614,3 +614,19 @@ def test_consolidate_of_a_damaged_checkpoint_is_one_error_line_and_writes_nothin
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fxshard consolidate: error:") and "cannot read" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_optimizer_with_an_empty_group_reloads_its_own_state() -> None:
+    """The Hugging Face Trainer builds a group that may hold no parameter: its saved twin (by
+    position) gives its hyperparameters back, and the other groups load as always."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
+    opt = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "lr": 0.5}])
+    sharded(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = fxshard.get_optimizer_state_dict(sharded, opt, options=StateDictOptions(full_state_dict=True))
+    fresh = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "lr": 0.1}])
+    fxshard.set_optimizer_state_dict(sharded, fresh, saved)
+    assert fresh.param_groups[1]["lr"] == 0.5
+    shard = next(iter(sharded.parameters()))
+    assert torch.equal(fresh.state[shard]["exp_avg"], opt.state[shard]["exp_avg"])

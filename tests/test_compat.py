@@ -48,6 +48,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     "constructor from each rank's boxes without a collective; the class comes from compat",
     ("fxshard/driver/state.py", "_non_persistent_buffers_set"): "nn.Module's record of "
     "non-persistent buffers, unchanged since torch 1.6; state_dict() leaves them out",
+    ("fxshard/hf.py", "_no_split_modules"): "transformers' PreTrainedModel attribute, not torch's: "
+    "the decoder layer classes, which Accelerate's FSDP plugin also wraps by default",
+    ("fxshard/hf.py", "_save"): "transformers' Trainer._save, not torch's: writes the model with "
+    "save_pretrained from a given state dict, as Trainer.save_model does",
 }
 
 

@@ -645,6 +645,11 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
                 positions.append(position)
                 position += 1
                 found = found or next((hyper[s.name] for s in group.params if s.name in hyper), None)
+            if not pg["params"]:  # an empty group (the HF Trainer makes one): its saved twin, by position
+                saved_groups = state_dict["param_groups"]
+                twin = saved_groups[len(new_groups)] if len(new_groups) < len(saved_groups) else None
+                found = {k: v for k, v in (twin if twin is not None and not twin.get("params") else pg).items()
+                         if k != "params"}
             if found is None:
                 problems.append(f"no saved param_group holds the parameters of {type(optimizer).__name__}'s "
                                 f"group {len(new_groups)}")
