@@ -168,6 +168,38 @@ def test_explain_trace_has_every_collective_and_free(layout: dict[str, Any], kin
     assert trace["otherData"]["predicted_peak_bytes"] == e.report.predicted_peak_bytes
 
 
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_offloads_copies_have_a_track_of_their_own(world_size: int) -> None:
+    """With offload_policy, each host-to-device copy before a gather and device-to-host copy
+    after a reduction is on the copy track, named by unit, with its bytes (at world size 1
+    the copy is the whole chain)."""
+    from fxshard.driver.trace_events import chrome_trace
+    from fxshard.ir import meta
+
+    with torch.device("meta"):
+        model = TinyGPT()
+    e = fxshard.explain(model, torch.randint(0, 61, (2, 16)), policy=by_class(Block), world_size=world_size,
+                        offload_policy=fxshard.CPUOffloadPolicy())
+    expected: Counter[tuple[str, str]] = Counter()
+    for name, gm in e.graphs.items():
+        for chain in chains(gm.graph):
+            for node in chain.nodes:
+                way = {meta.Role.TO_DEVICE: "host->device", meta.Role.TO_HOST: "device->host"}.get(
+                    meta.role_of(node))  # type: ignore[arg-type]
+                if way:
+                    expected[(f"{way} {_label(chain.unit)}", name)] += 1
+    assert {k[0].split()[0] for k in expected} == {"host->device", "device->host"}
+    events = check_chrome_trace(chrome_trace(e.graphs, e.report))
+    (copy_tid,) = [ev["tid"] for ev in events if ev["name"] == "thread_name" and ev["args"]["name"] == "copy"]
+    copies = [ev for ev in events if ev.get("cat") == "copy"]
+    assert Counter((ev["name"], ev["args"]["graph"]) for ev in copies) == expected
+    assert all(ev["tid"] == copy_tid and ev["args"]["bytes"] > 0 for ev in copies)
+    from fxshard.driver.timeline import _spans  # the picture's "host copy" lane: the same copies
+
+    drawn = [kind for gm in e.graphs.values() for kind, *_ in _spans(gm, 0)[0]]
+    assert drawn.count("copy") == sum(expected.values())
+
+
 def test_collectives_in_flight_together_get_tracks_of_their_own() -> None:
     """fxshard's schedules keep one gather in flight at a time on this model; issued early by
     hand, the second one overlaps the first without nesting, which one track cannot hold."""

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
 from fxshard.driver.report import Report  # noqa: E402
+from fxshard.ir import meta  # noqa: E402
 from fxshard.ir import predicates as P  # noqa: E402
 from fxshard.ir.analysis import aliases  # noqa: E402
 from fxshard.ir.chains import chains  # noqa: E402
@@ -23,7 +24,8 @@ from fxshard.ir.plan import ShardPlan  # noqa: E402
 
 
 def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, int, int]], list[int]]:
-    """(kind, unit, issue, wait) per collective; (unit, start, end) per gathered buffer's use; compute positions."""
+    """(kind, unit, issue, wait) per collective, and (copy, unit, at, at) per offload copy;
+    (unit, start, end) per gathered buffer's use; compute positions."""
     order = {n: i + offset for i, n in enumerate(gm.graph.nodes)}
     comms, windows = [], []
     found = chains(gm.graph)
@@ -32,6 +34,9 @@ def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, i
         kind = chain.direction.value
         for collective, wait in zip(chain.collectives, chain.waits):
             comms.append((kind, chain.unit, order[collective], order[wait]))
+        for node in chain.nodes:
+            if meta.role_of(node) in (meta.Role.TO_DEVICE, meta.Role.TO_HOST):
+                comms.append(("copy", chain.unit, order[node], order[node]))
         if chain.gathers:
             start = order[(chain.waits or (chain.result,))[0]]  # one offloaded rank: the copy
             uses = [order[u] for v in aliases(chain.result) for u in v.users if not P.is_free(u)]
@@ -53,7 +58,7 @@ def draw_timeline(path: Path, plan: ShardPlan, emitted: dict[str, fx.GraphModule
         comms, windows, compute = _spans(gm, offset)
         lanes.vlines(compute, 1.6, 2.4, color="0.35", linewidth=0.6)
         for kind, unit, start, end in comms:
-            y = 0.75 if kind == "gather" else 0.25
+            y = {"gather": 0.75, "copy": 1.25}.get(kind, 0.25)
             lanes.broken_barh([(start, max(end - start, 0.8))], (y - 0.2, 0.4),
                               facecolor=colors.get(unit, "0.5"), edgecolor="black", linewidth=0.4)
         for unit, start, end in windows:
@@ -67,7 +72,7 @@ def draw_timeline(path: Path, plan: ShardPlan, emitted: dict[str, fx.GraphModule
     for _, end in boundaries[:-1]:
         for ax in (lanes, mem):
             ax.axvline(end, color="black", linestyle="--", linewidth=1)
-    lanes.set_yticks([0.25, 0.75, 2.0], ["reduce", "gather", "compute"])
+    lanes.set_yticks([0.25, 0.75, 1.25, 2.0], ["reduce", "gather", "host copy", "compute"])
     lanes.set_ylim(0, 2.6)
     lanes.set_title(f"fxshard step, rank {rank} of {world_size}: "
                     f"{' | '.join(n for n, _ in graphs)} (x: node order)")

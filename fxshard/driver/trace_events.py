@@ -9,6 +9,8 @@ The same step as ``timeline.py``'s picture, as JSON that Perfetto
       gather             all_gather blocks.0 [issue ... wait]   all_gather blocks.1 [...]
       gather (2)         a gather in flight while another one is (prefetch, fp8's scales)
       reduce             reduce_scatter blocks.1 [issue ... wait]  all_reduce ... (HSDP)
+      copy               offload: host->device blocks.0 before its gather, device->host after
+                         its reduction (only with offload_policy)
       predicted live memory  (counter, MiB: the report's live bytes after each node; the
                              predicted peak, reached inside a node, is in otherData)
 
@@ -72,6 +74,7 @@ def chrome_trace(graphs: dict[str, fx.GraphModule], report: Report) -> dict[str,
     pid = report.rank
     events: list[dict[str, Any]] = []
     spans: list[tuple[str, int, int, dict[str, Any]]] = []  # direction, start, end, event
+    copies: list[dict[str, Any]] = []
     offset, last = 0, -1
     for name in names:
         gm = graphs[name]
@@ -102,6 +105,15 @@ def chrome_trace(graphs: dict[str, fx.GraphModule], report: Report) -> dict[str,
                              "bytes": _nbytes(collective.args[0]), "lowering": chain.lowering,
                              "group": P.group_name(collective), "issue": collective.name,
                              "wait": wait.name}}))
+            for node in chain.nodes:
+                role = meta.role_of(node)
+                if role in (meta.Role.TO_DEVICE, meta.Role.TO_HOST):
+                    way = "host->device" if role is meta.Role.TO_DEVICE else "device->host"
+                    copies.append({"name": f"{way} {unit_label(chain.unit)}", "cat": "copy", "ph": "X",
+                                   "ts": order[node], "dur": 1, "pid": pid,
+                                   "args": {"graph": name, "unit": unit_label(chain.unit),
+                                            "bytes": _nbytes(node), "lowering": chain.lowering,
+                                            "node": node.name}})
             for free in chain.frees:
                 events.append({"name": f"free {unit_label(chain.unit)}", "cat": "free", "ph": "i",
                                "s": "t", "ts": order[free], "pid": pid, "tid": COMPUTE_TID,
@@ -130,6 +142,10 @@ def chrome_trace(graphs: dict[str, fx.GraphModule], report: Report) -> dict[str,
                            "args": {"name": direction if i == 0 else f"{direction} ({i + 1})"}})
     for direction, lane, event in placed:
         events.append({**event, "tid": tids[(direction, lane)]})
+    if copies:  # one node each, in graph order: they never overlap
+        copy_tid = COMPUTE_TID + 1 + len(tids)
+        tracks.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": copy_tid, "args": {"name": "copy"}})
+        events.extend({**event, "tid": copy_tid} for event in copies)
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
     return {
         "traceEvents": tracks + events,
