@@ -154,15 +154,15 @@ FREE = torch.ops.fxshard.free.default
 
 def generator_state(device: torch.device) -> Tensor:
     """The state of ``device``'s default generator (a CPU uint8 tensor); an accelerator's
-    through its device module (torch.cuda, torch.xpu, ...)."""
-    if device.type == "cpu":
+    through its device module (torch.cuda, torch.xpu, ...). Meta (explain) has none: the CPU's."""
+    if device.type in ("cpu", "meta"):
         return torch.get_rng_state()
     state: Tensor = torch.get_device_module(device.type).get_rng_state(device)
     return state
 
 
 def _set_generator_state(device: torch.device, state: Tensor) -> None:
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):
         torch.set_rng_state(state)
     else:
         torch.get_device_module(device.type).set_rng_state(state, device)
