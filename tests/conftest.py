@@ -14,7 +14,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # - a test's 3-rank case when the same test runs on 2 and 3 ranks (and perhaps 1) only: these spawn
 #   real ranks. The fast tier keeps the 2-rank case; uneven shards stay in it through
 #   test_checkpoint (1 and 3 ranks), test_plan and test_local_ranks (3, 5, 7 ranks, no spawn).
-# - tests marked ``@pytest.mark.slow`` in their file (the quick benchmark).
+# - tests marked ``@pytest.mark.slow`` in their file: the quick benchmark, the Llama-scale explains,
+#   the gloo stress loop, the GPT example script (its resume at another world size is also
+#   test_checkpoint's, in the fast tier), and Lightning's precision flags (test_lightning).
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]

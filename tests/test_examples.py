@@ -106,6 +106,7 @@ def test_mnist_reads_idx_files_plain_and_gzipped(tmp_path: Path) -> None:
     assert test.tensors[0].shape == (3, 1, 28, 28) and torch.equal(test.tensors[1], labels[:3])
 
 
+@pytest.mark.slow  # resuming at another world size is in the fast tier through test_checkpoint
 def test_gpt_example_trains_reports_saves_and_resumes_at_another_world_size(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     common = ["--layers", "2", "--dim", "32", "--checkpoint", ckpt]

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -93,6 +94,7 @@ def _stress(rank: int, world_size: int, store_path: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow  # a stress loop; the fast tier runs the same collectives in every 2-rank test
 def test_emitted_collectives_in_a_tight_loop_do_not_corrupt_the_heap() -> None:
     previous = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = "glibc.malloc.tcache_count=0"  # read by the spawned ranks at start

@@ -102,6 +102,12 @@ def lightning_worker(rank: int, world_size: int, directory: str) -> dict[str, An
     out["accumulate"] = (ddp_acc.losses, _weights(ddp_acc), acc.losses, _weights(acc))
     out["norms"] = (ddp_acc.norms, acc.norms)
     out["grad_sync"] = [s.grad_sync for s in acc.model._driver.steps]  # type: ignore[union-attr]
+    return out
+
+
+def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    out: dict[str, Any] = {}
     bf16, t = _fit(FxShardStrategy(policy=by_class(Block)), 1, precision="bf16-mixed")
     out["bf16"] = (type(t.precision_plugin), bf16.model.config.mixed_precision,  # type: ignore[union-attr]
                    {c.dtype for c in bf16.model._driver.steps[-1].collectives  # type: ignore[union-attr]
@@ -127,6 +133,11 @@ def _results(directory: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _results(str(tmp_path_factory.mktemp("lightning")))
+
+
+@pytest.fixture(scope="module")
+def precision() -> list[dict[str, Any]]:
+    return run_ranks(precision_worker, 2)
 
 
 def test_fxshard_strategy_trains_like_lightnings_ddp(results: list[dict[str, Any]]) -> None:
@@ -166,16 +177,18 @@ def test_accumulate_grad_batches_and_clipping_train_like_ddp(results: list[dict[
         assert norms == pytest.approx(ddp_norms, rel=1e-5) and min(norms) > 1.0  # the clip acts
 
 
-def test_bf16_mixed_maps_to_fxshards_mixed_precision(results: list[dict[str, Any]]) -> None:
-    for r in results:
+@pytest.mark.slow
+def test_bf16_mixed_maps_to_fxshards_mixed_precision(precision: list[dict[str, Any]]) -> None:
+    for r in precision:
         plugin, precision, gathered = r["bf16"]
         assert plugin is FxShardMixedPrecision  # no autocast: the module computes in bf16
         assert precision == fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         assert gathered == {torch.bfloat16}
 
 
-def test_16_mixed_keeps_lightnings_scaler_and_options_reach_fxshard(results: list[dict[str, Any]]) -> None:
-    for r in results:
+@pytest.mark.slow
+def test_16_mixed_keeps_lightnings_scaler_and_options_reach_fxshard(precision: list[dict[str, Any]]) -> None:
+    for r in precision:
         plugin, scaled, precision, losses, (saved, saved_without_ac) = r["fp16"]
         assert plugin is FxShardMixedPrecision and scaled
         assert precision == fxshard.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -195,6 +208,17 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
     lit.model, lit.head = TinyGPT(), torch.nn.Linear(2, 2)
     with pytest.raises(fxshard.FxShardError, match="found 2 \\(model, head\\).*module=\"model\""):
         FxShardStrategy()._child_name(lit)
+    # Precision flags (the whole runs: the slow tier's tests above).
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    strategy = FxShardStrategy()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy._map_precision()
+    assert isinstance(strategy.precision_plugin, FxShardMixedPrecision)
+    assert strategy.precision_plugin.param_dtype == torch.bfloat16
+    strategy.precision_plugin = type("Bitsandbytes", (Precision,), {})()
+    with pytest.raises(fxshard.FxShardError, match="does not support the precision plugin Bitsandbytes"):
+        strategy._map_precision()
     del lit.head
     lit.scale = torch.nn.Parameter(torch.ones(1))
     with pytest.raises(fxshard.FxShardError, match="\\['scale'\\] lie outside it"):
