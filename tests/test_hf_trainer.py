@@ -25,16 +25,13 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-pytest.importorskip("transformers")
+import fxshard
+from fxshard.hf import FxShardTrainer
+from fxshard.measure import CommCounter
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-import fxshard  # noqa: E402
-from fxshard.hf import FxShardTrainer  # noqa: E402
-from fxshard.measure import CommCounter  # noqa: E402
-
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import run_ranks
 
 STEPS = 4  # optimizer steps, of 2 micro-batches each on each rank
 SEQ = 16

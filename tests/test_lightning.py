@@ -8,20 +8,18 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-pytest.importorskip("lightning")
-import lightning.pytorch as L  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import fxshard
+from fxshard.lightning import FxShardMixedPrecision, FxShardStrategy
+from fxshard.policies import by_class
 
-import fxshard  # noqa: E402
-from fxshard.lightning import FxShardMixedPrecision, FxShardStrategy  # noqa: E402
-from fxshard.policies import by_class  # noqa: E402
-
-from dist_utils import run_ranks  # noqa: E402
-from models import Block, TinyGPT  # noqa: E402
+from dist_utils import run_ranks
+from models import Block, TinyGPT
 
 
 class LitGPT(L.LightningModule):
