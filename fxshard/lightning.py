@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import base64
 import io
-import logging
+import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -76,8 +76,6 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.policies import Policy
 from fxshard.ir.precision import MixedPrecision as FxShardPrecision
-
-log = logging.getLogger("fxshard")
 
 __all__ = ["FxShardMixedPrecision", "FxShardStrategy"]
 
@@ -378,8 +376,6 @@ class FxShardStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-
             shutil.rmtree(filepath, ignore_errors=True)
 
     @classmethod
