@@ -2,7 +2,8 @@
 
     fxshard explain MODULE:FACTORY (--world-size N | --mesh RxS) --policy "by_class(Block)" \\
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
-        [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW]
+        [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW] \\
+        [--device cuda]
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--optimizer", default=None, metavar="CLASS",
                     help="count the optimizer step's state in the peak: AdamW, SGD(momentum=0.9)")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
+    ex.add_argument("--device", default=None,
+                    help="plan for this device's kernels on fake tensors (cuda needs one here); default meta")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
     ex.add_argument("--trace", default=None, metavar="FILE",
                     help="write the predicted step as a Chrome trace (JSON; Perfetto, chrome://tracing); "
@@ -303,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)
         result = explain(model, inputs, parse_policy(args.policy, module), args.world_size,
-                         mesh_shape=args.mesh, rank=args.rank, train=not args.eval, dump_dir=args.dump, **options)
+                         mesh_shape=args.mesh, rank=args.rank, train=not args.eval, dump_dir=args.dump,
+                         device=args.device, **options)
     except (FxShardError, TypeError, ValueError) as e:
         note = ""
         if isinstance(e, TraceError) and e.kind in ("index-dtype", "dtype") and not args.input_dtype:

@@ -1,14 +1,16 @@
 """``fxshard.explain``: the plan, graphs and report of any model at any world size, in one process.
 
 No cluster and no real memory: the model is copied onto the meta device (a
-model built on meta is used as it is), the process group is torch's ``fake``
-backend with N ranks, and tracing runs under fake tensors. Nothing runs, so
+model built on meta is used as it is), or, with ``device=``, into fake tensors
+of that device; the process group is torch's ``fake`` backend with N ranks,
+and tracing runs under fake tensors. Nothing runs, so
 nothing is communicated; the graphs are exactly those rank ``rank`` of a real
 N-rank job would emit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -27,6 +29,7 @@ from fxshard.api import shard_module
 from fxshard.driver.compiler import Driver
 from fxshard.driver.dump import PassLog
 from fxshard.driver.report import Report
+from fxshard.ir import compat
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig, from_mesh
 from fxshard.ir.errors import FxShardError
@@ -65,18 +68,53 @@ def _to_meta(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _create_on_meta(model: nn.Module) -> None:
+def _to_fake(model: nn.Module, device: torch.device, mode: Any) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors of ``mode`` on
+    ``device``: they claim the device and allocate nothing, so the trace takes the
+    device's kernels (attention's fused kernels, for one) and their memory."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        with mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+def _create_on(model: nn.Module, device: torch.device) -> None:
     """Make the tensors ``model``'s forward creates without a device (``torch.ones(t, t)``,
-    ``torch.arange(n)``) land on meta, beside its parameters, as they land beside them when
-    the model runs on its own device (CPU, or a default device set by the user)."""
+    ``torch.arange(n)``) land on ``device``, beside its parameters, as they land beside them
+    when the model runs on its own device (CPU, or a default device set by the user)."""
     forward = model.forward
 
     @functools.wraps(forward)
-    def on_meta(*args: Any, **kwargs: Any) -> Any:
-        with torch.device("meta"):
+    def on_device(*args: Any, **kwargs: Any) -> Any:
+        with device:
             return forward(*args, **kwargs)
 
-    model.forward = on_meta
+    model.forward = on_device
+
+
+def _planning_device(device: str | torch.device | None) -> torch.device:
+    """The device ``explain`` plans for: meta by default (any machine, the kernels torch picks
+    on meta), or a real device type whose kernels and memory the plan then counts."""
+    target = torch.device("meta") if device is None else torch.device(device)
+    if target.type in ("meta", "cpu"):
+        return target
+    module = getattr(torch, target.type, None)
+    available = module is not None and callable(getattr(module, "is_available", None)) and module.is_available()
+    if not available:
+        raise FxShardError(
+            f"explain(device={str(device)!r}) plans on fake {target.type} tensors, and torch needs a "
+            f"{target.type} device on this machine for that: its autograd engine opens a device context "
+            "for backward (pytorch#92627), and a build without the device aborts the process at the "
+            "first such tensor. Plan on this machine with device=None (the meta device: the same units "
+            "and collectives, with attention and the other kernels torch chooses per device as it "
+            f"chooses them on meta), or run explain where a {target.type} device is (it allocates "
+            "nothing there)"
+        )
+    return target
 
 
 def embedding_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[int, str]:
@@ -128,6 +166,7 @@ def explain(
     mesh_shape: tuple[int, ...] | None = None,
     rank: int = 0,
     train: bool = True,
+    device: str | torch.device | None = None,
     **options: Any,
 ) -> Explanation:
     """Plan, emitted graphs and report of ``model`` sharded over ``world_size`` ranks, or
@@ -139,7 +178,11 @@ def explain(
     report splits the bytes moved inside the shard groups from those moved
     between replicas. ``example_inputs`` is a tensor or a tuple of positional
     arguments (only shapes and dtypes matter; any device). ``model`` is left
-    untouched. ``train=False`` explains an inference step. Options are those of
+    untouched. ``train=False`` explains an inference step. ``device`` is the device
+    planned for: by default the meta device, which any machine has; ``device="cuda"``
+    traces on fake CUDA tensors, so attention takes the kernel CUDA would (flash
+    attention in bf16) and the report counts its memory; it needs that device on
+    this machine, and allocates nothing on it. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
     unit graph there), except ``process_group``, ``mesh`` and ``timeout``:
@@ -165,13 +208,23 @@ def explain(
             "process group is already initialised here. Call explain before "
             "init_process_group, or in a separate process."
         )
-    meta_model = _to_meta(model)
-    meta_model.train(train)
-    _create_on_meta(meta_model)
+    target = _planning_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    meta_args = pytree.tree_map(
-        lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, args
-    )
+    fake_mode = None if target.type == "meta" else compat.fake_tensor.FakeTensorMode()
+    if fake_mode is None:
+        meta_model = _to_meta(model)
+        meta_args = pytree.tree_map(
+            lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, args
+        )
+    else:
+        meta_model = _to_fake(model, target, fake_mode)
+        with fake_mode:
+            meta_args = pytree.tree_map(
+                lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=target)
+                if isinstance(x, torch.Tensor) else x, args
+            )
+    meta_model.train(train)
+    _create_on(meta_model, target)
     # The fake backend reads nothing from its store: any public store does.
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
@@ -181,7 +234,7 @@ def explain(
             process_group, no_shard, hsdp = from_mesh(init_device_mesh("cpu", tuple(mesh_shape)))
             config = replace(config, process_group=process_group, no_shard=no_shard, hsdp=hsdp)
         driver = Driver(config, runs=False)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), fake_mode or contextlib.nullcontext():
             sharded = shard_module(meta_model, driver, meta_args, allow_meta=True)
         step = driver.steps[-1]
         return Explanation(sharded.plan, sharded.graphs, driver.report(step),

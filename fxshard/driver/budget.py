@@ -98,9 +98,9 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
     step = report.memory_curve.get("optimizer step", (0,))[0]
     resident = report.shard_bytes - report.offloaded_shard_bytes + report.buffer_bytes + report.input_bytes
     parts = {PARAMS: resident, GATHERED: 0, GRADS: 0}
-    if kind == "optimizer step":
+    if report.optimizer_state_bytes:  # on the device through the whole step
         parts[STATE] = report.optimizer_state_bytes
-        assert config.optimizer is not None and config.optimizer.states  # else never the peak
+    if kind == "optimizer step" and config.optimizer is not None and config.optimizer.states:
         parts[GRADS] = report.optimizer_state_bytes // config.optimizer.states  # the device's shards'
     for name, nbytes in report.at_peak.items():
         info = meta.get_info(nodes[name]) if name in nodes else None

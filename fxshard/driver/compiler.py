@@ -200,7 +200,7 @@ class Driver:
         moved = []
         for g, shard in zip(self.plan.groups, self.shards):
             target = self.shard_device if g.index in host else self.device
-            pin = g.index in host and offload is not None and offload.pin_memory
+            pin = g.index in host and offload is not None and offload.pin_memory and self.runs
             if shard.device != target:
                 moved.append(g.index)
                 shard.data = shard.data.to(target)

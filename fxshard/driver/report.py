@@ -34,8 +34,8 @@ class UnitReport:
 class Report:
     world_size: int
     rank: int
-    # One forward + backward, gradients cleared beforehand, and with optimizer= the
-    # optimizer step after it.
+    # One steady-state training step: forward + backward, gradients cleared beforehand,
+    # and with optimizer= its state on the device throughout and the optimizer step after.
     predicted_peak_bytes: int
     peak_phase: str  # "forward" or "backward", and the node at the peak; or "optimizer step"
     shard_bytes: int  # parameters held by this rank
@@ -58,9 +58,9 @@ class Report:
     # with optimizer= their optimizer state, which follows them there.
     host_bytes: int = 0
     offloaded_shard_bytes: int = 0  # the part of shard_bytes on the host
-    # optimizer=: the optimizer's state on the device (its shards' states), counted in the
-    # optimizer step's phase: after backward, the gradient shards and the state alive
-    # together with the parameter shards. 0 without optimizer=.
+    # optimizer=: the optimizer's state on the device (its shards' states), alive through
+    # every phase of a steady-state step (it exists from the first step on); the optimizer
+    # step's phase adds the step's temporaries. 0 without optimizer=.
     optimizer_state_bytes: int = 0
     optimizer: str = ""
     # Predicted live bytes after each node of the forward, then the backward graph.
@@ -163,8 +163,10 @@ def build_report(
     host = [s for g, s in enumerate(shards) if g in host_groups]
     host_grads = _tensor_bytes([s for s in host if s.requires_grad])
     host_bytes = _tensor_bytes(host) + host_grads
-    state_bytes = 0  # optimizer=: the state of the shards on the device
-    base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes
+    # optimizer=: the state of the shards on the device. It exists from the first step on,
+    # so a steady-state step holds it through forward and backward too.
+    state_bytes = 0 if optimizer is None else optimizer.states * (grad_bytes - host_grads)
+    base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes + state_bytes
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
@@ -211,13 +213,15 @@ def build_report(
         if bw.peak > peak:
             peak, phase, at_peak = bw.peak, f"backward: {bw.peak_at}", bw.at_peak
         if optimizer is not None:
-            # The optimizer step: what backward leaves (the shards, their gradients) and the
-            # state of the shards on the device; the host's shards step on the host.
-            state_bytes = optimizer.states * (grad_bytes - host_grads)
+            # The optimizer step: what backward leaves (the shards, their gradients, the
+            # state) and the step's temporaries; the host's shards step on the host.
             host_bytes += optimizer.states * host_grads
-            curves["optimizer step"] = (bw.end + state_bytes,)
-            if bw.end + state_bytes > peak:
-                peak, phase, at_peak = bw.end + state_bytes, "optimizer step", {}
+            on_device = [s for g, s in enumerate(shards) if g not in host_groups and s.requires_grad]
+            device = on_device[0].device if on_device else torch.device("meta")
+            step = bw.end + optimizer.step_temporary_bytes([_tensor_bytes([s]) for s in on_device], device)
+            curves["optimizer step"] = (step,)
+            if step > peak:
+                peak, phase, at_peak = step, "optimizer step", {}
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]

@@ -551,15 +551,18 @@ def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: fl
     """All-gather one flat group (a collective). Raises instead of hanging past ``timeout`` s."""
     if world.group is None or group.replicated:
         return shard.detach().clone()
-    out = torch.empty(group.padded_numel, dtype=shard.dtype, device=shard.device)
-    work = compat.all_gather_single(out, shard.detach().contiguous(), group=world.comm_group,
+    # An offloaded shard lives on the host; the collective runs where the backend takes
+    # its tensors (nccl: the GPU), and the full value goes back beside the shard.
+    comm = comm_device(world.comm_group)
+    out = torch.empty(group.padded_numel, dtype=shard.dtype, device=comm)
+    work = compat.all_gather_single(out, shard.detach().to(comm).contiguous(), group=world.comm_group,
                                     async_op=True)
     wait_within(work, timeout, lambda what: FxShardError(
         f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
         f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "
         "collectives: every rank of the process group must call them, in the same order."
     ), world.comm_group)
-    return out
+    return out.to(shard.device)
 
 
 def full_parameters(shards: list[nn.Parameter], plan: ShardPlan, world: World,

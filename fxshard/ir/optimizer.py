@@ -5,8 +5,14 @@ on ``fxshard.compile``, ``fxshard.backend`` or ``fxshard.explain``: nothing is
 built from it; the report and the memory budget count its state. torch's
 optimizers create each state tensor with ``zeros_like(param)``, so a state is
 a parameter shard's size and dtype; the scalar ``step`` counters are left out.
-The foreach and fused implementations' temporaries (foreach Adam's square
-root of the second moment, one state's size) are left out too.
+
+The state lives on the device from the first step on, so the report counts it
+through forward and backward too (a steady-state step). The step itself adds
+its implementation's temporaries: Adam's family takes the square root of the
+second moment out of place, all shards at once with ``foreach`` (one state's
+worth; torch's default on accelerators), one shard at a time in the for-loop
+(torch's default on the CPU: that shard's root and its quotient), nothing
+fused (``fused=True``). Other optimizers' temporaries are not counted.
 """
 
 from __future__ import annotations
@@ -24,9 +30,25 @@ class OptimizerState:
 
     name: str
     states: int
+    # "fused", "foreach" or "for-loop"; None: torch's default for the shards' device.
+    implementation: str | None = None
+    # Whether the step makes Adam's out-of-place square root (see the module's docstring).
+    adam_temporaries: bool = False
 
     def __str__(self) -> str:
         return f"{self.name} ({self.states} state{'' if self.states == 1 else 's'} per parameter)"
+
+    def step_temporary_bytes(self, shard_bytes: list[int], device: torch.device) -> int:
+        """Bytes the step allocates beyond the state, at its largest, over shards of
+        ``shard_bytes`` on ``device`` (meta: planned for an accelerator)."""
+        if not self.adam_temporaries or not shard_bytes:
+            return 0
+        how = self.implementation or ("for-loop" if device.type == "cpu" else "foreach")
+        if how == "fused":
+            return 0
+        if how == "foreach":
+            return sum(shard_bytes)
+        return 2 * max(shard_bytes)
 
 
 def _adam(kw: dict[str, Any]) -> int:
@@ -49,6 +71,10 @@ _STATES: dict[str, Any] = {
 }
 
 
+# Their step divides by the square root of the second moment, made out of place.
+_ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "RAdam"})
+
+
 def optimizer_state(spec: Any) -> OptimizerState | None:
     """The state ``spec`` keeps: a torch.optim class, a ``functools.partial`` of one (its
     keywords decide momentum buffers), an ``OptimizerState``, or None."""
@@ -61,7 +87,10 @@ def optimizer_state(spec: Any) -> OptimizerState | None:
         # torch's optimizers, and subclasses of them: the state of the class they extend.
         for klass in cls.__mro__:
             if klass.__name__ in _STATES and klass.__module__.startswith("torch.optim"):
-                return OptimizerState(cls.__name__, _STATES[klass.__name__](kwargs))
+                how = "fused" if kwargs.get("fused") else {True: "foreach", False: "for-loop"}.get(
+                    kwargs.get("foreach"))  # type: ignore[call-overload]
+                return OptimizerState(cls.__name__, _STATES[klass.__name__](kwargs), how,
+                                      klass.__name__ in _ADAM_FAMILY)
     raise TypeError(
         f"optimizer takes a torch.optim class, a functools.partial of one (partial(torch.optim.SGD, "
         f"momentum=0.9)), or fxshard.OptimizerState(name, states) for an optimizer keeping `states` "
