@@ -137,7 +137,7 @@ def steady_state_worker(rank: int, world_size: int) -> dict[Any, Any]:
             sharded = fxshard.compile(model, policy=policy, optimizer=partial(torch.optim.AdamW, **kwargs))
             optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3, **kwargs)
 
-            def step(m: Any = sharded, f: Any = loss_fn, o: Any = optimizer) -> None:
+            def step(m: Any = sharded, f: Any = loss_fn, o: Any = optimizer, x: Any = x) -> None:
                 f(m(x)).backward()
                 o.step()
                 o.zero_grad(set_to_none=True)

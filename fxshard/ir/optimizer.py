@@ -87,8 +87,9 @@ def optimizer_state(spec: Any) -> OptimizerState | None:
         # torch's optimizers, and subclasses of them: the state of the class they extend.
         for klass in cls.__mro__:
             if klass.__name__ in _STATES and klass.__module__.startswith("torch.optim"):
-                how = "fused" if kwargs.get("fused") else {True: "foreach", False: "for-loop"}.get(
-                    kwargs.get("foreach"))  # type: ignore[call-overload]
+                foreach = kwargs.get("foreach")
+                how = "fused" if kwargs.get("fused") else None if foreach is None else \
+                    "foreach" if foreach else "for-loop"
                 return OptimizerState(cls.__name__, _STATES[klass.__name__](kwargs), how,
                                       klass.__name__ in _ADAM_FAMILY)
     raise TypeError(
