@@ -99,7 +99,11 @@ def _create_on(model: nn.Module, device: torch.device) -> None:
 def _planning_device(device: str | torch.device | None) -> torch.device:
     """The device ``explain`` plans for: meta by default (any machine, the kernels torch picks
     on meta), or a real device type whose kernels and memory the plan then counts."""
-    target = torch.device("meta") if device is None else torch.device(device)
+    try:
+        target = torch.device("meta") if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise FxShardError(f"explain(device={device!r}) names no device torch knows ({e}); pass a "
+                           "device type such as 'cuda' or 'cpu', or None for the meta device") from e
     if target.type in ("meta", "cpu"):
         return target
     module = getattr(torch, target.type, None)

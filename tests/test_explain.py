@@ -443,8 +443,8 @@ def test_explain_plans_for_a_devices_kernels_on_fake_tensors() -> None:
     from llama import Llama, LlamaConfig, TransformerBlock
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(dim=256, layers=2, heads=8, kv_heads=2, ffn=512, vocab=1000))
-    tokens = torch.zeros(2, 128, dtype=torch.long)
+    model = Llama(LlamaConfig(dim=128, layers=1, heads=4, kv_heads=2, ffn=256, vocab=256))
+    tokens = torch.zeros(2, 64, dtype=torch.long)
 
     def planned(device: str | None) -> Any:
         return fxshard.explain(model, tokens, by_class(TransformerBlock), world_size=4, device=device,
@@ -460,3 +460,5 @@ def test_explain_plans_for_a_devices_kernels_on_fake_tensors() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(fxshard.FxShardError, match=r"device=None \(the meta device"):
             planned("cuda")
+    with pytest.raises(fxshard.FxShardError, match="names no device torch knows"):
+        planned("gpu0")
