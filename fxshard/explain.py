@@ -57,29 +57,31 @@ class Explanation:
         return self._driver.dump(self._driver.steps[-1], Path(directory))
 
 
-def _to_meta(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (no data copied)."""
+def _copy_with(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``make(t)`` of its own (no data
+    copied); a tensor shared between modules stays shared."""
     memo: dict[int, Any] = {}
     for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in memo:
-            continue
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        if id(t) not in memo:
+            new = make(t)
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
     return copy.deepcopy(model, memo)
+
+
+def _to_meta(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device."""
+    return _copy_with(model, lambda t: torch.empty_like(t, device="meta"))
 
 
 def _to_fake(model: nn.Module, device: torch.device, mode: Any) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake tensors of ``mode`` on
     ``device``: they claim the device and allocate nothing, so the trace takes the
     device's kernels (attention's fused kernels, for one) and their memory."""
-    memo: dict[int, Any] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in memo:
-            continue
+    def fake(t: torch.Tensor) -> torch.Tensor:
         with mode:
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-        memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    return copy.deepcopy(model, memo)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    return _copy_with(model, fake)
 
 
 def _create_on(model: nn.Module, device: torch.device) -> None:
