@@ -145,7 +145,7 @@ def _batches(config: LlamaConfig, batch: int, seq: int, steps: int, device: torc
     return out
 
 
-def _optimizer(params: Any, offloaded: bool) -> torch.optim.Optimizer:
+def _optimizer(params: Any) -> torch.optim.Optimizer:
     # Fused AdamW: one kernel on the GPU, and torch's fused CPU kernel on the host.
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
@@ -202,7 +202,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             model, sharded = _fxshard(model, system, device)
         else:
             model = _fsdp2(model, system, device, world_size)
-        optimizer = _optimizer(model.parameters(), "offload" in system)
+        optimizer = _optimizer(model.parameters())
         result["setup_s"] = time.perf_counter() - t0
         batches = _batches(config, spec["batch"], spec["seq"], spec["warmup"] + spec["steps"], device)
         times, losses = [], []
@@ -319,21 +319,28 @@ def main() -> None:
     header = ("| system | world | layers | step ms | × FSDP2 | peak GiB | × FSDP2 | predicted GiB | MFU |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     parts = args.parts.split(",")
+
+    def run_systems(systems: tuple[str, ...], world: str, layers: int, warmup: int,
+                    steps: int) -> list[dict[str, Any]]:
+        """Each of ``systems`` (those chosen) in a process of its own; prints each result."""
+        rows = []
+        for system in systems:
+            if chosen and system not in chosen:
+                continue
+            spec = {"system": system, "world": world, "device": args.device, "seq": seq, "batch": args.batch,
+                    "warmup": warmup, "steps": steps,
+                    "config": dataclasses.asdict(dataclasses.replace(config, layers=layers))}
+            r = _in_process(spec, args.timeout)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("report", "traceback")}), flush=True)
+            rows.append(r)
+        return rows
+
     if "speed" in parts:
         lines += [f"speed: Llama-3-8B shape, {args.layers if not args.quick else config.layers} layers, "
                   f"seq {seq}, batch {args.batch} per rank", header]
         for world in ("fake8", "nccl1"):
-            rows = []
-            for system in SPEED_SYSTEMS:
-                if chosen and system not in chosen:
-                    continue
-                layers = config.layers if args.quick else args.layers
-                spec = {"system": system, "world": world, "device": args.device, "seq": seq, "batch": args.batch,
-                        "warmup": args.warmup, "steps": args.steps,
-                        "config": dataclasses.asdict(dataclasses.replace(config, layers=layers))}
-                r = _in_process(spec, args.timeout)
-                print(json.dumps({k: v for k, v in r.items() if k not in ("report", "traceback")}), flush=True)
-                rows.append(r)
+            rows = run_systems(SPEED_SYSTEMS, world, config.layers if args.quick else args.layers,
+                               args.warmup, args.steps)
             by = {r["system"]: r for r in rows}
             for r in rows:
                 lines.append(_row(r, by.get("fsdp2"), rate))
@@ -347,15 +354,7 @@ def main() -> None:
     if "offload" in parts:
         layers = config.layers if args.quick else args.offload_layers
         lines += [f"offload: Llama-3-8B shape, {layers} layers, world size 1, seq {seq}", header]
-        rows = []
-        for system in OFFLOAD_SYSTEMS:
-            if chosen and system not in chosen:
-                continue
-            spec = {"system": system, "world": "nccl1", "device": args.device, "seq": seq, "batch": args.batch,
-                    "warmup": 2, "steps": 3, "config": dataclasses.asdict(dataclasses.replace(config, layers=layers))}
-            r = _in_process(spec, args.timeout)
-            print(json.dumps({k: v for k, v in r.items() if k not in ("report", "traceback")}), flush=True)
-            rows.append(r)
+        rows = run_systems(OFFLOAD_SYSTEMS, "nccl1", layers, 2, 3)
         by = {r["system"]: r for r in rows}
         for r in rows:
             lines.append(_row(r, by.get("fsdp2_offload"), rate))
