@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--memory-budget", default=None,
                     help="peak bytes per rank (e.g. 2GiB): shows the schedule the planner chooses")
     ex.add_argument("--optimizer", default=None, metavar="CLASS",
-                    help="count the optimizer step's state in the peak: AdamW, SGD(momentum=0.9)")
+                    help="count the optimizer's state and step in the peak: AdamW, SGD(momentum=0.9)")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--device", default=None,
                     help="plan for this device's kernels on fake tensors (cuda needs one here); default meta")

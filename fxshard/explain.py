@@ -73,17 +73,6 @@ def _to_meta(model: nn.Module) -> nn.Module:
     return _copy_with(model, lambda t: torch.empty_like(t, device="meta"))
 
 
-def _to_fake(model: nn.Module, device: torch.device, mode: Any) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors of ``mode`` on
-    ``device``: they claim the device and allocate nothing, so the trace takes the
-    device's kernels (attention's fused kernels, for one) and their memory."""
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        with mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-
-    return _copy_with(model, fake)
-
-
 def _create_on(model: nn.Module, device: torch.device) -> None:
     """Make the tensors ``model``'s forward creates without a device (``torch.ones(t, t)``,
     ``torch.arange(n)``) land on ``device``, beside its parameters, as they land beside them
@@ -108,8 +97,10 @@ def _planning_device(device: str | torch.device | None) -> torch.device:
                            "device type such as 'cuda' or 'cpu', or None for the meta device") from e
     if target.type in ("meta", "cpu"):
         return target
-    module = getattr(torch, target.type, None)
-    available = module is not None and callable(getattr(module, "is_available", None)) and module.is_available()
+    try:
+        available = bool(torch.get_device_module(target.type).is_available())
+    except (RuntimeError, AttributeError):
+        available = False
     if not available:
         raise FxShardError(
             f"explain(device={str(device)!r}) plans on fake {target.type} tensors, and torch needs a "
@@ -217,18 +208,18 @@ def explain(
     target = _planning_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     fake_mode = None if target.type == "meta" else compat.fake_tensor.FakeTensorMode()
-    if fake_mode is None:
-        meta_model = _to_meta(model)
-        meta_args = pytree.tree_map(
-            lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, args
-        )
-    else:
-        meta_model = _to_fake(model, target, fake_mode)
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        """``t``'s shape and dtype on the planning device: a meta tensor, or a fake tensor
+        of ``fake_mode`` that claims the device and allocates nothing (so the trace takes
+        the device's kernels, attention's fused ones for one, and counts their memory)."""
+        if fake_mode is None:
+            return torch.empty_like(t, device="meta")
         with fake_mode:
-            meta_args = pytree.tree_map(
-                lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=target)
-                if isinstance(x, torch.Tensor) else x, args
-            )
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+
+    meta_model = _copy_with(model, like)
+    meta_args = pytree.tree_map(lambda x: like(x) if isinstance(x, torch.Tensor) else x, args)
     meta_model.train(train)
     _create_on(meta_model, target)
     # The fake backend reads nothing from its store: any public store does.
