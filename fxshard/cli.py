@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="count the optimizer's state and step in the peak: AdamW, SGD(momentum=0.9)")
     ex.add_argument("--no-meta", action="store_true", help="build the model on its own device")
     ex.add_argument("--device", default=None,
-                    help="plan for this device's kernels on fake tensors (cuda needs one here); default meta")
+                    help="plan for this device's kernels on fake tensors (without CUDA here, cuda plans on meta "
+                         "with CUDA's fused attention); default meta")
     ex.add_argument("--dump", default=None, help="directory for per-pass graphs, timeline, unit graph")
     ex.add_argument("--trace", default=None, metavar="FILE",
                     help="write the predicted step as a Chrome trace (JSON; Perfetto, chrome://tracing); "

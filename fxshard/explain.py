@@ -28,6 +28,7 @@ import torch.nn as nn
 from fxshard.api import shard_module
 from fxshard.driver.compiler import Driver
 from fxshard.driver.dump import PassLog
+from fxshard.driver.kernels import cuda_kernels
 from fxshard.driver.report import Report
 from fxshard.ir import compat
 from fxshard.ir.compat import pytree
@@ -47,9 +48,11 @@ class Explanation:
     rank: int
     pass_names: tuple[tuple[str, str], ...] = ()  # (graph, pass) in the order they ran
     _driver: Driver | None = field(default=None, repr=False, compare=False)
+    planned_for: str | None = None  # explain(device=): the device and how it was planned for
 
     def __str__(self) -> str:
-        return f"{self.plan}\n\n{self.report}"
+        device = f"planned for {self.planned_for}\n" if self.planned_for else ""
+        return f"{self.plan}\n\n{device}{self.report}"
 
     def dump(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Write everything to ``directory``; returns the files written."""
@@ -87,31 +90,37 @@ def _create_on(model: nn.Module, device: torch.device) -> None:
     model.forward = on_device
 
 
-def _planning_device(device: str | torch.device | None) -> torch.device:
-    """The device ``explain`` plans for: meta by default (any machine, the kernels torch picks
-    on meta), or a real device type whose kernels and memory the plan then counts."""
+def _planning_device(device: str | torch.device | None) -> tuple[torch.device, str | None]:
+    """The device ``explain`` traces on, and how it plans for ``device``: meta by default (any
+    machine, the kernels torch picks on meta); a device type this machine has, on fake
+    tensors of it, whose kernels and memory the plan then counts; CUDA where this machine
+    has none, on meta with CUDA's attention kernels (driver/kernels.py)."""
     try:
         target = torch.device("meta") if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise FxShardError(f"explain(device={device!r}) names no device torch knows ({e}); pass a "
                            "device type such as 'cuda' or 'cpu', or None for the meta device") from e
-    if target.type in ("meta", "cpu"):
-        return target
+    if target.type == "meta":
+        return target, None
+    if target.type == "cpu":
+        return target, "cpu (fake tensors)"
     try:
         available = bool(torch.get_device_module(target.type).is_available())
     except (RuntimeError, AttributeError):
         available = False
-    if not available:
-        raise FxShardError(
-            f"explain(device={str(device)!r}) plans on fake {target.type} tensors, and torch needs a "
-            f"{target.type} device on this machine for that: its autograd engine opens a device context "
-            "for backward (pytorch#92627), and a build without the device aborts the process at the "
-            "first such tensor. Plan on this machine with device=None (the meta device: the same units "
-            "and collectives, with attention and the other kernels torch chooses per device as it "
-            f"chooses them on meta), or run explain where a {target.type} device is (it allocates "
-            "nothing there)"
-        )
-    return target
+    if available:
+        return target, f"{target.type} (fake tensors)"
+    if target.type == "cuda":
+        return torch.device("meta"), ("cuda (no CUDA device here: meta tensors, with the fused attention "
+                                      "kernels CUDA would choose)")
+    raise FxShardError(
+        f"explain(device={str(device)!r}) plans on fake {target.type} tensors, and torch needs a "
+        f"{target.type} device on this machine for that: its autograd engine opens a device context "
+        "for backward (pytorch#92627). Plan on this machine with device=None (the meta device: the "
+        "same units and collectives, with the kernels torch chooses on meta), or device='cuda' "
+        f"(CUDA's attention kernels, on meta), or run explain where a {target.type} device is (it "
+        "allocates nothing there)"
+    )
 
 
 def embedding_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[int, str]:
@@ -178,8 +187,10 @@ def explain(
     untouched. ``train=False`` explains an inference step. ``device`` is the device
     planned for: by default the meta device, which any machine has; ``device="cuda"``
     traces on fake CUDA tensors, so attention takes the kernel CUDA would (flash
-    attention in bf16) and the report counts its memory; it needs that device on
-    this machine, and allocates nothing on it. Options are those of
+    attention in bf16) and the report counts its memory; it allocates nothing on
+    the device. Where this machine has no CUDA device, it traces on meta with the
+    fused attention kernels CUDA would choose (driver/kernels.py); other device
+    types need the device here. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
     unit graph there), except ``process_group``, ``mesh`` and ``timeout``:
@@ -205,9 +216,10 @@ def explain(
             "process group is already initialised here. Call explain before "
             "init_process_group, or in a separate process."
         )
-    target = _planning_device(device)
+    target, planned_for = _planning_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     fake_mode = None if target.type == "meta" else compat.fake_tensor.FakeTensorMode()
+    kernels = cuda_kernels() if target.type == "meta" and planned_for is not None else contextlib.nullcontext()
 
     def like(t: torch.Tensor) -> torch.Tensor:
         """``t``'s shape and dtype on the planning device: a meta tensor, or a fake tensor
@@ -231,10 +243,11 @@ def explain(
             process_group, no_shard, hsdp = from_mesh(init_device_mesh("cpu", tuple(mesh_shape)))
             config = replace(config, process_group=process_group, no_shard=no_shard, hsdp=hsdp)
         driver = Driver(config, runs=False)
-        with torch.set_grad_enabled(train), fake_mode or contextlib.nullcontext():
+        with torch.set_grad_enabled(train), fake_mode or contextlib.nullcontext(), kernels:
             sharded = shard_module(meta_model, driver, meta_args, allow_meta=True)
         step = driver.steps[-1]
         return Explanation(sharded.plan, sharded.graphs, driver.report(step),
-                           step.pass_log or PassLog(), world_size, rank, tuple(step.passes), driver)
+                           step.pass_log or PassLog(), world_size, rank, tuple(step.passes), driver,
+                           planned_for=planned_for)
     finally:
         dist.destroy_process_group()

@@ -117,17 +117,17 @@ def _llama3_8b(layers: int) -> Any:
 
 @pytest.mark.slow
 def test_llama3_8b_at_world_size_1_fits_70_gib_only_with_offload() -> None:
-    """32 layers, bf16, AdamW, 70 GiB, sequence 512: the optimizer step alone holds about 150
-    GiB (fp32 shards, gradients, two states and foreach's square roots), which no schedule but
-    offload lowers. With offload_policy the planner offloads the fewest units, largest first,
-    and says why. (At sequence 2048 the activations also need recomputing, and the search
-    evaluates each of the 32 regions on its own: too long for this tier.)"""
+    """32 layers, bf16, AdamW, 70 GiB, sequence 2048, planned for CUDA (on a machine without
+    one: meta with CUDA's fused attention): the optimizer step alone holds about 150 GiB (fp32
+    shards, gradients, two states and foreach's square roots), which no schedule but offload
+    lowers. With offload_policy the planner offloads the fewest units, largest first, and
+    says why."""
     model = _llama3_8b(32)
     from llama import TransformerBlock
 
     def explained(**options: Any) -> Any:
-        return fxshard.explain(model, torch.zeros(1, 512, dtype=torch.long), by_class(TransformerBlock),
-                               mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+        return fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), by_class(TransformerBlock),
+                               device="cuda", mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
                                optimizer=torch.optim.AdamW, memory_budget=70 << 30, **options).report
 
     with pytest.raises(fxshard.BudgetError, match="the optimizer step alone holds .* offload_policy="):
@@ -160,7 +160,8 @@ def test_offload_lowers_llama3_8bs_peak_at_world_size_8() -> None:
 
     def explained(**options: Any) -> Any:
         return fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), by_class(TransformerBlock),
-                               world_size=8, mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
+                               world_size=8, device="cuda",
+                               mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16),
                                optimizer=torch.optim.AdamW, **options).report
 
     on_device, offloaded = explained(), explained(offload_policy=fxshard.CPUOffloadPolicy())
@@ -457,8 +458,42 @@ def test_explain_plans_for_a_devices_kernels_on_fake_tensors() -> None:
     assert [u.name for u in on_cpu.plan.units] == [u.name for u in on_meta.plan.units]
     assert on_cpu.report.comm_bytes_per_step == on_meta.report.comm_bytes_per_step
     assert all(p.device.type == "cpu" and not p.is_meta for p in model.parameters())  # untouched
-    if not torch.cuda.is_available():
+    if not torch.xpu.is_available():
         with pytest.raises(fxshard.FxShardError, match=r"device=None \(the meta device"):
-            planned("cuda")
+            planned("xpu")
     with pytest.raises(fxshard.FxShardError, match="names no device torch knows"):
         planned("gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans on fake CUDA tensors there (test_cuda.py)")
+def test_explain_for_cuda_without_a_device_takes_cudas_fused_attention_on_meta() -> None:
+    """No CUDA device here: explain(device="cuda") traces on meta with the fused attention
+    CUDA would choose. Its memory is checked against an independent trace: torch's own
+    choice on fake CPU tensors, the CPU's flash attention, which keeps the same output and
+    log-sum-exp for backward (its peak equals to the philox seed and offset CUDA's keeps)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llama import Llama, LlamaConfig, TransformerBlock
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(dim=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=512))
+    tokens = torch.zeros(2, 256, dtype=torch.long)
+
+    def planned(device: str | None, **options: Any) -> Any:
+        return fxshard.explain(model, tokens, by_class(TransformerBlock), world_size=4, device=device,
+                               **options)
+
+    def attention(e: Any) -> set[str]:
+        return {str(n.target) for g in e.graphs.values() for n in g.graph.nodes if "attention" in str(n.target)}
+
+    bf16 = fxshard.MixedPrecision(param_dtype=torch.bfloat16)
+    on_cuda, on_cpu, on_meta = (planned(d, mixed_precision=bf16) for d in ("cuda", "cpu", None))
+    assert attention(on_cuda) == {"aten._scaled_dot_product_flash_attention.default",
+                                  "aten._scaled_dot_product_flash_attention_backward.default"}
+    assert not attention(on_meta)  # the math kernel, decomposed
+    assert abs(on_cuda.report.predicted_peak_bytes - on_cpu.report.predicted_peak_bytes) <= 1024
+    assert on_cuda.report.peak_phase == on_cpu.report.peak_phase
+    # The (256 x 256) fp32 scores of 4 heads, kept by the math kernel, are gone.
+    assert on_meta.report.predicted_peak_bytes - on_cuda.report.predicted_peak_bytes >= 2 * 4 * 256 * 256 * 4
+    assert "planned for cuda (no CUDA device here" in str(on_cuda)
+    # fp32 attention: flash attention refuses it, the memory-efficient kernel takes it.
+    assert "aten._scaled_dot_product_efficient_attention.default" in attention(planned("cuda"))
