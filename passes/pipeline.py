@@ -242,7 +242,8 @@ def run_passes(
     for p in passes:
         fn = p.fn if isinstance(p, PassSpec) else p
         gm = fn(gm, ctx)
-        log.debug("fxshard: %s on %s graph:\n%s", fn.__name__, ctx.graph, gm.code)
+        if log.isEnabledFor(logging.DEBUG):  # .code generates a lazy graph module's code
+            log.debug("fxshard: %s on %s graph:\n%s", fn.__name__, ctx.graph, gm.code)
         if ctx.verify:
             verify(gm, ctx)
         if on_pass is not None:

@@ -140,6 +140,50 @@ def test_the_search_orders_regions_by_benefit_and_scans_a_step_that_misses() -> 
         assert (peak is None) == (budget < lowest), (budget, peak)
 
 
+def test_alike_regions_are_measured_alone_only_at_the_ends_of_their_run() -> None:
+    """Five alike regions and one of another kind: of the alike ones only the first and the
+    last are measured alone; those between take the first's benefit (ties keep their order)."""
+    measured: list[tuple[str, ...]] = []
+
+    def evaluate(c: Candidate) -> Prediction:
+        if len(c.selective) == 1:
+            measured.append(c.selective)
+        peak = 100 - 5 * len(c.selective) + (3 if "e" in c.selective else 0)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {})
+
+    alike = {r: "block" for r in "abcde"}
+    choice = search(91, evaluate, [""], list("abcdef"), 1, {}, alike=alike)
+    assert sorted(measured) == [("a",), ("e",), ("f",)]
+    assert choice.chosen.selective == ("a", "b")  # "e", whose alone peak is higher, comes last
+
+
+@pytest.mark.slow
+def test_measuring_alike_regions_at_their_ends_chooses_as_measuring_every_region(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 5-block GPT under budgets that take selective and full recompute: the search that
+    measures only the ends of the run of alike blocks chooses the same schedule, with
+    fewer candidates evaluated."""
+    import fxshard.driver.budget as planner
+
+    with torch.device("meta"):
+        model = TinyGPT(layers=5)
+    x = torch.zeros(8, 16, dtype=torch.long)
+    default = fxshard.explain(model, x, by_class(Block), world_size=4).report.predicted_peak_bytes
+
+    def chosen(fraction: float) -> tuple[Candidate, int, int]:
+        report = fxshard.explain(model, x, by_class(Block), world_size=4, memory_budget=int(default * fraction),
+                                 activation_checkpointing=by_class(Block)).report
+        assert report.budget is not None
+        return report.budget.chosen, report.predicted_peak_bytes, len(report.budget.tried)
+
+    ends = [chosen(f) for f in (0.8, 0.5)]
+    monkeypatch.setattr(planner, "_computations", lambda joint, regions: {})
+    every = [chosen(f) for f in (0.8, 0.5)]
+    assert [e[:2] for e in ends] == [e[:2] for e in every]
+    assert ends[0][0].selective and ends[1][0].full
+    assert all(e[2] < a[2] for e, a in zip(ends, every))
+
+
 @pytest.mark.parametrize("kib", [540, 560, 600])
 def test_a_budget_above_a_reachable_peak_is_met(kib: int) -> None:
     """TinyGPT at 4 ranks: budgets of 540 and 560 KiB were refused naming 0.554 MiB as the lowest

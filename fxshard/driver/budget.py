@@ -10,7 +10,7 @@ analysis of the emitted forward and backward graphs. The trace itself
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -75,9 +75,31 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
 
     choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
                     list(regions.regions) if regions is not None else [],
-                    config.options.max_inflight_gathers, unit_bytes, _offloadable(config, plan, shards))
+                    config.options.max_inflight_gathers, unit_bytes, _offloadable(config, plan, shards),
+                    alike=_computations(joint, regions))
     chosen_config, checkpointing = configured(choice.chosen)
     return choice, chosen_config, checkpointing
+
+
+def _computations(joint: fx.GraphModule, regions: Checkpointing | None) -> dict[str, Hashable]:
+    """Each region's forward computation as the search compares regions (``alike``): its
+    operators in order, with their outputs' shapes and dtypes."""
+    if regions is None:
+        return {}
+    ops: dict[str, list[Hashable]] = {}
+    for node in joint.graph.nodes:
+        region = regions.region_of(meta.module_path(node)) if node.op == "call_function" else None
+        if region is not None and not meta.is_backward(node):
+            ops.setdefault(region, []).append((str(node.target), _shapes(node.meta.get("val"))))
+    return {r: tuple(v) for r, v in ops.items()}
+
+
+def _shapes(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    return type(value).__name__
 
 
 def _offloadable(config: CompileConfig, plan: ShardPlan, shards: Sequence[torch.Tensor]) -> list[str]:

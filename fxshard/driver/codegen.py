@@ -167,10 +167,12 @@ class GraphCompiler:
         """The emitted graphs of a copy of ``joint``, as AOTAutograd's calls would make them,
         with nothing compiled to run: a trial of this configuration (the budget planner)."""
         self.emit_only = True
-        fw, bw = self.partition(copy_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                **partition_kwargs)
-        self.compile_forward(fw, None)
-        self.compile_backward(bw, None)
+        # Nothing reads a trial's Python code: its graph modules generate none (compat).
+        with compat.lazy_graph_modules(True):
+            fw, bw = self.partition(copy_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                    **partition_kwargs)
+            self.compile_forward(fw, None)
+            self.compile_backward(bw, None)
         return dict(self.graphs)
 
 
@@ -179,7 +181,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     values included, shared: they are never changed in place) are kept."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}), type_expr=None)
-    return fx.GraphModule(gm, graph)
+    return compat.make_graph_module(gm, graph)
 
 
 def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:

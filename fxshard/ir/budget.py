@@ -23,9 +23,10 @@ that it is the last step of the ladder.
 The search walks a ladder of candidates in that order of cost, starting from
 the most memory-hungry schedule (every unit kept gathered from forward to
 backward, the configured in-flight limit, no recompute). Each step of the
-ladder adds one more change of the same kind: units first units first (the
+ladder adds one more change of the same kind: first units first (the
 root last), regions in order of measured benefit (each region's predicted
-peak when it alone is recomputed, lowest first). Where the whole step fits
+peak when it alone is recomputed, lowest first; of a run of alike regions only
+the ends are measured, the first standing for those between). Where the whole step fits
 the budget, bisection finds the fewest changes that fit. Where it does not,
 every prefix of the step is evaluated, since the peak need not fall along a
 step (recomputing the last block fully puts its recompute at the start of
@@ -42,7 +43,7 @@ cannot be met: ``BudgetError`` names the smallest peak and what it is made of.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fxshard.ir.checkpointing import Checkpointing
@@ -135,11 +136,14 @@ class Prediction:
 
 def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequence[str],
            regions: Sequence[str], max_inflight: int, unit_bytes: dict[str, int],
-           offloadable: Sequence[str] = ()) -> BudgetChoice:
+           offloadable: Sequence[str] = (), alike: Mapping[str, Hashable] | None = None) -> BudgetChoice:
     """The first candidate along the ladder whose predicted peak is within ``budget``; else
     BudgetError naming the lowest peak tried, which no budget's accepted schedule beats.
     ``offloadable``: the units offload may move to the host, in the order it takes them
-    (empty: offload is not allowed)."""
+    (empty: offload is not allowed). ``alike``: each region's computation (regions with
+    equal values compute the same thing on the same shapes, as a stack of transformer
+    blocks does); of each run of alike regions only the first and the last are measured
+    alone, and the ones between take the first's benefit."""
     if budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}")
     tried: list[tuple[str, int]] = []
@@ -155,9 +159,13 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
     resharded = [u for u in units if u != ""] + [u for u in units if u == ""]  # the root last
 
     def by_benefit(c: Candidate, apply: Callable[[Candidate, Sequence[str]], Candidate]) -> list[str]:
-        """The regions in order of measured benefit: each one's peak when it alone changes."""
-        alone = {r: peak(apply(c, (r,))).peak for r in regions}
-        return sorted(regions, key=lambda r: alone[r])  # stable: ties keep registration order
+        """The regions in order of measured benefit: each one's peak when it alone changes.
+        Alike regions differ in it only by where their recompute runs: the last one's at the
+        start of backward, where the peak usually is, the others' after it; so the first of
+        them stands for those between it and the last."""
+        measured = _ends_of_alike(regions, alike or {})
+        alone = {r: peak(apply(c, (r,))).peak for r in regions if measured[r] == r}
+        return sorted(regions, key=lambda r: alone[measured[r]])  # stable: ties keep registration order
 
     def prefixes(c: Candidate, apply: Callable[[Candidate, Sequence[str]], Candidate]) -> list[Candidate]:
         order = by_benefit(c, apply)
@@ -233,6 +241,20 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
     # budget takes until it fits: no budget accepts a schedule below the lowest tried.
     best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: (cp[1].peak, len(cp[0].offloaded)))
     raise _unmet(budget, best, smallest, "the lowest peak of the schedules fxshard tried is")
+
+
+def _ends_of_alike(regions: Sequence[str], alike: Mapping[str, Hashable]) -> dict[str, str]:
+    """For each region, the region measured for it: itself, or for a region between the
+    first and the last of its kind (equal ``alike`` values, in registration order), the
+    first of its kind."""
+    kinds: dict[Hashable, list[str]] = {}
+    for r in regions:
+        kinds.setdefault(alike.get(r, r), []).append(r)
+    measured = {r: r for r in regions}
+    for members in kinds.values():
+        for r in members[1:-1]:
+            measured[r] = members[0]
+    return measured
 
 
 def _unmet(budget: int, best: Candidate, smallest: Prediction, what: str) -> BudgetError:

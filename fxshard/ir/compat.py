@@ -67,6 +67,10 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   collectives of the compiled graphs (``_is_key_in_tls`` and its siblings, absent on 2.11, which
   stashes nothing). Without it a gloo worker could drop the last reference after interpreter
   finalization began: SIGABRT at exit (docs/situations.md, "A clean exit").
+- ``lazy_graph_modules``, ``make_graph_module`` (``torch.fx._lazy_graph_module``): graph
+  modules that generate their Python code only when it is read or called. The memory budget's
+  trials (``GraphCompiler.emit``) never do either: their passes' ``recompile()`` then costs
+  nothing, where it was half of each trial.
 - ``profiler_enabled`` (``torch.autograd.profiler._is_profiler_enabled``): torch's fast check
   that a profiler is recording; the eager graphs then run the copy with named ranges
   (``driver/codegen.py``).
@@ -114,6 +118,8 @@ from torch._guards import detect_fake_mode
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._prims import rng_prims
 from torch._subclasses import fake_tensor
+from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (
@@ -139,7 +145,8 @@ __all__ = [
     "default_partition", "default_timeout", "detect_fake_mode", "dynamo_exc", "fake_tensor",
     "flatten_state_dict", "foreach_norm", "functorch_config", "gloo_threads", "group_timeout",
     "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
-    "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "load_state_dict_from_keys",
+    "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "lazy_graph_modules",
+    "load_state_dict_from_keys", "make_graph_module",
     "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
     "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
