@@ -118,8 +118,6 @@ from torch._guards import detect_fake_mode
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._prims import rng_prims
 from torch._subclasses import fake_tensor
-from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
-from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (
@@ -131,6 +129,8 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state as init_op
 from torch.distributed.checkpoint.state_dict_loader import (
     _load_state_dict_from_keys as load_state_dict_from_keys,
 )
+from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
