@@ -139,11 +139,12 @@ def test_llama3_8b_at_world_size_1_fits_70_gib_only_with_offload() -> None:
     on_host = sum(u.shard_bytes for u in report.units if u.name in offloaded)
     assert report.host_bytes == 4 * on_host  # fp32 shard, gradient, exp_avg, exp_avg_sq
     # What stays on the device steps there: its fp32 shard, gradient, two states and foreach's
-    # root, 5 of its shard's bytes, within the budget; one unit fewer offloaded would not fit.
-    last = next(u.shard_bytes for u in report.units if u.name == offloaded[-1])
-    on_device = 4 * psi - on_host
-    assert report.peak_phase == "optimizer step"
-    assert 5 * on_device <= 70 << 30 < 5 * (on_device + last)
+    # root, 5 of its shard's bytes, within the budget; one unit fewer offloaded did not fit.
+    # (The step phase is the peak from torch 2.13 on; 2.11's backward holds the logits'
+    # gradient until it returns, and its step one unit more.)
+    assert 5 * (4 * psi - on_host) <= 70 << 30
+    fewer = dict(report.budget.tried)[f"0 units resharded, 2 in flight, {len(offloaded) - 1} units offloaded"]
+    assert fewer > 70 << 30
     rows = [u for u in report.budget.units if u.offloaded]
     assert {u.unit for u in rows} == set(offloaded) and offloaded[0] == ""  # the root: the largest
     assert all(u.why.startswith("offloaded: the budget needs") for u in rows)
