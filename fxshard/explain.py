@@ -90,29 +90,31 @@ def _create_on(model: nn.Module, device: torch.device) -> None:
     model.forward = on_device
 
 
-def _planning_device(device: str | torch.device | None) -> tuple[torch.device, str | None]:
-    """The device ``explain`` traces on, and how it plans for ``device``: meta by default (any
-    machine, the kernels torch picks on meta); a device type this machine has, on fake
-    tensors of it, whose kernels and memory the plan then counts; CUDA where this machine
-    has none, on meta with CUDA's attention kernels (driver/kernels.py)."""
+def _planning_device(device: str | torch.device | None,
+                     ) -> tuple[torch.device, str | None, contextlib.AbstractContextManager[Any]]:
+    """The device ``explain`` traces on, how it plans for ``device`` (for the explanation), and
+    the context its trace runs in: meta by default (any machine, the kernels torch picks on
+    meta); a device type this machine has, on fake tensors of it, whose kernels and memory
+    the plan then counts; CUDA where this machine has none, on meta with CUDA's attention
+    kernels (driver/kernels.py)."""
     try:
         target = torch.device("meta") if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise FxShardError(f"explain(device={device!r}) names no device torch knows ({e}); pass a "
                            "device type such as 'cuda' or 'cpu', or None for the meta device") from e
     if target.type == "meta":
-        return target, None
+        return target, None, contextlib.nullcontext()
     if target.type == "cpu":
-        return target, "cpu (fake tensors)"
+        return target, "cpu (fake tensors)", contextlib.nullcontext()
     try:
         available = bool(torch.get_device_module(target.type).is_available())
     except (RuntimeError, AttributeError):
         available = False
     if available:
-        return target, f"{target.type} (fake tensors)"
+        return target, f"{target.type} (fake tensors)", contextlib.nullcontext()
     if target.type == "cuda":
         return torch.device("meta"), ("cuda (no CUDA device here: meta tensors, with the fused attention "
-                                      "kernels CUDA would choose)")
+                                      "kernels CUDA would choose)"), cuda_kernels()
     raise FxShardError(
         f"explain(device={str(device)!r}) plans on fake {target.type} tensors, and torch needs a "
         f"{target.type} device on this machine for that: its autograd engine opens a device context "
@@ -216,10 +218,9 @@ def explain(
             "process group is already initialised here. Call explain before "
             "init_process_group, or in a separate process."
         )
-    target, planned_for = _planning_device(device)
+    target, planned_for, kernels = _planning_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     fake_mode = None if target.type == "meta" else compat.fake_tensor.FakeTensorMode()
-    kernels = cuda_kernels() if target.type == "meta" and planned_for is not None else contextlib.nullcontext()
 
     def like(t: torch.Tensor) -> torch.Tensor:
         """``t``'s shape and dtype on the planning device: a meta tensor, or a fake tensor
