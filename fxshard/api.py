@@ -16,9 +16,9 @@ from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.guards import Guards, guards_of
 from fxshard.driver.report import Report
-from fxshard.driver.runtime import refuse_eager_calls
+from fxshard.driver.runtime import refuse_ddp, refuse_eager_calls
 from fxshard.driver.trace import StepFunction
-from fxshard.ir.compat import IncompatibleKeys, pytree
+from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
@@ -289,6 +289,10 @@ class ShardedModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
                 f"units={len(self.plan.units)}, policy={self.plan.policy}")
+
+
+# DistributedDataParallel(sharded) reads this first, before it broadcasts anything: it raises.
+setattr(ShardedModule, DDP_IGNORED, property(refuse_ddp))
 
 
 def compile(

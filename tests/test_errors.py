@@ -330,3 +330,28 @@ def test_full_state_dict_on_one_rank_raises_instead_of_hanging_and_says_what_end
     if not stay:  # said as what it was, a closed connection, and not as a timeout
         assert "Connection closed by peer" in messages[0] and "within" not in messages[0]
     assert messages[1] == "skipped"
+
+
+def _ddp_over_sharded(rank: int, world_size: int) -> tuple[str, str, bool]:
+    """DDP(sharded) on every rank: the error, and whether this rank's shards are unchanged
+    (DDP's constructor would have broadcast rank 0's shards over them)."""
+    torch.manual_seed(rank)  # different weights per rank: a broadcast would show
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    before = [p.detach().clone() for p in sharded.parameters()]
+    try:
+        torch.nn.parallel.DistributedDataParallel(sharded)
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        error, message = type(e).__name__, str(e)
+    else:
+        error, message = "none", ""
+    unchanged = all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+    return error, message, unchanged
+
+
+@pytest.mark.release  # reads the attribute DDP's constructor reads first
+def test_ddp_over_a_sharded_module_is_refused_before_anything_is_broadcast() -> None:
+    for rank, (error, message, unchanged) in enumerate(run_ranks(_ddp_over_sharded, 2)):
+        assert error == "FxShardError", (rank, error, message)
+        assert "DistributedDataParallel" in message and "already reduces" in message, message
+        assert "fxshard.compile(model)" in message, message
+        assert unchanged, rank

@@ -13,7 +13,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -297,6 +297,19 @@ def check_steps(params: list[nn.Parameter], check: Callable[[torch.optim.Optimiz
         _STEP_CHECKS[p] = check
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def refuse_ddp(module: nn.Module) -> NoReturn:
+    """``DistributedDataParallel(module)`` over a module whose parameters are this rank's shards."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise FxShardError(
+        f"rank {rank}: DistributedDataParallel over a {type(module).__name__}: fxshard already "
+        "reduces the gradients across ranks, and each rank's parameters are a different shard of "
+        "the model. DDP would broadcast rank 0's shards over every other rank's and all-reduce "
+        "different shards' gradients, corrupting the model. Do not wrap it: "
+        "sharded = fxshard.compile(model) takes the place of DDP(model), and has DDP's no_sync() "
+        "and clip_grad_norm_()."
+    )
 
 
 _STRIPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> what sharded it

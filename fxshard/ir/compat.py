@@ -54,6 +54,9 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   (``torch._C``, ``torch``): ShardGrad's global norms inside ``clip_grad_norm_`` and its inf check
   inside GradScaler, which call these.
 - ``broadcast_coalesced`` (``torch.distributed``): DDP's buffer broadcast.
+- ``DDP_IGNORED`` (a module's ``_ddp_params_and_buffers_to_ignore``): the first thing
+  ``DistributedDataParallel.__init__`` reads of the module it wraps, before its parameters
+  and before any broadcast; a ShardedModule makes reading it raise (``DDP(sharded)``).
 - ``one_thread_gloo``, ``gloo_threads``: fxshard's own gloo groups, made with one worker thread
   each (``ProcessGroupGloo``'s private options), so that no two threads of a group write its
   status at once; see the function.
@@ -137,7 +140,8 @@ from torch.nn.utils.stateless import _reparametrize_module as reparametrize_modu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "BACKWARD_HOLDS_TANGENTS", "RELEASE", "BatchNorm", "DisableTorchFunctionSubclass", "IncompatibleKeys", "OpOverload",
+    "BACKWARD_HOLDS_TANGENTS", "DDP_IGNORED", "RELEASE", "BatchNorm", "DisableTorchFunctionSubclass",
+    "IncompatibleKeys", "OpOverload",
     "OpOverloadPacket", "Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata",
     "TensorProperties", "TorchDispatchMode", "all_gather_single", "boxed", "is_boxed",
     "amp_foreach_non_finite_check_and_unscale_",
@@ -165,6 +169,10 @@ c10d_functional = torch.ops._c10d_functional
 foreach_norm = torch._foreach_norm
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+
+# DDP's constructor reads this attribute of the module it wraps (with hasattr) before anything
+# else of it: before its parameters, before broadcasting them.
+DDP_IGNORED = "_ddp_params_and_buffers_to_ignore"
 
 
 def schema(op: OpOverload) -> Any:
