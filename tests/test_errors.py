@@ -355,3 +355,35 @@ def test_ddp_over_a_sharded_module_is_refused_before_anything_is_broadcast() -> 
         assert "DistributedDataParallel" in message and "already reduces" in message, message
         assert "fxshard.compile(model)" in message, message
         assert unchanged, rank
+
+
+def _clip_the_original(rank: int, world_size: int) -> tuple[list[tuple[str, str]], bool]:
+    """A DDP script's clipping over the unwrapped model after a step: each call's error, and
+    whether the shards' gradients are unchanged."""
+    model = MLP()
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    sharded(torch.randn(4, 12)).square().sum().backward()
+    before = [p.grad.clone() for p in sharded.parameters() if p.grad is not None]
+    model.zero_grad()  # harmless: no gradient to drop
+    results = []
+    for clip in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+                 lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, foreach=True),
+                 lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)):
+        try:
+            clip()
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            results.append((type(e).__name__, str(e)))
+        else:
+            results.append(("none", ""))
+    after = [p.grad for p in sharded.parameters() if p.grad is not None]
+    return results, len(after) == len(before) > 0 and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_clipping_the_original_modules_parameters_is_refused() -> None:
+    for rank, (results, unchanged) in enumerate(run_ranks(_clip_the_original, 2)):
+        for error, message in results:
+            assert error == "FxShardError", (rank, error, message)
+            assert f"rank {rank}" in message and "no gradient" in message, message
+            assert "sharded.clip_grad_norm_(" in message, message
+            assert "clip_grad_norm_(sharded.parameters(), " in message, message
+        assert unchanged, rank

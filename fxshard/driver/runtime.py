@@ -347,6 +347,67 @@ def refuse_eager_calls(module: nn.Module, message: Callable[[nn.Module], str]) -
             mod.register_forward_pre_hook(check)
 
 
+def _job_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def no_gradient_message(use: str, what: str) -> str:
+    """A stand-in's gradient was used (``what``): it has none; the shards ``use`` have."""
+    fix = f"torch.nn.utils.clip_grad_norm_({use}, max_norm)"
+    if use == "sharded.parameters()":
+        fix = f"sharded.clip_grad_norm_(max_norm) or {fix}"
+    return (
+        f"rank {_job_rank()}: {what} on the gradient of a parameter of the module given to "
+        "fxshard: its parameters are stand-ins now and get no gradient (the flat shards do), so "
+        f"clipping or measuring them would see nothing and return 0. Use the shards: {fix}; "
+        f"for anything else read the gradients of {use}."
+    )
+
+
+class _NoGrad(torch.Tensor):
+    """What a stand-in's ``.grad`` reads: a zero-size-in-memory tensor that refuses to be
+    used as a gradient (norms, clipping, arithmetic), so ``clip_grad_norm_(model.parameters())``
+    raises instead of clipping nothing. Its metadata can be read, and zeroing it is a no-op
+    (``model.zero_grad()``, an optimizer's ``zero_grad(set_to_none=False)``)."""
+
+    use_instead: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or name in _NO_GRAD_READS:  # properties (.device, .shape), sizes
+            return super().__torch_function__(func, types, args, kwargs or {})
+        if name in _NO_GRAD_NO_OPS:
+            return args[0] if isinstance(args[0], torch.Tensor) else None
+        flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+        use = next((a.use_instead for a in flat if isinstance(a, _NoGrad)), "sharded.parameters()")
+        raise FxShardError(no_gradient_message(use, f"{name or func}()"))
+
+
+_NO_GRAD_READS = frozenset({"size", "dim", "numel", "nelement", "element_size", "__hash__",
+                            "is_floating_point", "is_complex", "stride", "is_contiguous"})
+_NO_GRAD_NO_OPS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_"})
+
+
+class StandIn(nn.Parameter):
+    """A meta stand-in of a parameter fxshard sharded. It gets no gradient; reading ``.grad``
+    gives a ``_NoGrad`` that refuses to be clipped or measured, where ``None`` would make
+    ``clip_grad_norm_(model.parameters())`` clip nothing and return 0. Setting it to None
+    (``zero_grad``) does nothing."""
+
+    @property
+    def grad(self) -> torch.Tensor:
+        standin = torch.zeros((), dtype=self.dtype).expand(self.shape).as_subclass(_NoGrad)
+        standin.use_instead = _RETIRED.get(self, "sharded.parameters()")
+        return standin
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise FxShardError(no_gradient_message(_RETIRED.get(self, "sharded.parameters()"),
+                                                   "setting .grad"))
+
+
 def strip_parameters(module: nn.Module, device: torch.device | None = None,
                      dtypes: dict[int, torch.dtype] | None = None) -> None:
     """Replace every parameter by a stand-in that holds no data, keeping ties.
@@ -370,7 +431,8 @@ def strip_parameters(module: nn.Module, device: torch.device | None = None,
                     data = torch.zeros((), dtype=dtype, device=device).expand(p.shape)
                 else:
                     data = torch.empty(p.shape, dtype=dtype, device="meta")
-                stand_ins[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                kind = nn.Parameter if device is not None else StandIn  # Dynamo traces the former
+                stand_ins[id(p)] = kind(data, requires_grad=p.requires_grad)
             mod._parameters[name] = stand_ins[id(p)]
 
 
