@@ -331,6 +331,10 @@ def verify_items(directory: str | os.PathLike[str], checksums: Checksums, metada
             ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
     buffer = bytearray(_CHUNK)
     for name, spans in sorted(ranges.items()):
+        if not (Path(directory) / name).is_file():
+            raise ChecksumError(f"{Path(directory) / name} is missing: the checkpoint is incomplete; copy "
+                                "the checkpoint whole (every rank's .distcp file beside .metadata), or "
+                                "load an earlier checkpoint")
         with open(Path(directory) / name, "rb") as f:
             for offset, length in sorted(set(spans)):
                 _verify(Path(directory), checksums, name, f, offset, length, buffer)
@@ -502,6 +506,55 @@ def _peer_failed(what: str, rank: int, e: BaseException) -> str:
             "now: let the process exit (torchrun restarts the job).")
 
 
+# A save renames twice: PATH -> PATH.old, then PATH.partial -> PATH. Killed between the two, it
+# leaves nothing at PATH, and two complete checkpoints beside it.
+_NEWEST = "the newest checkpoint, which the interrupted save wrote"
+_BEFORE = "the checkpoint before it"
+
+
+def _verifies(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint of :func:`save`: every item matches its checksum
+    (a save records them last, so a save's unfinished leftovers never do)."""
+    try:
+        return path.is_dir() and verify(path)
+    except Exception:  # noqa: BLE001 - damaged or unreadable: not a checkpoint to offer
+        return False
+
+
+def _beside(target: Path) -> list[tuple[Path, str]]:
+    """The complete checkpoints a save interrupted between its renames left beside ``target``."""
+    return [(p, what) for p, what in ((target.with_name(target.name + ".partial"), _NEWEST),
+                                      (target.with_name(target.name + ".old"), _BEFORE)) if _verifies(p)]
+
+
+def _missing(target: Path) -> str:
+    """What a load of a ``target`` that does not exist says, and what to do."""
+    found = _beside(target)
+    if not found:
+        return f"{target} does not exist"
+    listed = "\n    ".join(f"{p}: complete (every checksum verifies), {what}" for p, what in found)
+    first = found[0][0]
+    return (f"{target} does not exist, but complete checkpoints are beside it, as a save killed "
+            f"between its two renames ({target} -> {target.name}.old, {target.name}.partial -> "
+            f"{target}) leaves them:\n    {listed}\n"
+            f"  Load one of them by its path, or rename it back: mv {first} {target} (the next "
+            f"fxshard.checkpoint.save to {target} moves it back itself before it writes).")
+
+
+def _recover(target: Path, partial: Path, old: Path) -> str | None:
+    """Finish the renames of a save interrupted between them: the complete checkpoint beside a
+    missing ``target`` goes back to it, so that this save's failure cannot leave none (its
+    first step removes ``partial``, and its last ``old``). What was done, or None."""
+    if target.exists() or target.is_symlink():
+        return None
+    for candidate, what in ((partial, _NEWEST), (old, _BEFORE)):
+        if _verifies(candidate):
+            candidate.rename(target)
+            return (f"{target} did not exist: a save to it was interrupted between its two renames. "
+                    f"{candidate} ({what}; every checksum verifies) was moved back to {target} before this save wrote anything.")
+    return None
+
+
 def save(path: str | os.PathLike[str], model: nn.Module,
          optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
          extra: dict[str, Any] | None = None) -> None:
@@ -509,8 +562,11 @@ def save(path: str | os.PathLike[str], model: nn.Module,
 
     Every rank writes its own pieces into ``PATH.partial``; once all are done,
     rank 0 renames it to ``path`` (a previous checkpoint there is replaced only
-    then). ``extra`` (the step, a data loader's position: anything JSON can hold,
-    rank 0's) is saved with it and returned by :func:`load`. Buffers, which are
+    then: renamed to ``PATH.old`` and removed after). A save killed between those
+    two renames leaves nothing at ``path``: the next save first moves
+    ``PATH.partial`` back (complete, every checksum verified; else ``PATH.old``)
+    and warns, and :func:`load` names both. ``extra`` (the step, a data loader's
+    position: anything JSON can hold, rank 0's) is saved with it and returned by :func:`load`. Buffers, which are
     each rank's own unless ``broadcast_buffers=True``, are saved from rank 0, as
     the usual ``torch.save(model.state_dict())`` on rank 0 would. The checksum of
     every item is recorded (:class:`ChecksumWriter`).
@@ -523,11 +579,19 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     rank = driver.world.job_rank
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
+    old = target.with_name(target.name + ".old")
     what = f"saving checkpoint {path}"
     problems = []
     if rank == 0:
         try:
-            shutil.rmtree(partial)  # a crashed save's leftovers
+            recovered = _recover(target, partial, old)
+        except OSError as e:
+            problems.append(f"rank 0 cannot move a complete checkpoint back to {target}: {e}")
+        else:
+            if recovered:
+                warnings.warn(recovered, stacklevel=2)
+        try:
+            shutil.rmtree(partial)  # a crashed save's leftovers (incomplete: not recovered)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -557,7 +621,6 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         raise StateDictError(_peer_failed(what, rank, e) + f" {path} is unchanged.") from e
     # dcp.save returns once the coordinator has written .metadata after every rank's files.
     problems = []
-    old = target.with_name(target.name + ".old")
     if rank == 0:
         try:
             shutil.rmtree(old, ignore_errors=True)
@@ -592,7 +655,9 @@ def _differences(expected: dict[str, Any], metadata: Metadata) -> list[str]:
             problems.append(f"{key}: shape {tuple(md.size)} in the checkpoint, {shape} in the model")
         elif md.properties.dtype != dtype:
             problems.append(f"{key}: dtype {md.properties.dtype} in the checkpoint, {dtype} in the model")
-    extra = sorted(k for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and k not in flat)
+    # Only under what is requested: the model alone leaves a checkpoint's optimizer state unread.
+    extra = sorted(k for k, md in saved.items() if isinstance(md, TensorStorageMetadata)
+                   and k.split(".", 1)[0] in expected and k not in flat)
     if extra:
         problems.append(f"in the checkpoint but not in the model: {extra}")
     return problems
@@ -601,6 +666,8 @@ def _differences(expected: dict[str, Any], metadata: Metadata) -> list[str]:
 def _inspect(expected: dict[str, Any], path: Path, reader: ChecksumReader
              ) -> tuple[list[str], Source | None, Metadata | None]:
     """What is wrong with loading ``path`` into ``expected``, and which checkpoint it is."""
+    if not path.exists():
+        return [_missing(path)], None, None
     try:
         raw = verify_metadata(path, reader.checksums())
         metadata = reader.read_metadata()
@@ -693,6 +760,24 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path]
 
 
+def _files_source(path: Path, files: list[Path]) -> Source:
+    """Which weights ``files`` hold: the CRC-32 of every byte of each (a read of each file), so
+    that a copy at another path is the same source and another revision is not."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    for file in files:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            crc, read = _crc32(f, 0, size, buffer)
+        digest.update(f"{file.name}\0{read}\0{crc}\0".encode())
+    short = digest.digest()[:8]
+    return Source(short, f"{path} (content {short.hex()})", "read different files",
+                  "Every rank must load the same files (a copy at another path, byte for byte, is the "
+                  "same): node-local copies or Hugging Face caches of different revisions differ. Give "
+                  "every rank one copy, or pin the revision (from_pretrained / snapshot_download with "
+                  "revision=COMMIT) on every node.")
+
+
 def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> _IncompatibleKeys:
     """Load pretrained weights from a ``.safetensors`` file, or a directory of shards (a Hugging
     Face checkpoint), reading only this rank's pieces of each parameter.
@@ -702,7 +787,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: 
     piece being read. Names are the module's; a tied parameter may appear under
     any of its names (Hugging Face saves one). Values are cast to the shards'
     dtype, as ``load_state_dict`` does. Names and shapes are checked on every rank
-    before anything changes.
+    before anything changes, and that every rank read the same files: each rank reads every
+    file once for its CRC-32, and ranks whose files differ (node-local copies of different
+    revisions) raise on every rank, naming which rank read what.
     """
     from safetensors import safe_open
 
@@ -744,7 +831,10 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str], *, strict: 
     unexpected = sorted(n for n in where if n not in expected)
     if strict and unexpected:
         problems.append(f"in the file but not in the model: {unexpected}")
-    state.agree_on(problems, driver, f"loading {path}")
+    # Each rank keeps its own pieces: files that differ between ranks would stitch a model
+    # together. Compared by content, where there are other ranks.
+    state.agree_on(problems, driver, f"loading {path}", source=lambda: _files_source(Path(path), files),
+                   collective="fxshard.checkpoint.load_safetensors")
     with torch.no_grad():
         for index, start, _, name, pieces in reads:
             shard = driver.shards[index]

@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         except FxShardError as e:
             print(f"fxshard consolidate: error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # one that consolidate has not turned into an error naming the fix
+            print(f"fxshard consolidate: error: {e}", file=sys.stderr)
+            return 2
         print("wrote " + ", ".join(map(str, written)))
         return 0
     try:

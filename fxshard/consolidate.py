@@ -10,6 +10,12 @@ its ``.metadata`` and of every item; all that the output needs is checked
 against them before anything is written, and a mismatch is an error naming
 the file (a checkpoint of plain ``dcp.save`` has none and is read as it is).
 
+Never a traceback: a checkpoint missing one of its files, an output folder that does not exist,
+a disk that fills up while writing are each an ``FxShardError`` naming the cause and the fix
+(``fxshard consolidate`` prints it as one ``error:`` line, exit code 2), and leave no output
+file, whole or partial. The torch.save format's scratch buffers are reserved on disk before they
+are mapped (``posix_fallocate``): a full disk is then an error, not a SIGBUS on a mapped page.
+
 Streaming: the checkpoint's metadata gives every tensor's name, shape and
 dtype up front, so the output's layout is known before anything is read.
 Each tensor is then read alone (``dcp.load`` of that one key, which reads and
@@ -27,6 +33,7 @@ assembles its pieces from every rank's file) straight into its place:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -80,6 +87,52 @@ def _read_into(reader_dir: str, key: str, out: torch.Tensor) -> None:
                            "checkpoint's files are damaged or incomplete") from None
 
 
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind ``e``: torch.save reports a failed write of its file object as a
+    RuntimeError of its own, raised while handling the file's OSError."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def _writing(target: Path, needs: int) -> Iterator[None]:
+    """Failures to write ``target`` (``needs`` bytes on its disk) as errors naming the cause."""
+    try:
+        yield
+    except FxShardError:
+        raise
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise FxShardError(f"cannot write {target}: no space left on the device of {target.parent} "
+                               f"(writing it needs about {_mib(needs)}): free space or write elsewhere"
+                               ) from None
+        raise FxShardError(f"cannot write {target}: {cause.strerror or cause}; check that "
+                           f"{target.parent} is writable, or write elsewhere") from None
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` allocated on its disk, where the file system can say: a
+    full disk then fails here, not as a SIGBUS when a page of a mapping of it is written."""
+    with open(path, "wb") as f:
+        if nbytes and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+
+
 @contextlib.contextmanager
 def _atomic(target: Path) -> Iterator[Path]:
     """A path to write ``target``'s content to: renamed to ``target`` once complete, removed
@@ -125,8 +178,10 @@ def _file_backed(entries: list[tuple[str, str, TensorStorageMetadata]], scratch:
         dtype, numel = md.properties.dtype, math.prod(md.size)
         spans.append((name, key, md, sizes.get(dtype, 0), numel))
         sizes[dtype] = sizes.get(dtype, 0) + numel
-    buffers = {dtype: torch.from_file(str(scratch / f"buffer{i}"), shared=True, size=max(n, 1), dtype=dtype)
-               for i, (dtype, n) in enumerate(sizes.items())}
+    buffers = {}
+    for i, (dtype, n) in enumerate(sizes.items()):
+        _reserve(scratch / f"buffer{i}", max(n, 1) * dtype.itemsize)
+        buffers[dtype] = torch.from_file(str(scratch / f"buffer{i}"), shared=True, size=max(n, 1), dtype=dtype)
     for name, key, md, start, numel in spans:
         yield name, key, buffers[md.properties.dtype][start:start + numel].view(tuple(md.size))
 
@@ -136,6 +191,18 @@ def _set_path(root: dict[str, Any], path: list[str], value: Any) -> None:
     for part in path[:-1]:
         node = node.setdefault(part, {})
     node[path[-1]] = value
+
+
+def _check_files(directory: str, metadata: Any, prefixes: tuple[str, ...]) -> None:
+    """Every file that holds an item under ``prefixes`` is there."""
+    names = sorted({info.relative_path for index, info in metadata.storage_data.items()
+                    if index.fqn.startswith(prefixes)})
+    missing = [Path(directory) / n for n in names if not (Path(directory) / n).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more of its {len(names)} data files)" if len(missing) > 1 else ""
+        raise FxShardError(f"{missing[0]} is missing{more}: the checkpoint is incomplete; copy the "
+                           "checkpoint whole (every rank's .distcp file beside .metadata), or "
+                           "consolidate an earlier one")
 
 
 def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -159,9 +226,17 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
     written = [target]
     if format not in ("torch", "safetensors"):
         raise FxShardError(f"unknown format {format!r}: 'torch' or 'safetensors'")
+    if not target.parent.is_dir():
+        what = "does not exist" if not target.parent.exists() else "is not a folder"
+        raise FxShardError(f"{target.parent} {what}: create the folder to write {target.name} into "
+                           f"(mkdir -p {target.parent}), or write it elsewhere")
+    prefixes = ("model.", "optim.") if optimizer else ("model.",)
+    _check_files(directory, metadata, prefixes)
     if checksums is not None:  # every item to be read, before anything is written
-        verify_items(directory, checksums, metadata, ("model.", "optim.") if optimizer else ("model.",))
-    with _atomic(target) as partial:
+        verify_items(directory, checksums, metadata, prefixes)
+    # The torch format's scratch buffers sit beside the file while it is written: twice its size.
+    needs = sum(math.prod(md.size) * md.properties.dtype.itemsize for _, _, md in model)
+    with _writing(target, needs if format == "safetensors" else 2 * needs), _atomic(target) as partial:
         if format == "safetensors":
             _write_safetensors(directory, model, partial)
         else:
@@ -175,7 +250,8 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
             groups = _load_state_dict_from_keys(
                 {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
                 checkpoint_id=directory)
-        with _atomic(extra) as partial:
+        needs = 2 * sum(math.prod(md.size) * md.properties.dtype.itemsize for _, _, md in optim)
+        with _writing(extra, needs), _atomic(extra) as partial:
             _save_file_backed(directory, optim, partial, nested=True,
                               planner_data=metadata.planner_data, extra=groups.get("optim", {}))
         written.append(extra)
@@ -192,4 +268,5 @@ def _save_file_backed(directory: str, entries: list[tuple[str, str, TensorStorag
                 _set_path(result, [str(p) for p in planner_data[key][1:]], view)
             else:
                 result[name] = view
-        torch.save(result, out)
+        with open(out, "wb") as f:  # a file object: a failed write is an OSError with its errno
+            torch.save(result, f)
