@@ -29,6 +29,9 @@ from pathlib import Path
 
 import pytest
 
+# The scan and the names on the installed torch: in the release tier.
+pytestmark = pytest.mark.release
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPAT = Path("fxshard/ir/compat.py")
 
@@ -253,3 +256,103 @@ def test_names_that_differ_between_releases_are_reached_through_compat() -> None
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "dist.all_gather_single" in line]
     assert not offenders, offenders
+
+
+# -- the release tier --------------------------------------------------------------------------
+# .ci/run runs the release tier (``-m release``) on the oldest and newest supported torch. A test
+# joins it with ``@pytest.mark.release("name", ...)``, naming the rows of compat's table (the
+# names whose behaviour differs between releases) it exercises; ``@pytest.mark.release`` with no
+# name joins it for another reason its docstring or comment gives (a DDP parity, a front end).
+
+
+def table_names(docstring: str) -> list[str]:
+    """The names in the first column of compat's table of release differences."""
+    rows = docstring.split("What differs between the releases:", 1)[1].split("Why fxshard needs", 1)[0]
+    rules = [i for i, line in enumerate(rows.splitlines()) if line.startswith("====")]
+    assert len(rules) == 3, "compat's table: a header rule, a rule under the header, a closing rule"
+    body = rows.splitlines()[rules[1] + 1: rules[2]]
+    return [m.group(1) for line in body if (m := re.match(r"``(\w+)``\s", line))]
+
+
+def release_marks(tests: dict[str, str]) -> dict[str, set[str]]:
+    """compat name -> the tests (``file::function``) whose ``pytest.mark.release`` names it; the
+    key "" collects every test in the tier. A module's ``pytestmark`` counts for its tests."""
+    marks: dict[str, set[str]] = {}
+
+    def names(call: ast.expr) -> list[str] | None:
+        chain = _chain(call.func if isinstance(call, ast.Call) else call)
+        if chain is None or chain[-3:] != ["pytest", "mark", "release"]:
+            return None
+        args = call.args if isinstance(call, ast.Call) else []
+        return [a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+    for path, text in tests.items():
+        tree = ast.parse(text)
+        module_names: list[str] | None = None
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                    for t in node.targets):
+                values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                for value in values:
+                    if (found := names(value)) is not None:
+                        module_names = found
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+                continue
+            found_names = [n for d in node.decorator_list if (n := names(d)) is not None]
+            if module_names is not None:
+                found_names.append(module_names)
+            for found in found_names:
+                for name in ["", *found]:
+                    marks.setdefault(name, set()).add(f"{path}::{node.name}")
+    return marks
+
+
+def _test_sources() -> dict[str, str]:
+    return {f"tests/{p.name}": p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))}
+
+
+def test_every_name_in_compats_table_has_a_test_in_the_release_tier() -> None:
+    from fxshard.ir import compat
+
+    names = table_names(compat.__doc__ or "")
+    assert {"all_gather_single", "BACKWARD_HOLDS_TANGENTS"} <= set(names), names  # the parse reads the table
+    marks = release_marks(_test_sources())
+    uncovered = [n for n in names if not marks.get(n)]
+    assert not uncovered, (
+        f"compat's table names {uncovered}, but no test in the release tier exercises them: mark "
+        "one that does with @pytest.mark.release(\"<name>\")")
+    unknown = sorted(n for n in marks if n and n not in names)
+    assert not unknown, f"@pytest.mark.release names that are not in compat's table: {unknown}"
+
+
+def test_the_release_tier_check_sees_marks_and_misses() -> None:
+    """The check reads decorators and a module's pytestmark, and a table row without a test is a
+    miss."""
+    source = textwrap.dedent('''
+        import pytest
+        @pytest.mark.release("compiling")
+        def test_a(): ...
+        @pytest.mark.release
+        def test_b(): ...
+        def test_c(): ...
+    ''')
+    module = "import pytest\npytestmark = [pytest.mark.release('all_gather_single')]\ndef test_d(): ...\n"
+    marks = release_marks({"tests/test_x.py": source, "tests/test_y.py": module})
+    assert marks == {"": {"tests/test_x.py::test_a", "tests/test_x.py::test_b", "tests/test_y.py::test_d"},
+                     "compiling": {"tests/test_x.py::test_a"},
+                     "all_gather_single": {"tests/test_y.py::test_d"}}
+    table = textwrap.dedent('''
+        What differs between the releases:
+
+        ======  ====
+        name    2.11
+        ======  ====
+        ``a``   x
+        (more)  y
+        ``b``   z
+        ======  ====
+
+        Why fxshard needs each name
+    ''')
+    assert table_names(table) == ["a", "b"]

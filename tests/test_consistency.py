@@ -330,6 +330,7 @@ def _catch_a_failure_and_go_on(rank: int, world_size: int) -> list[str]:
     return seen
 
 
+@pytest.mark.release  # runtime.settle: a failed gloo collective quiesced
 def test_a_rank_that_catches_a_failed_step_and_goes_on_gets_errors_not_a_native_abort() -> None:
     # Rank 0's prefetched gathers are in flight when it raises; its next step's collectives
     # would pair with rank 1's still-waiting ones (gloo::EnforceNotMet: SIGABRT) unless
@@ -399,6 +400,7 @@ def _collectives_of_a_backward_hold_no_python_context(rank: int, world_size: int
     return list(tls_probe.seen)  # type: ignore[attr-defined]
 
 
+@pytest.mark.release("no_python_context")
 def test_collectives_of_the_compiled_graphs_hold_no_python_context() -> None:
     # torch stashes a contextvars.Context in the thread-local state of every backward, and a
     # gloo collective copies that state into its Work. A gloo worker that then drops the last

@@ -162,6 +162,7 @@ def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None
             make(on_pas=print)
 
 
+@pytest.mark.release("inductor_partition_fn")
 def test_compile_runs_inductor_compute_like_the_backend() -> None:
     torch.manual_seed(0)
     model = TinyGPT()

@@ -16,6 +16,7 @@ import os
 import tempfile
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,9 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 from models import MLP
+
+# gloo's worker threads and the one-thread groups: in the release tier.
+pytestmark = pytest.mark.release
 
 
 def _everything_on_gloo(rank: int, world_size: int, path: str, inflight: bool) -> dict[str, Any]:

@@ -18,6 +18,9 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 
+# The step cache and its guards: in the release tier.
+pytestmark = pytest.mark.release
+
 
 class Scaled(nn.Module):
     """Reads plain attributes in forward: a float, a bool and a submodule's int."""

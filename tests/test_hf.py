@@ -140,6 +140,7 @@ def test_hf_model_with_padding_mask_traces_and_matches_ddp(name: str) -> None:
         assert r["gathers"] >= 3  # sharded by layer: really gathered, not replicated
 
 
+@pytest.mark.release
 def test_llama_family_model_trains_in_bf16_through_both_front_ends() -> None:
     # Mistral (Llama's RMSNorm, which reads its input's dtype, and rotary embeddings)
     # under bf16 mixed precision. The backend failed at the first step while Dynamo
@@ -154,6 +155,7 @@ def test_llama_family_model_trains_in_bf16_through_both_front_ends() -> None:
         assert backend["losses"] == compiled["losses"], rank  # the same bf16 arithmetic (measured)
 
 
+@pytest.mark.release("compiling")
 def test_trace_presents_itself_as_compiling() -> None:
     seen = []
 

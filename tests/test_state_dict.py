@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,6 +70,7 @@ def _fused_round_trip(rank: int, world_size: int) -> dict[str, Any]:
     return {"saved": saved, "back": sharded.state_dict(), "changed": changed, "out": (ours, theirs)}
 
 
+@pytest.mark.release("all_gather_single")
 def test_state_dict_hooks_are_honoured_on_two_ranks() -> None:
     torch.manual_seed(0)
     expected = Fused().state_dict()  # the unsharded module's own state dict, hooks applied

@@ -25,6 +25,9 @@ session_context``)                 itself
 (AOTAutograd's backward)           until the backward graph     their last use
                                    returns; report() counts
                                    them through backward
+``no_python_context``              nothing to do: no Context    takes the backward's   as 2.13
+(``torch._C._is_key_in_tls``       in the thread-local state    Context out around
+and its siblings)                  (and no such functions)      the collectives
 =================================  ===========================  =====================  =====================
 
 Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table says otherwise):
@@ -88,6 +91,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   ``load_state_dict`` returns; running a module on given tensors; every batch norm class.
 - ``storage_key`` (``UntypedStorage._cdata``): liveness, one key per storage, on fake and meta
   tensors too (they have no data pointer).
+- ``version`` (``Tensor._version``): the version counter of a shard's gradient, which tells
+  an optimizer's ``zero_grad(set_to_none=False)`` inside a ``no_sync`` accumulation.
 
 Beyond these names: 2.11's fake ``embedding`` accepts float indices, so the trace checks an
 ``nn.Embedding``'s indices itself (``driver/trace.py``), as 2.13's does. The emitted graphs differ
@@ -154,7 +159,7 @@ __all__ = [
     "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
     "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
-    "storage_key",
+    "storage_key", "version",
 ]
 
 RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -201,6 +206,11 @@ def profiler_enabled() -> bool:
     """Is a torch profiler recording? (A module global that ``torch.profiler.profile`` and
     ``torch.autograd.profiler.profile`` set on entry and clear on exit.)"""
     return torch.autograd.profiler._is_profiler_enabled
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: bumped by every in-place write to it or a view of it."""
+    return int(t._version)
 
 
 def storage_key(t: torch.Tensor) -> int:
