@@ -91,6 +91,7 @@ def clip_results(world_size: int) -> list[dict[Any, Any]]:
     return run_ranks(clip_worker, world_size)
 
 
+@pytest.mark.release
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clip_grad_norm_matches_ddp(world_size: int) -> None:
     for rank, results in enumerate(clip_results(world_size)):
@@ -650,6 +651,7 @@ def no_sync_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"no_sync": _no_sync(rank, world_size, False), "fsdp2": _no_sync(rank, world_size, True)}
 
 
+@pytest.mark.release
 def test_no_sync_matches_ddp_and_communicates_no_gradient() -> None:
     for results in run_ranks(no_sync_worker, 2):
         for name in ("no_sync", "fsdp2"):
@@ -725,6 +727,38 @@ def test_a_step_over_sums_no_sync_never_reduced_raises_and_zero_grad_drops_them(
         assert r["unchanged"]
         assert r["closure True"] == "no error"
         assert "SGD.step() ran while the gradients of units" in r["closure False"], r["closure False"]
+        for k, v in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _windows_across_epochs(rank: int, world_size: int, set_to_none: bool) -> dict[str, Any]:
+    """The everyday manual accumulation loop: the optimizer's zero_grad() opens each window of
+    two micro-batches, no_sync for all but its last. Three micro-batches an epoch, so each epoch
+    ends mid-window: DDP's zero_grad() at the next window drops that micro-batch's gradient."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(Block))
+    pairs = [(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1)),
+             (ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))]
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        batches = [_gpt_inputs(gen) for _ in range(3)]
+        for module, opt in pairs:
+            for i, (x, y) in enumerate(batches):
+                if i % 2 == 0:
+                    opt.zero_grad(set_to_none=set_to_none)
+                last = i % 2 == 1
+                with contextlib.nullcontext() if last else module.no_sync():
+                    F.cross_entropy(module(x).flatten(0, 1), y.flatten()).backward()
+                if last:
+                    opt.step()
+    return {"state": sharded.full_state_dict(), "ref_state": ddp.module.state_dict()}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_optimizers_zero_grad_drops_no_syncs_sums_as_ddps_does(set_to_none: bool) -> None:
+    for r in run_ranks(_windows_across_epochs, 2, set_to_none):
         for k, v in r["ref_state"].items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 

@@ -183,6 +183,7 @@ class Driver:
             self.shards = make_shards(module, self._plan, self.world.rank,
                                       torch.device("meta") if on_meta else self.shard_device)
         self.place_shards()
+        self.state.shards = self.shards
         check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])

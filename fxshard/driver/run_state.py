@@ -5,7 +5,9 @@ compiled steps. ``RunState`` holds what running them changes, step by step:
 
 - ``no_sync``: whether backward reduces gradients (``requires_gradient_sync``),
   each flat group's unsharded gradient sum while it does not (``accumulators``),
-  and the groups whose sum waits to be reduced (``pending``);
+  the groups whose sum waits to be reduced (``pending``), and each such group's
+  shard gradient when its sum began (``marks``: a ``zero_grad`` since then drops
+  the sum, as it drops DDP's accumulated ``.grad``);
 - the buffer broadcast (DDP's ``broadcast_buffers``: before the first forward,
   and after each grad-enabled one) and the module whose buffers it sends;
 - the ranks' agreement on each phase's collectives, and ``abandoned``, set once
@@ -28,6 +30,7 @@ import torch.nn as nn
 from fxshard.driver.consistency import agree, describe_step, with_buffer_broadcast
 from fxshard.driver.runtime import Abandoned, World, broadcast_buffers, collective_failure
 from fxshard.driver.steps import CompiledStep
+from fxshard.ir import compat
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes.context import GradSync
@@ -41,6 +44,11 @@ class RunState:
         self.requires_gradient_sync = True
         self.accumulators: dict[int, torch.Tensor] = {}
         self.pending: set[int] = set()
+        self.shards: Sequence[nn.Parameter] = ()  # by flat group index
+        # group -> (its shard's .grad's storage, that tensor's version) when its pending sum
+        # began. No reference to the gradient: autograd adds into a .grad in place only when
+        # nothing else holds it.
+        self.marks: dict[int, tuple[int, int]] = {}
         # (what to call it, tensor, requires_grad when planned): checked before every step.
         self.planned_requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         self.module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
@@ -56,6 +64,7 @@ class RunState:
         A group read by several graphs (the backend, with graph breaks) is flushed by
         the first of them to run: ``run`` takes it out of ``pending``.
         """
+        self.drop_sums_of_cleared_grads()
         if not self.requires_gradient_sync:
             return GradSync(accumulate=True)
         pending = self.pending if groups is None else self.pending.intersection(groups)
@@ -88,19 +97,79 @@ class RunState:
                     self.accumulators[g.index] = torch.zeros(g.padded_numel, dtype=dtype, device=device)
         return self.accumulators
 
-    def drop_pending_sums(self) -> None:
+    def drop_pending_sums(self, groups: Iterable[int] | None = None) -> None:
         """zero_grad: forget what no_sync has added up and not yet reduced (DDP's semantics:
         those gradients live in ``.grad``, which zero_grad clears)."""
-        for g in self.pending:
+        for g in list(self.pending if groups is None else groups):
             acc = self.accumulators.get(g)
             if acc is not None:  # as after a reduction: track_accumulation makes it anew
                 acc.untyped_storage().resize_(0)
-        self.pending.clear()
+            self.pending.discard(g)
+            self.marks.pop(g, None)
+
+    def mark(self, g: int) -> None:
+        """Group ``g``'s sum grows in the backward starting now: remember its shard's ``.grad``,
+        made a zero gradient if there is none, so that an optimizer's ``zero_grad()`` (set to
+        None, or zeroed in place) can be seen later. Under DDP those sums live in ``.grad``,
+        where ``zero_grad`` drops them; here they live in an accumulator no optimizer knows."""
+        shard = self.shards[g] if g < len(self.shards) else None
+        if shard is None or not shard.requires_grad:
+            return
+        if shard.grad is None:
+            shard.grad = torch.zeros_like(shard)
+        grad = shard.grad
+        self.marks[g] = (compat.storage_key(grad), compat.version(grad))
+
+    def cleared(self) -> list[int]:
+        """The marked groups whose shard gradient was cleared since their last backward (set to
+        None or replaced: ``zero_grad()``; zeroed in place: ``zero_grad(set_to_none=False)``).
+        A gradient changed in place to anything but zeros is refused: the sums, kept apart from
+        ``.grad``, cannot follow it."""
+        cleared = []
+        for g, (storage, version) in self.marks.items():
+            now = self.shards[g].grad  # a ShardGrad of the same storage after a backward
+            if now is None or compat.storage_key(now) != storage:
+                cleared.append(g)
+            elif compat.version(now) != version:
+                if not bool(now.count_nonzero() == 0):
+                    raise FxShardError(
+                        f"the gradient of flat shard {g} was changed in place while no_sync() was "
+                        "adding up gradients for it: those sums are kept apart from .grad until "
+                        "the backward that reduces them, so they cannot follow the change. Change "
+                        "gradients after that backward (outside no_sync()), or drop the sums with "
+                        "zero_grad()."
+                    )
+                cleared.append(g)
+        return cleared
+
+    def drop_sums_of_cleared_grads(self) -> None:
+        """Before a step is chosen, or an optimizer steps: drop the pending sums whose shard
+        gradient was cleared since they last grew."""
+        cleared = self.cleared()
+        if cleared:
+            self.drop_pending_sums(cleared)
+
+    def at_backward(self, step: CompiledStep) -> None:
+        """A training step's backward starts. A sum it reduces whose shard gradient was cleared
+        since the sum last grew (a ``zero_grad()`` between this step's forward and backward,
+        as DDP would have dropped it) is zeroed, so the graph adds nothing; then each sum it
+        adds to is marked."""
+        cleared = set(self.cleared())
+        for g in step.grad_sync.flush:
+            if g in cleared and (acc := self.accumulators.get(g)) is not None:
+                acc.zero_()
+            self.marks.pop(g, None)
+        if step.grad_sync.accumulate:
+            for g in sorted(step.groups & self.pending):
+                if g in cleared and (acc := self.accumulators.get(g)) is not None:
+                    acc.zero_()
+                self.mark(g)
 
     def refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer, plan: ShardPlan) -> None:
         """An optimizer step while no_sync's sums wait to be reduced would step over shards
         without those gradients (None, or the previous step's), and the sums would then be
         added into the next step's."""
+        self.drop_sums_of_cleared_grads()
         if not self.pending:
             return
         units = sorted({plan.groups[g].unit or "<root>" for g in self.pending})
@@ -165,8 +234,11 @@ class RunState:
         if step.trains:
             outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self.agree(step, "backward", inputs), mode="any")
+                def backward_starts(grads: Any) -> None:
+                    self.agree(step, "backward", inputs)
+                    self.at_backward(step)
+
+                torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
         return step.output_spec.unflatten(flat)
 
     def agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
