@@ -77,6 +77,63 @@ def test_changed_attributes_retrace_and_train_like_ddp() -> None:
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+# Module-level values a forward reads, as a config module or a script's constants would be.
+GLOBAL_SCALE = 1.0
+SETTINGS: dict[str, Any] = {"shift": 0.0, "name": "a"}
+
+
+def _shifted(h: torch.Tensor) -> torch.Tensor:
+    return h + SETTINGS["shift"]  # a dict item, read in a helper the forward calls
+
+
+class GloballyScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shifted(self.a(x) * GLOBAL_SCALE)
+
+
+def _train_and_change_globals(rank: int, world_size: int) -> dict[str, Any]:
+    global GLOBAL_SCALE
+    torch.manual_seed(0)
+    model = GloballyScaled()
+    ddp = DDP(copy.deepcopy(model))
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    losses, ref_losses = [], []
+    for step in range(5):
+        if step == 1:
+            GLOBAL_SCALE = 3.0
+        if step == 2:
+            SETTINGS["shift"] = 0.5
+        if step == 3:
+            SETTINGS["name"] = "b"  # read by nothing: no retrace needed, none harmful
+        x = torch.randn(4, 8, generator=gen)
+        loss, ref_loss = sharded(x).square().mean(), ddp(x).square().mean()
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "traces": len(sharded._driver.steps),
+            "state": sharded.full_state_dict(), "ref_state": ddp.module.state_dict()}
+
+
+def test_changed_globals_and_dict_items_retrace_and_train_like_ddp() -> None:
+    for r in run_ranks(_train_and_change_globals, 2):
+        # The same kernels on both sides: bit for bit.
+        assert r["losses"] == r["ref_losses"]
+        for k, v in r["ref_state"].items():
+            assert torch.equal(r["state"][k], v), k
+        assert r["traces"] >= 3  # the first values, the new scale, the new shift
+
+
 def test_an_attribute_that_changes_every_call_raises_after_the_trace_limit() -> None:
     model = Scaled()
     sharded = fxshard.compile(model, policy=by_class(nn.Linear))

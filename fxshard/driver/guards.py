@@ -10,12 +10,21 @@ lists of those). Before each call the values are compared with the current
 ones; a step whose guards fail is traced again, and kept beside the first (at
 most ``MAX_VARIANTS`` per input signature, Dynamo's ``recompile_limit``).
 
+Module-level values are guarded too (``global_guards``): the globals that the
+model's own code names (each module class's functions, and the plain Python
+functions they name, three calls deep), where the value is a constant, and
+the items of a global ``dict`` under the string keys that code spells out
+(``SETTINGS["shift"]``). torch's and fxshard's own modules are not scanned.
+The scan reads names from the code, so it guards a global that an untaken
+branch names as well; a change of that one retraces needlessly, once.
+
 What is not guarded, as in Dynamo's defaults where they differ:
 - nn.Module's own bookkeeping (``_parameters``, hooks, ...) and ``training``,
   which is part of the input signature already;
 - attributes of objects that are not modules, such as a Hugging Face
   ``config``: fxshard sees the read of ``self.config``, not of its fields.
-  Dynamo guards those too; change them before ``fxshard.compile``.
+  Dynamo guards those too; change them before ``fxshard.compile``;
+- a global dict's item under a key the code computes (``SETTINGS[key]``).
 
 Recording swaps each module's class for a subclass with a recording
 ``__getattribute__`` for the length of the trace only; nothing is recorded,
@@ -26,9 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -84,15 +94,44 @@ class Guard:
 
 
 @dataclass(frozen=True)
-class Guards:
-    """The constant attributes one trace read, with the values it baked in."""
+class GlobalGuard:
+    """A module-level value the model's code names: ``name`` in ``namespace`` (a module's
+    globals), or with ``key``, that global dict's item."""
 
-    guards: tuple[Guard, ...] = ()
+    namespace: dict[str, Any]
+    module_name: str
+    name: str
+    key: str | None
+    value: Any
+
+    def current(self) -> Any:
+        value = self.namespace.get(self.name, _MISSING)
+        if self.key is None:
+            return value
+        return value.get(self.key, _MISSING) if type(value) is dict else _MISSING
+
+    def holds(self) -> bool:
+        return _same(self.current(), self.value)
+
+    def __str__(self) -> str:
+        item = f"[{self.key!r}]" if self.key is not None else ""
+        return f"global {self.module_name}.{self.name}{item}"
+
+
+class AnyGuard(Protocol):
+    def holds(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Guards:
+    """The constant attributes and globals one trace read, with the values it baked in."""
+
+    guards: tuple[AnyGuard, ...] = ()
 
     def hold(self) -> bool:
         return all(g.holds() for g in self.guards)
 
-    def failed(self) -> list[Guard]:
+    def failed(self) -> list[AnyGuard]:
         return [g for g in self.guards if not g.holds()]
 
 
@@ -156,7 +195,63 @@ def recording(root: nn.Module, recorder: Recorder) -> Iterator[Recorder]:
             module.__class__ = cls
 
 
+def _library(module_name: str) -> bool:
+    return module_name.split(".")[0] in ("torch", "fxshard", "builtins", "typing")
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the lambdas, comprehensions and functions nested in it."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def global_guards(root: nn.Module, depth: int = 3) -> list[GlobalGuard]:
+    """Guards on the module-level constants, and constant items of global dicts, that the
+    code of ``root``'s module classes names (see the module docstring)."""
+    found: dict[tuple[int, str, str | None], GlobalGuard] = {}
+    seen: set[int] = set()
+
+    def scan(fn: Any, level: int) -> None:
+        code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if not isinstance(code, types.CodeType) or type(namespace) is not dict or id(code) in seen:
+            return
+        module_name = str(namespace.get("__name__", "?"))
+        if _library(module_name):
+            return
+        seen.add(id(code))
+        codes = list(_codes(code))
+        keys = {c for co in codes for c in co.co_consts if isinstance(c, str)}
+        for name in dict.fromkeys(n for co in codes for n in co.co_names):
+            if name not in namespace:
+                continue
+            value = namespace[name]
+            if is_constant(value):
+                found.setdefault((id(namespace), name, None),
+                                 GlobalGuard(namespace, module_name, name, None, _frozen(value)))
+            elif type(value) is dict:
+                for key in keys:
+                    item = value.get(key, _MISSING)
+                    if item is not _MISSING and is_constant(item):
+                        found.setdefault((id(namespace), name, key),
+                                         GlobalGuard(namespace, module_name, name, key, _frozen(item)))
+            elif isinstance(value, types.FunctionType) and level < depth:
+                scan(value, level + 1)
+
+    for cls in dict.fromkeys(type(m) for m in root.modules()):
+        for klass in cls.__mro__:
+            if _library(klass.__module__):
+                continue
+            for attr in vars(klass).values():
+                fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+                if isinstance(fn, types.FunctionType):
+                    scan(fn, 0)
+    return list(found.values())
+
+
 def guards_of(root: nn.Module, recorder: Recorder) -> Guards:
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    return Guards(tuple(Guard(m, paths.get(id(m), "?"), name, value)
-                        for m, name, value in recorder.reads.values()))
+    attributes: list[AnyGuard] = [Guard(m, paths.get(id(m), "?"), name, value)
+                                  for m, name, value in recorder.reads.values()]
+    return Guards((*attributes, *global_guards(root)))
