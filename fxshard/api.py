@@ -16,7 +16,7 @@ from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.guards import Guards, guards_of
 from fxshard.driver.report import Report
-from fxshard.driver.runtime import refuse_ddp, refuse_eager_calls
+from fxshard.driver.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls
 from fxshard.driver.trace import StepFunction
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
@@ -337,6 +337,7 @@ def compile(
             "is. To change the policy or options, build the model again (or load "
             "sharded.state_dict() into a fresh one) and compile that."
         )
+    agree_on_mesh(options.get("mesh"))  # before any group is made from it
     config = CompileConfig.build("compile", policy=policy, process_group=process_group, **options)
     return shard_module(model, Driver(config), example_inputs, allow_meta=_allow_meta)
 

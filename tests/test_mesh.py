@@ -606,3 +606,35 @@ def test_hpz_under_inductor_trains_like_full_shard() -> None:
     for r in run_ranks(hpz_inductor_worker, 4):
         assert r["hpz"]["losses"] == r["full_shard"]["losses"]
         _assert_states(r["hpz"]["state"], r["full_shard"]["state"], exact=True)
+
+
+def _bad_mesh(rank: int, world_size: int, how: str) -> tuple[str, str]:
+    """Every rank compiles with a mesh that is wrong for the job: ``outside`` leaves the last
+    rank out of it; ``different``: rank 0 passes a 1-D mesh, the others a 2-D one."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if how == "outside":
+        mesh = DeviceMesh("cpu", list(range(world_size - 1)))
+    else:
+        flat, square = init_device_mesh("cpu", (world_size,)), init_device_mesh("cpu", (2, world_size // 2))
+        mesh = flat if rank == 0 else square
+    try:
+        fxshard.compile(MLP(), policy=by_class(nn.Linear), mesh=mesh, timeout=20)
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+@pytest.mark.parametrize("how, world_size, said", [
+    ("outside", 2, "rank(s) [1] are outside the mesh they passed to fxshard.compile (rank 1: a (1,) "
+                   "mesh over ranks [0]). Every rank of the job takes part in fxshard's process "
+                   "groups: build the mesh over all 2 ranks"),
+    ("different", 4, "the ranks passed different meshes to fxshard.compile: rank 0 passed a (4,) mesh "
+                     "over ranks [0, 1, 2, 3], rank 1 passed a (2, 2) mesh over ranks [0, 1, 2, 3]. "
+                     "Every rank must pass the same mesh"),
+])
+def test_a_mesh_that_does_not_fit_the_job_is_refused_on_every_rank_naming_who_passed_what(
+        how: str, world_size: int, said: str) -> None:
+    for rank, (error, message) in enumerate(run_ranks(_bad_mesh, world_size, how)):
+        assert error == "FxShardError", (rank, error, message)
+        assert message.startswith(f"rank {rank}: ") and said in message, message

@@ -129,6 +129,46 @@ class World:
         return "; ".join(parts)
 
 
+def agree_on_mesh(mesh: Any) -> None:
+    """Before any group is made from ``mesh``: every rank of the job is in the mesh it passed,
+    and ranks that share a mesh passed the same one (sliced meshes, one row per rank, agree).
+    Else raise on every rank, naming who passed what, where the groups' creation would fail
+    with an ``IndexError`` on one rank and a store timeout on the others. A collective over
+    the job, as the groups' creation is (``with_comm_groups``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or not (dist.is_available() and dist.is_initialized()) \
+            or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    mine = (tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    me, size = dist.get_rank(), len(every)
+
+    def said(r: int) -> str:
+        shape, ranks = every[r]
+        return f"a {shape} mesh over ranks {list(ranks)}"
+
+    outside = [r for r, (_, ranks) in enumerate(every) if r not in ranks]
+    if outside:
+        raise FxShardError(
+            f"rank {me}: rank(s) {outside} are outside the mesh they passed to fxshard.compile "
+            f"(rank {outside[0]}: {said(outside[0])}). Every rank of the job takes part in "
+            f"fxshard's process groups: build the mesh over all {size} ranks, e.g. "
+            f"init_device_mesh(device_type, ({size},)) or (R, S) with R * S = {size}, and pass "
+            "it on every rank."
+        )
+    differ = sorted({(r, s) for r, (_, ranks) in enumerate(every) for s in ranks if every[s] != every[r]})
+    if differ:
+        r, s = differ[0]
+        raise FxShardError(
+            f"rank {me}: the ranks passed different meshes to fxshard.compile: rank {r} passed "
+            f"{said(r)}, rank {s} passed {said(s)}. Every rank must pass the same mesh: build it "
+            "once with init_device_mesh(device_type, shape), the same shape on every rank, and "
+            "pass that."
+        )
+
+
 def resolve_world(process_group: dist.ProcessGroup | None) -> World:
     if process_group is not None:
         return World(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
