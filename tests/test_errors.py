@@ -387,3 +387,21 @@ def test_clipping_the_original_modules_parameters_is_refused() -> None:
             assert "sharded.clip_grad_norm_(" in message, message
             assert "clip_grad_norm_(sharded.parameters(), " in message, message
         assert unchanged, rank
+
+
+class PlainTensorAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.scale = torch.ones(4)  # neither a parameter nor a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) * self.scale
+
+
+def test_a_plain_tensor_attribute_read_in_forward_is_told_to_become_a_buffer() -> None:
+    err = _compile_error(PlainTensorAttribute(), torch.randn(2, 4))
+    assert err.kind == "tensor-attribute", err
+    assert "neither a parameter nor a buffer" in str(err) and "Register it as a buffer" in str(err), err
+    assert 'self.register_buffer("name", tensor)' in str(err), err
+    _assert_source(err, PlainTensorAttribute.forward, "self.l(x) * self.scale")

@@ -436,6 +436,12 @@ def _is_dtype(e: BaseException, module_type: str) -> bool:
     return bool(_DTYPE_WORDS.search(str(e)))
 
 
+def _is_tensor_attribute(e: BaseException, module_type: str) -> bool:
+    # FakeTensorMode's refusal of a real tensor the trace did not make fake: not an input,
+    # parameter or buffer, so a plain attribute (self.x = torch.ones(...)) or a global.
+    return "convert all Tensors to FakeTensors" in str(e)
+
+
 DYNAMIC_SHAPES = Cause(
     "dynamic-shapes",
     "fxshard compiles one static graph per input shape and cannot trace symbolic (dynamic) "
@@ -449,6 +455,15 @@ DYNAMIC_SHAPES = Cause(
 # In order: the first cause that matches names the failure (an index dtype is also a dtype).
 CAUSES: tuple[Cause, ...] = (
     DYNAMIC_SHAPES,
+    Cause(
+        "tensor-attribute",
+        "the forward used a tensor that is neither a parameter nor a buffer nor an input (a plain "
+        "tensor attribute, self.x = torch.ones(...), or a global tensor): the trace sees only "
+        "what the module registers. Register it as a buffer in __init__, "
+        'self.register_buffer("name", tensor) (persistent=False keeps it out of state dicts), '
+        "or pass it to forward as an input.",
+        _is_tensor_attribute,
+    ),
     Cause(
         "data-dependent",
         "fxshard captures one static graph per input signature, so Python control flow may not "
