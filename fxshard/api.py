@@ -204,8 +204,8 @@ class ShardedModule(nn.Module):
         """Reset the shards' gradients and drop what ``no_sync`` has added up and not yet
         reduced, as DDP's ``zero_grad`` drops the gradients it accumulated.
 
-        An optimizer's ``zero_grad()`` cannot drop those sums (torch gives optimizers no
-        zero_grad hook); an optimizer step while they are pending raises instead.
+        An optimizer's ``zero_grad()`` drops them too: it clears the shards' gradients,
+        which fxshard notices before the next step (``RunState.drop_sums_of_cleared_grads``).
         """
         super().zero_grad(set_to_none)
         self._driver.state.drop_pending_sums()
