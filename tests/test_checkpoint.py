@@ -583,12 +583,14 @@ def async_worker(rank: int, world_size: int, path: str) -> bool:
     return checked and all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
+@pytest.mark.release  # a DCP round trip: async_save with fxshard's stager, then load
 def test_async_save_with_fxshards_copies() -> None:
     # DCP's default stager cannot copy a ShardedTensor (it asks for data_ptr); the values are
     # copies already, so StagedCopies hands them over as they are.
     assert [r["async"] for r in bad_input_results()] == [True, True]
 
 
+@pytest.mark.release  # torch.distributed.checkpoint.state_dict's options
 def test_full_state_dicts_offloaded_to_rank0() -> None:
     rank0, rank1 = bad_input_results()
     assert rank1["full_model"] == {} and rank1["full_optim"] == {}  # torch's cpu_offload: rank 0 only
