@@ -129,6 +129,7 @@ def _compile_error(model: nn.Module, x: torch.Tensor) -> TraceError:
     return info.value
 
 
+@pytest.mark.release  # 2.11's fake embedding accepts float indices: the trace checks them
 def test_float_token_ids_into_an_embedding() -> None:
     err = _compile_error(TokenModel(), torch.zeros(2, 3))
     assert "module 'emb' (Embedding)" in str(err)
