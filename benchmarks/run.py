@@ -697,7 +697,7 @@ def fxshard_version() -> str | None:
         return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", "fxshard", "passes")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "fxshard")
         return git("rev-parse", "--short", "HEAD") + (" with local changes to the library" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -6,6 +6,7 @@ import copy
 import io
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -218,3 +219,24 @@ def test_calling_the_original_module_after_compile_raises_naming_what_to_call() 
                                            r"sharded\(inputs\)"):
         model(torch.randn(4, 12))
     sharded(torch.randn(4, 12)).sum().backward()  # the sharded module traces and runs the same model
+
+
+def test_a_plain_checkout_on_sys_path_imports_the_whole_package(tmp_path: Any) -> None:
+    """``fxshard/`` copied alone (a checkout with no install) imports with its passes: the
+    passes live inside the package, not beside it behind the editable install's mapping."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "fxshard", tmp_path / "fxshard", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import fxshard, fxshard.passes; "
+            "from fxshard.passes.pipeline import build_pipeline; "
+            "print(fxshard.__file__); print(fxshard.passes.__file__); print(callable(fxshard.compile))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    package, passes, compiles = out.stdout.split()
+    assert package.startswith(str(tmp_path)) and passes.startswith(str(tmp_path)), out.stdout
+    assert compiles == "True"

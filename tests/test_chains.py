@@ -1,4 +1,4 @@
-"""Collective chains and the lowering table (fxshard/ir/chains.py, passes/lowering.py).
+"""Collective chains and the lowering table (fxshard/ir/chains.py, fxshard/passes/lowering.py).
 
 Each lowering records what it made as one chain; scheduling, freeing, verify
 and the report read chains. Graph structure on a fake process group of 4

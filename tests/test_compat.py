@@ -1,6 +1,6 @@
 """torch's internals are reached through one module, ``fxshard/ir/compat.py``.
 
-An AST scan of ``fxshard/`` and ``passes/`` finds every private torch name
+An AST scan of ``fxshard/`` (``fxshard/passes/`` included) finds every private torch name
 outside it:
 
 - imports of a torch module with a private part (``torch._dynamo``,
@@ -161,7 +161,7 @@ def scan(path: str, tree: ast.Module, defined: set[str]) -> list[Hit]:
 
 def sources() -> dict[str, str]:
     """fxshard's modules outside compat, by path from the repository root."""
-    files = [*sorted((ROOT / "fxshard").rglob("*.py")), *sorted((ROOT / "passes").rglob("*.py"))]
+    files = sorted((ROOT / "fxshard").rglob("*.py"))
     texts = {str(f.relative_to(ROOT)): f.read_text() for f in files if not f.is_symlink()}
     texts.pop(str(COMPAT))
     return texts
@@ -251,8 +251,7 @@ def test_names_that_differ_between_releases_are_reached_through_compat() -> None
     """Public names that some supported release lacks (``dist.all_gather_single``: 2.11) must
     be called through compat; the private-name scan cannot see them."""
     root = Path(__file__).resolve().parent.parent
-    offenders = [f"{path.relative_to(root)}:{n}" for folder in ("fxshard", "passes")
-                 for path in sorted((root / folder).rglob("*.py")) if path.name != "compat.py"
+    offenders = [f"{path.relative_to(root)}:{n}" for path in sorted((root / "fxshard").rglob("*.py")) if path.name != "compat.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "dist.all_gather_single" in line]
     assert not offenders, offenders

@@ -233,15 +233,13 @@ LAYERS = {"fxshard.ir": 0, "fxshard.passes": 1, "fxshard.driver": 2}  # everythi
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT)
     parts = list(rel.with_suffix("").parts)
-    if parts[0] == "passes":
-        parts[0:1] = ["fxshard", "passes"]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _import_graph() -> nx.DiGraph:
-    files = [*sorted((ROOT / "fxshard").rglob("*.py")), *sorted((ROOT / "passes").rglob("*.py"))]
+    files = sorted((ROOT / "fxshard").rglob("*.py"))
     modules = {_module_name(f): f for f in files}
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)

@@ -1,6 +1,6 @@
 """Collective chains: what each lowering made, read back as one value.
 
-A lowering (``passes/lowering.py``) turns one marker into a few nodes: the
+A lowering (``fxshard/passes/lowering.py``) turns one marker into a few nodes: the
 nodes that prepare and issue a collective, the collectives, their waits, and
 the node compute reads. Every one of them carries the chain's ``ChainTag``
 (``NodeInfo.chain``) and a ``Role``; later passes add to the chain (the free

@@ -8,7 +8,7 @@ recomputed with it), and for selective checkpointing the operators whose
 outputs are saved anyway (matmuls, attention: expensive to recompute, as
 torch's selective activation checkpointing saves them).
 
-``checkpoint_activations_pass`` (passes/) reads it; like the plan it is
+``checkpoint_activations_pass`` (fxshard/passes/) reads it; like the plan it is
 plain data, decided before any graph exists.
 """
 

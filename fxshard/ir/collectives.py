@@ -35,7 +35,7 @@ class Collective:
     # there: the same on every rank, where HSDP's group names differ between rows.
     dimension: str = ""
     slot: int = 0
-    lowering: str = ""  # the lowering table's entry that made it (passes/lowering.py)
+    lowering: str = ""  # the lowering table's entry that made it (fxshard/passes/lowering.py)
     direction: str = ""  # its chain's: "gather" (parameters in) or "reduce" (gradients out)
 
     @property

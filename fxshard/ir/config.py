@@ -71,7 +71,7 @@ class CompileConfig:
     # "inductor": Inductor compiles the emitted graphs (its decompositions and
     # joint-graph passes run first; fxshard emits no explicit frees).
     compute: Compute = "eager"
-    # Check the invariants of passes/README.md after every pass (always on the
+    # Check the invariants of fxshard/passes/README.md after every pass (always on the
     # emitted graphs). Default: the FXSHARD_VERIFY environment variable.
     verify: bool = False
     on_pass: PassHook | None = field(default=None, compare=False)
@@ -86,7 +86,7 @@ class CompileConfig:
     inflight_groups: bool | None = None
     # Regions whose activations backward recomputes instead of saving: a
     # policy value (by_class(Block); selective(by_class(Block)) saves matmul
-    # and attention outputs). passes/checkpoint_activations.py.
+    # and attention outputs). fxshard/passes/checkpoint_activations.py.
     activation_checkpointing: Policy | None = None
     # Bytes the predicted peak of a training step (forward, backward and, with
     # optimizer=, the optimizer step, as report() counts it) must stay within.

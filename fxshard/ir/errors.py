@@ -49,7 +49,7 @@ class PlanError(FxShardError):
 
 
 class GraphInvariantError(FxShardError):
-    """A graph broke one of the invariants in passes/README.md (see ``verify``)."""
+    """A graph broke one of the invariants in fxshard/passes/README.md (see ``verify``)."""
 
 
 class CollectiveMismatchError(FxShardError):

@@ -99,7 +99,7 @@ class PassContext:
                 and not self.plan.groups[group].replicated)
 
     def topology(self, group: int) -> str:
-        """How this group is held, the lowering table's first key (``passes/lowering.py``):
+        """How this group is held, the lowering table's first key (``fxshard/passes/lowering.py``):
         "local" (one rank: no collective), "replicated" (whole on every rank: NO_SHARD),
         "sharded" (over the shard group), "hybrid" (HSDP: sharded, and replicated over
         ``layout.replicate``)."""

@@ -1,4 +1,4 @@
-"""verify: check the invariants of passes/README.md on one graph.
+"""verify: check the invariants of fxshard/passes/README.md on one graph.
 
 Run between passes (tests and debug mode) and once on every emitted graph.
 Raises GraphInvariantError naming the offending node.
@@ -125,7 +125,7 @@ def _check_chains(graph: fx.Graph) -> list[Chain]:
         if (P.is_collective(node) or P.is_wait(node) or P.is_free(node)) and (
                 info is None or (info.chain is None and info.role is not Role.ACCUMULATE)):
             raise GraphInvariantError(f"{node.name} ({node.target}) belongs to no collective chain: "
-                                      "a lowering must make it with a ChainBuilder (passes/lowering.py)")
+                                      "a lowering must make it with a ChainBuilder (fxshard/passes/lowering.py)")
     for chain in found:
         for collective in chain.collectives:
             (wait,) = collective.users  # invariant 3, checked above
