@@ -495,8 +495,11 @@ def _group(driver: Driver) -> dist.ProcessGroup | None:
     return driver.world.job_group if driver.world.group is not None else None
 
 
-def _failures(e: CheckpointException) -> str:
-    return "\n  ".join(f"rank {r}: {_last_line(f)}" for r, f in sorted(e.failures.items()))
+def _failures(e: CheckpointException, driver: Driver) -> str:
+    """Each failed rank's last line, under its rank in the job (DCP numbers them in its group)."""
+    members = driver.world.job_members()
+    return "\n  ".join(f"rank {members[r] if r < len(members) else r}: {_last_line(f)}"
+                       for r, f in sorted(e.failures.items()))
 
 
 def _peer_failed(what: str, rank: int, e: BaseException) -> str:
@@ -615,10 +618,10 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         dcp.save(content, storage_writer=ChecksumWriter(partial), process_group=_group(driver),
                  planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except CheckpointException as e:  # a BaseException, raised on every rank: one callers catch
-        raise StateDictError(f"{what}: writing it failed, {path} is unchanged:\n  {_failures(e)}") from e
+        raise StateDictError(f"{what}: writing it failed, {path} is unchanged:\n  {_failures(e, driver)}") from e
     except RuntimeError as e:  # a collective of DCP's (DCP wraps everything else)
         settle(None, _group(driver))
-        raise StateDictError(_peer_failed(what, rank, e) + f" {path} is unchanged.") from e
+        raise StateDictError(_peer_failed(what, driver.world.global_rank, e) + f" {path} is unchanged.") from e
     # dcp.save returns once the coordinator has written .metadata after every rank's files.
     problems = []
     if rank == 0:
@@ -732,13 +735,13 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     except CheckpointException as e:  # a BaseException: turned into an error callers catch
         named = all(isinstance(_error(f), ChecksumError) for f in e.failures.values())
         raise StateDictError(
-            f"{what}: reading it failed, nothing was changed:\n  {_failures(e)}"
+            f"{what}: reading it failed, nothing was changed:\n  {_failures(e, driver)}"
             + ("" if named else "\nA file of the checkpoint is truncated or corrupted: load an "
                "earlier checkpoint.")
         ) from e
     except RuntimeError as e:  # a collective of DCP's
         settle(None, _group(driver))
-        raise StateDictError(_peer_failed(what, driver.world.job_rank, e) + " Nothing was changed.") from e
+        raise StateDictError(_peer_failed(what, driver.world.global_rank, e) + " Nothing was changed.") from e
     if opts:
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
     else:

@@ -638,3 +638,39 @@ def test_a_mesh_that_does_not_fit_the_job_is_refused_on_every_rank_naming_who_pa
     for rank, (error, message) in enumerate(run_ranks(_bad_mesh, world_size, how)):
         assert error == "FxShardError", (rank, error, message)
         assert message.startswith(f"rank {rank}: ") and said in message, message
+
+
+def _errors_on_a_2_by_2_mesh(rank: int, world_size: int) -> dict[str, str]:
+    """Rank 3 (rank 1 of its shard row, ranks [2, 3]) evaluates while the others train, then
+    gathers the full state alone: each error each rank gets."""
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), mesh=init_device_mesh("cpu", (2, 2)))
+    x, said = torch.randn(2, 12), {}
+    try:
+        if rank == 3:
+            sharded.eval()
+            with torch.no_grad():
+                sharded(x)
+        else:
+            sharded(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        said["mismatch"] = f"{type(e).__name__}: {e}"
+    if rank == 3:  # its row's other rank, 2, has left
+        try:
+            sharded.full_state_dict(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            said["gather"] = f"{type(e).__name__}: {e}"
+    return said
+
+
+def test_errors_under_hsdp_name_the_jobs_rank_not_the_rank_in_the_shard_row() -> None:
+    results = run_ranks(_errors_on_a_2_by_2_mesh, 4)
+    for rank, said in enumerate(results):
+        mismatch = said["mismatch"]
+        assert mismatch.startswith("CollectiveMismatchError: "), mismatch
+        assert f"(seen from rank {rank})" in mismatch, mismatch
+        assert "rank 2: forward of a train step" in mismatch, mismatch
+        assert "rank 3: forward of a eval/inference step" in mismatch, mismatch
+    gather = results[3]["gather"]
+    assert gather.startswith("FxShardError: rank 3 (rank 1 of its shard group, ranks [2, 3]): "
+                             "gathering flat group 0"), gather
+    assert "the other ranks did not answer" in gather, gather

@@ -295,7 +295,7 @@ def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: A
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
             settle(None, *world.all_comm)
-            failure = collective_failure(e, world.rank, f"{kind} graph")
+            failure = collective_failure(e, world, f"{kind} graph")
             if failure is None:
                 raise
             raise failure from e

@@ -47,7 +47,7 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
         work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
     seconds = world.timeout.total_seconds() if world.timeout is not None else None
     wait_within(work, seconds, lambda what: FxShardError(
-        f"rank {world.job_rank}: the other ranks did not reach the {phase} of this step {what}: "
+        f"{world.who()}: the other ranks did not reach the {phase} of this step {what}: "
         "a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
         "some ranks only). Every rank must call the model the same number of times, in the "
         "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
@@ -58,7 +58,7 @@ def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], w
     descriptions: list[Description | None] = [None] * world.job_size
     with compat.no_python_context():
         dist.all_gather_object(descriptions, describe(), group=group)
-    raise CollectiveMismatchError(_mismatch(descriptions, world.job_rank))
+    raise CollectiveMismatchError(_mismatch(descriptions, world))
 
 
 def with_buffer_broadcast(fingerprint: bytes) -> bytes:
@@ -74,10 +74,12 @@ def describe_step(phase: str, graph: str, grad: bool, inputs: list[torch.Tensor]
             "grad": grad, "inputs": shapes or "none", "collectives": issued}
 
 
-def _mismatch(descriptions: list[Description | None], rank: int) -> str:
+def _mismatch(descriptions: list[Description | None], world: World) -> str:
+    """The ranks' steps (``descriptions``, in the job group's order), each under its job rank."""
     steps = [d or {} for d in descriptions]
-    lines = [f"ranks would issue different collectives (seen from rank {rank}):"]
-    for r, d in enumerate(steps):
+    members = world.job_members()
+    lines = [f"ranks would issue different collectives (seen from {world.who()}):"]
+    for r, d in zip(members, steps):
         lines.append(f"  rank {r}: {d.get('phase')} of a {d.get('mode')} step, grad "
                      f"{'on' if d.get('grad') else 'off'}, inputs {d.get('inputs')}, "
                      f"{len(d.get('collectives', []))} collectives")
@@ -86,7 +88,7 @@ def _mismatch(descriptions: list[Description | None], rank: int) -> str:
         issued = [s[i] if i < len(s) else "(nothing: its phase ends here)" for s in seqs]
         if len(set(issued)) > 1:
             lines.append(f"collective #{i} of the step differs:")
-            lines += [f"  rank {r}: {c}" for r, c in enumerate(issued)]
+            lines += [f"  rank {r}: {c}" for r, c in zip(members, issued)]
             break
     else:
         lines.append("their collectives print alike but the phases differ")

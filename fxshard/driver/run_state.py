@@ -214,7 +214,7 @@ class RunState:
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step. Before its forward, and before its backward, every rank
         checks that all ranks are about to issue the same collectives."""
-        self.abandoned.check(self.world.rank)
+        self.abandoned.check(self.world)
         self.check_requires_grad()
         buffers = self.buffers_to_broadcast()
         self.agree(step, "forward", inputs, broadcast=bool(buffers))
@@ -227,7 +227,7 @@ class RunState:
             flat = step.fn(*inputs)
         except BaseException as e:
             self.abandoned.leave("the forward", e)
-            failure = collective_failure(e, self.world.rank, "forward")
+            failure = collective_failure(e, self.world, "forward")
             if failure is None:
                 raise
             raise failure from e

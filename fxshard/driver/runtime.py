@@ -103,6 +103,28 @@ class World:
         return self.size * (self.replicas.size if self.replicas is not None else 1)
 
     @property
+    def global_rank(self) -> int:
+        """This rank as the job numbers it (``torch.distributed.get_rank()``, what torchrun's logs
+        and RANK say), whatever group it shards over; messages name ranks by it."""
+        return dist.get_rank() if self.group is not None else self.rank
+
+    def job_members(self) -> list[int]:
+        """The job's ranks (``global_rank``s) in :attr:`job_group`'s order: what the index of a
+        rank's row in a gather over the job names."""
+        if self.group is None:
+            return [self.rank]
+        return dist.get_process_group_ranks(self.job_group)
+
+    def who(self, row: bool = False) -> str:
+        """This rank, for a message: the job's rank; with ``row``, where a message is about its
+        shard group and that differs from the job (HSDP, process_group=), its place there too."""
+        named = f"rank {self.global_rank}"
+        if row and self.group is not None and (self.replicas is not None or self.rank != self.global_rank):
+            ranks = dist.get_process_group_ranks(self.comm_group)
+            named += f" (rank {self.rank} of its shard group, ranks {ranks})"
+        return named
+
+    @property
     def group_name(self) -> str | None:
         return None if self.group is None else self.comm_group.group_name
 
@@ -615,7 +637,7 @@ _COMM_FAILURE = ("timed out", "connection closed", "connection reset", "watchdog
                  "gloo", "broken pipe")
 
 
-def collective_failure(e: BaseException, rank: int, where: str) -> FxShardError | None:
+def collective_failure(e: BaseException, world: World, where: str) -> FxShardError | None:
     """A clear error for a collective of a compiled step that failed (a peer gone or stalled),
     or None if ``e`` is something else."""
     text = str(e)
@@ -625,7 +647,7 @@ def collective_failure(e: BaseException, rank: int, where: str) -> FxShardError 
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     return FxShardError(
-        f"rank {rank}: a collective of the {where} failed: {first}. A peer is gone or stalled, "
+        f"{world.who()}: a collective of the {where} failed: {first}. A peer is gone or stalled, "
         "or the ranks stopped running the same steps. The process group is unusable now: let "
         "the process exit (torchrun restarts the job; resume from the last checkpoint)."
     )
@@ -651,10 +673,10 @@ class Abandoned:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self.reason = f"{where} raised {type(e).__name__}: {first}"[:500]
 
-    def check(self, rank: int) -> None:
+    def check(self, world: World) -> None:
         if self.reason is not None:
             raise FxShardError(
-                f"rank {rank}: no step can run after an earlier one was abandoned on this rank "
+                f"{world.who()}: no step can run after an earlier one was abandoned on this rank "
                 f"({self.reason}). Its peers may still be inside that step's collectives, so "
                 "the steps' process groups are out of step for good. Let the exception end the "
                 "process (torchrun restarts the job; resume from the last checkpoint); catching "
@@ -673,7 +695,7 @@ def gather_full(shard: torch.Tensor, group: FlatGroup, world: World, timeout: fl
     work = compat.all_gather_single(out, shard.detach().to(comm).contiguous(), group=world.comm_group,
                                     async_op=True)
     wait_within(work, timeout, lambda what: FxShardError(
-        f"rank {world.rank}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
+        f"{world.who(row=True)}: gathering flat group {group.index} (unit {group.unit or '<root>'!r}): "
         f"the other ranks did not answer {what}. full_state_dict / load_full_state_dict are "
         "collectives: every rank of the process group must call them, in the same order."
     ), world.comm_group)

@@ -238,25 +238,28 @@ def agree_on(problems: list[str], driver: Driver, what: str, *,
     found: list[Any] = [None] * world.job_size
     dist.all_gather_object(found, (problems, source.name if source else None), group=group)
     _raise(what, why, found, source if not bool((flags[:, 1] == flags[0, 1]).all()) else None,
-           [int(d) for d in flags[:, 1]])
+           [int(d) for d in flags[:, 1]], world.job_members())
 
 
-def _raise(what: str, why: str, found: list[Any], source: Source | None, digests: Sequence[int] = ()) -> None:
-    """The error of an agreement: every rank's problems, and which ranks read which source."""
+def _raise(what: str, why: str, found: list[Any], source: Source | None, digests: Sequence[int] = (),
+           members: Sequence[int] = ()) -> None:
+    """The error of an agreement: every rank's problems, and which ranks read which source;
+    ``found`` and ``digests`` are in the job group's order, ``members`` its ranks in the job."""
+    members = list(members) or list(range(len(found)))
     found = [f if f is not None else ([], None) for f in found]
     if all(f[0] == found[0][0] for f in found):  # the same on every rank: say it once
         lines = list(found[0][0])
     else:
-        lines = [f"rank {r}: {p}" for r, (ps, _) in enumerate(found) for p in ps]
+        lines = [f"rank {r}: {p}" for r, (ps, _) in zip(members, found) for p in ps]
     text = []
     if lines:
         shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
         text.append(f"{what}: {why}:\n  {shown}")
     if source is not None:
         ranks: dict[int, list[int]] = {}
-        for r, d in enumerate(digests):
-            ranks.setdefault(d, []).append(r)
-        who = "\n  ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: "
+        for i, d in enumerate(digests):
+            ranks.setdefault(d, []).append(i)
+        who = "\n  ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(str(members[i]) for i in rs)}: "
                           f"{found[rs[0]][1]}" for rs in ranks.values())
         text.append(f"{what}: the ranks {source.differ}, nothing was changed:\n  {who}\n{source.hint}")
     if text:
@@ -316,7 +319,11 @@ def _exchange(world: World, group: dist.ProcessGroup, values: list[int], collect
         waited = time.monotonic() - start
         if work is not None:
             settle(work, group)
-        raise StateDictError(_not_arrived(collective, world.job_rank, missing(), seconds, waited, e)) from e
+        gone = missing()
+        members = world.job_members()
+        raise StateDictError(_not_arrived(collective, world.global_rank,
+                                          None if gone is None else [members[r] for r in gone],
+                                          seconds, waited, e)) from e
     return everyone.view(world.job_size, len(values)).cpu()
 
 
