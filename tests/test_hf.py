@@ -4,7 +4,10 @@ Transformers skips its data-dependent mask checks, and picks a traceable
 experts implementation, when ``torch.compiler.is_compiling()`` is true;
 fxshard's trace presents itself as compiling (fxshard/driver/trace.py).
 Before that, BERT with a padded attention_mask, Mistral with a padding mask
-and Mixtral's default experts failed to trace.
+and Mixtral's default experts failed to trace. OPT and BART, whose learned
+positional embeddings are nn.Embedding subclasses called with a float tensor,
+were refused by the trace's check of embedding indices, which now looks only
+at the indices that reach F.embedding.
 """
 
 from __future__ import annotations
@@ -53,7 +56,30 @@ def _mixtral() -> tuple[nn.Module, type[nn.Module]]:
     return MixtralForCausalLM(config), MixtralDecoderLayer
 
 
-MODELS = {"bert": _bert, "mistral": _mistral, "mixtral": _mixtral}
+def _opt() -> tuple[nn.Module, type[nn.Module]]:
+    # Its learned positional embedding is an nn.Embedding subclass called with the
+    # attention mask; it computes the integer positions itself.
+    from transformers import OPTConfig, OPTForCausalLM
+    from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+    config = OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                       max_position_embeddings=64, dropout=0.0, use_cache=False)
+    return OPTForCausalLM(config), OPTDecoderLayer
+
+
+def _bart() -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
+    # The encoder's learned positional embedding is called with a float tensor
+    # (inputs_embeds[:, :, -1], for its shape only).
+    from transformers import BartConfig, BartForConditionalGeneration
+    from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
+
+    config = BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+                        max_position_embeddings=64, dropout=0.0, use_cache=False)
+    return BartForConditionalGeneration(config), (BartEncoderLayer, BartDecoderLayer)
+
+
+MODELS = {"bert": _bert, "mistral": _mistral, "mixtral": _mixtral, "opt": _opt, "bart": _bart}
 
 
 def _batch(name: str, gen: torch.Generator, rank: int) -> dict[str, torch.Tensor]:
@@ -62,6 +88,9 @@ def _batch(name: str, gen: torch.Generator, rank: int) -> dict[str, torch.Tensor
     if name == "bert":
         mask[1, 5 + rank:] = 0  # right padding, different on each rank
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+    if name == "opt":
+        # Unpadded: OPT then calls its positional embedding with a float mask of ones.
+        return {"input_ids": ids, "labels": ids.clone()}
     mask[0, : 2 + rank] = 0  # left padding
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
@@ -70,7 +99,7 @@ def _train(name: str, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, layer = MODELS[name]()
     ddp = DDP(copy.deepcopy(model), broadcast_buffers=False)
-    sharded = fxshard.compile(model, policy=by_class(layer))
+    sharded = fxshard.compile(model, policy=by_class(*(layer if isinstance(layer, tuple) else (layer,))))
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(100 + rank)

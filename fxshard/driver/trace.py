@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from fxshard.driver.guards import Recorder, recording
@@ -82,12 +84,35 @@ def _register_dataclasses(obj: Any) -> None:
             _register_dataclasses(x)
 
 
-def _check_indices(mod: nn.Module, args: Any) -> None:
+# Where each embedding function takes its indices: (position, keyword).
+_INDICES: dict[Callable[..., Any], tuple[int, str]] = {
+    F.embedding: (0, "input"),
+    F.embedding_bag: (0, "input"),
+    torch.embedding: (1, "indices"),
+    torch.embedding_bag: (1, "indices"),
+}
+
+
+class _CheckIndices(TorchFunctionMode):
     """Embedding indices must be integers. torch's fake embedding says so from 2.13 on; on 2.11
-    it traces float indices, and the step would fail only when it runs."""
-    if args and isinstance(args[0], torch.Tensor) and args[0].dtype not in (torch.int64, torch.int32):
-        raise RuntimeError("Expected tensor for argument #1 'indices' to have one of the following "
-                           f"scalar types: Long, Int; but got {args[0].dtype} instead")
+    it traces float indices, and the step would fail only when it runs.
+
+    Checked on the tensor that reaches the embedding function, not on the argument of an
+    ``nn.Embedding``'s forward: a subclass may take a float tensor and compute the integer
+    positions itself (OPT's and BART's learned positional embeddings).
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        where = _INDICES.get(func)
+        if where is not None:
+            pos, name = where
+            indices = args[pos] if len(args) > pos else kwargs.get(name)
+            if isinstance(indices, torch.Tensor) and indices.dtype not in (torch.int64, torch.int32):
+                raise RuntimeError("Expected tensor for argument #1 'indices' to have one of the "
+                                   f"following scalar types: Long, Int; but got {indices.dtype} instead")
+        return func(*args, **kwargs)
 
 
 class _ModuleScopes:
@@ -103,8 +128,6 @@ class _ModuleScopes:
         for name, mod in root.named_modules():
             self.handles.append(mod.register_forward_pre_hook(self._enter(name), prepend=True))
             self.handles.append(mod.register_forward_hook(self._exit))
-            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
-                self.handles.append(mod.register_forward_pre_hook(_check_indices))
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:
@@ -257,7 +280,7 @@ class StepFunction(TracedStep):
         casts = cast_unit_inputs(self.skeleton, self.plan, self.precision, include_root=False)
         scopes = _ModuleScopes(self.skeleton)
         try:
-            with recording(self.skeleton, self.reads):
+            with recording(self.skeleton, self.reads), _CheckIndices():
                 out = functional_call(self.skeleton, tensors, args, kwargs)
         except Exception:
             self.failed_in = scopes.innermost()

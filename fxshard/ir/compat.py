@@ -94,8 +94,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
 - ``version`` (``Tensor._version``): the version counter of a shard's gradient, which tells
   an optimizer's ``zero_grad(set_to_none=False)`` inside a ``no_sync`` accumulation.
 
-Beyond these names: 2.11's fake ``embedding`` accepts float indices, so the trace checks an
-``nn.Embedding``'s indices itself (``driver/trace.py``), as 2.13's does. The emitted graphs differ
+Beyond these names: 2.11's fake ``embedding`` accepts float indices, so the trace checks the
+indices that reach ``F.embedding`` itself (``driver/trace.py``), as 2.13's does. The emitted graphs differ
 in one way: on 2.15 the reshape
 after each ``addmm`` of a linear layer is ``aten._unsafe_view`` where 2.11 and
 2.13 emit ``aten.view`` (docs/devices.md: the report is the same).
