@@ -406,3 +406,34 @@ def test_a_plain_tensor_attribute_read_in_forward_is_told_to_become_a_buffer() -
     assert "neither a parameter nor a buffer" in str(err) and "Register it as a buffer" in str(err), err
     assert 'self.register_buffer("name", tensor)' in str(err), err
     _assert_source(err, PlainTensorAttribute.forward, "self.l(x) * self.scale")
+
+
+class _Reuses(nn.Module):
+    """A new model around a block of a model fxshard sharded already."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.head = nn.Linear(24, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(x)))
+
+
+@pytest.mark.parametrize("new", ["around a block", "the block alone"])
+def test_compiling_a_submodule_of_a_sharded_model_names_the_stand_ins_and_the_fix(new: str) -> None:
+    model = MLP()
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    block = model.layers[1]
+    reused = _Reuses(block) if new == "around a block" else block
+    before = [p.detach().clone() for p in sharded.parameters()]
+    with pytest.raises(FxShardError) as raised:
+        fxshard.compile(reused)
+    message = str(raised.value)
+    assert message.startswith("rank 0: parameter 'weight' of this Linear") or \
+        message.startswith("rank 0: parameter 'block.weight' of this _Reuses"), message
+    assert "belongs to the MLP sharded already by fxshard.compile" in message, message
+    assert "a stand-in on the meta device" in message and "move the whole model" not in message, message
+    assert "compile the whole model once" in message and "full_state_dict()" in message, message
+    assert all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
+    assert all(p.is_meta for p in block.parameters())  # nothing changed

@@ -377,14 +377,21 @@ def refuse_ddp(module: nn.Module) -> NoReturn:
 _STRIPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> what sharded it
 
 
+_STAND_INS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stand-in -> (what sharded it, its model)
+
+
 def mark_sharded(module: nn.Module, by: str) -> None:
-    """``module``'s parameters now live in shards ``by`` made (e.g. "fxshard.compile")."""
+    """``module``'s parameters now live in shards ``by`` made (e.g. "fxshard.compile"); its
+    parameters are the stand-ins."""
     _STRIPPED[module] = by
+    for p in module.parameters():
+        _STAND_INS[p] = (by, type(module).__name__)
 
 
 def refuse_sharded_again(module: nn.Module) -> None:
     """Sharding a module whose parameters are already stand-ins would take the meta-init
-    path and initialise new weights: refuse, naming what sharded it."""
+    path and initialise new weights: refuse, naming what sharded it. So for a new model
+    holding a submodule of a sharded one (its stand-ins beside fresh parameters, or alone)."""
     by = _STRIPPED.get(module)
     if by is not None:
         raise FxShardError(
@@ -392,6 +399,20 @@ def refuse_sharded_again(module: nn.Module) -> None:
             "stand-ins now and the shards that call made hold the model. Sharding it again "
             "would initialise new weights. Use what the first call returned, or build the "
             "model anew to shard it another way."
+        )
+    reused = [(name, _STAND_INS[p]) for name, p in module.named_parameters() if p in _STAND_INS]
+    if reused:
+        name, (by, owner) = reused[0]
+        more = f" (and {len(reused) - 1} more)" if len(reused) > 1 else ""
+        raise FxShardError(
+            f"rank {_job_rank()}: parameter {name!r} of this {type(module).__name__}{more} "
+            f"belongs to the {owner} sharded already by {by}: it is a stand-in on the meta "
+            "device, without data (the shards that call made hold the weights), so sharding it "
+            "again would initialise new weights. A submodule of a sharded model cannot go into "
+            "another sharded model: compile the whole model once and train what fxshard.compile "
+            "returned, or build the new model from fresh modules; to start it from the trained "
+            "weights, load the sharded model's full_state_dict() into the fresh modules before "
+            "compiling them."
         )
 
 
