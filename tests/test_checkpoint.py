@@ -27,6 +27,8 @@ from fxshard.policies import by_class, by_size
 from dist_utils import run_ranks
 from models import Block, BNNet, TinyGPT
 
+RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
+
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks: every world size trains on the same global batch
 POLICIES = {"block": dict(policy=by_class(Block)),
             "size_zero2": dict(policy=by_size(2000), reshard_after_forward=False)}

@@ -27,6 +27,8 @@ from fxshard.policies import by_class
 from dist_utils import run_ranks
 from models import MLP, Block, TinyGPT
 
+RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
+
 RECORD = ".fxshard-checksums.json"
 FULL = StateDictOptions(full_state_dict=True)
 

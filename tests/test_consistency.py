@@ -22,6 +22,8 @@ from fxshard.policies import by_class
 from dist_utils import run_ranks
 from models import CASES, MLP, BNNet
 
+RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
+
 
 def _divergent(rank: int) -> str:
     torch.manual_seed(0)

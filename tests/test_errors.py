@@ -21,6 +21,8 @@ from fxshard.policies import by_class
 from dist_utils import run_ranks
 from models import MLP
 
+RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
+
 
 class DataDependent(nn.Module):
     def __init__(self) -> None:

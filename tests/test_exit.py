@@ -28,6 +28,8 @@ from fxshard.policies import by_class
 from dist_utils import run_ranks
 from models import MLP
 
+RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
+
 # gloo's worker threads and the one-thread groups: in the release tier.
 pytestmark = pytest.mark.release
 
