@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from fxshard.api import shard_module
 from fxshard.driver.compiler import Driver
@@ -81,13 +82,34 @@ def _create_on(model: nn.Module, device: torch.device) -> None:
     ``torch.arange(n)``) land on ``device``, beside its parameters, as they land beside them
     when the model runs on its own device (CPU, or a default device set by the user)."""
     forward = model.forward
+    data = _MetaData() if device.type == "meta" else contextlib.nullcontext()
 
     @functools.wraps(forward)
     def on_device(*args: Any, **kwargs: Any) -> Any:
-        with device:
+        with device, data:
             return forward(*args, **kwargs)
 
     model.forward = on_device
+
+
+class _MetaData(TorchFunctionMode):
+    """``torch.tensor(data)`` and ``torch.as_tensor(data)`` made on the meta device are fake.
+
+    Under fake tensors torch makes them real meta tensors, which the trace then refuses
+    beside the fake ones ("Please convert all Tensors to FakeTensors"): a Hugging Face
+    model at its default ``use_cache=True`` builds a ``DynamicCache`` whose empty keys are
+    made so. A meta tensor holds no data, so an empty one of its shape and dtype, fake under
+    the trace, is the same tensor.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (func in (torch.tensor, torch.as_tensor) and isinstance(out, torch.Tensor) and out.is_meta
+                and not isinstance(out, compat.fake_tensor.FakeTensor) and all(out is not a for a in args)):
+            return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
+                                       device=out.device).requires_grad_(out.requires_grad)
+        return out
 
 
 def _planning_device(device: str | torch.device | None,

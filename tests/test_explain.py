@@ -517,3 +517,54 @@ def test_explain_for_cuda_without_a_device_takes_cudas_fused_attention_on_meta()
     assert "planned for cuda (no CUDA device here" in str(on_cuda)
     # fp32 attention: flash attention refuses it, the memory-efficient kernel takes it.
     assert "aten._scaled_dot_product_efficient_attention.default" in attention(planned("cuda"))
+
+
+LLAMA = """
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+
+def build():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+"""
+
+
+def _llama(**config: Any) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                        **config))
+
+
+def test_explain_plans_a_hugging_face_model_at_its_default_config() -> None:
+    """A from_config Llama keeps use_cache=True: its forward builds a DynamicCache, whose
+    empty keys, torch.tensor([], device=...) on the meta device, were a real meta tensor
+    among the fake ones ("Please convert all Tensors to FakeTensors"). It plans as with
+    use_cache=False: the cache is no output of the traced step."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    cached = _llama()
+    assert cached.config.use_cache
+    default, uncached = (fxshard.explain(m, ids, by_class(LlamaDecoderLayer), world_size=2)
+                         for m in (cached, _llama(use_cache=False)))
+    assert default.plan == uncached.plan and len(default.plan.units) == 3
+    assert default.report.comm_bytes_per_step == uncached.report.comm_bytes_per_step
+    assert default.report.predicted_peak_bytes > 0 and set(default.graphs) == {"forward", "backward"}
+
+
+def test_cli_explain_plans_a_hugging_face_model_at_its_default_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "fxshard_test_hf_llama.py"
+    path.write_text(LLAMA)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the file's folder first
+    monkeypatch.setitem(sys.modules, path.stem, None)  # and registers the module: undone after
+    from fxshard import cli
+
+    code = cli.main(["explain", f"{path}:build", "--world-size", "2", "--input-shape", "2,8",
+                     "--policy", "by_class(LlamaDecoderLayer)"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "ShardPlan(world_size=2, policy=by_class(LlamaDecoderLayer), units=3" in captured.out
