@@ -16,7 +16,7 @@ from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.guards import Guards, guards_of
 from fxshard.driver.report import Report
-from fxshard.driver.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls
+from fxshard.driver.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
 from fxshard.driver.trace import StepFunction
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
@@ -115,10 +115,7 @@ class ShardedModule(nn.Module):
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
-        raise FxShardError(
-            "a ShardedModule cannot be moved or cast after compile: move the model with "
-            ".to(device / dtype) before fxshard.compile"
-        )
+        refuse_move(self)  # naming fxshard's strategy or trainer where Lightning's or HF's moves it
 
     # -- the step -----------------------------------------------------------------------------
 

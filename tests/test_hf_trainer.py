@@ -281,3 +281,21 @@ def test_weight_decay_for_every_parameter_goes_through_the_optimizers_kwargs(tmp
     optimizer = trainer.create_optimizer()
     (group,) = optimizer.param_groups
     assert group["weight_decay"] == 0.1 and group["params"] == list(trainer.model_wrapped.parameters())
+
+
+def test_the_plain_trainer_given_a_sharded_module_is_told_to_use_fxshard_trainer(tmp_path: Any) -> None:
+    """Trainer's constructor moves its model to args.device: a ShardedModule refuses, naming
+    FxShardTrainer, where it used to say to move the model before fxshard.compile."""
+    sharded = fxshard.compile(_model())
+    with pytest.raises(fxshard.FxShardError) as e:
+        Trainer(model=sharded, args=_args(str(tmp_path)))
+    message = str(e.value)
+    assert message.startswith("rank 0: a ShardedModule cannot be moved or cast after compile"), message
+    assert "the Hugging Face Trainer moves its model to args.device" in message, message
+    assert "Use fxshard.hf.FxShardTrainer in place of Trainer" in message, message
+    assert "before fxshard.compile" not in message, message
+    # FxShardTrainer, and subclasses of it, are not told to use themselves
+    counting = type("Mine", (FxShardTrainer,), {})(model=_model(), args=_args(str(tmp_path)))
+    with pytest.raises(fxshard.FxShardError, match="before fxshard.compile") as e:
+        counting._move_model_to_device(counting._shard(), torch.device("cpu"))
+    assert "Under Lightning" in str(e.value), e.value

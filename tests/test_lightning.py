@@ -223,3 +223,54 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
     lit.scale = torch.nn.Parameter(torch.ones(1))
     with pytest.raises(fxshard.FxShardError, match="\\['scale'\\] lie outside it"):
         FxShardStrategy(module="model")._shard(lit)
+
+
+class _HoldsSharded(L.LightningModule):
+    """A LightningModule around a model compiled by hand, as a DDP script's would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = fxshard.compile(TinyGPT(), policy=by_class(Block))
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit_a_sharded_module(rank: int, world_size: int) -> dict[str, list[str]]:
+    """Lightning's own strategies fitting a LightningModule that holds a ShardedModule: the
+    errors fit raises, the one it chains included (teardown moves the module back to the CPU)."""
+    said = {}
+    for strategy in ("ddp", "auto"):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        try:
+            trainer.fit(_HoldsSharded(), _data())
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            said[strategy] = []
+            error: BaseException | None = e
+            while error is not None:
+                said[strategy].append(f"{type(error).__name__}: {error}")
+                error = error.__context__
+        else:
+            said[strategy] = []
+    return said
+
+
+def test_lightnings_own_strategies_given_a_sharded_module_are_told_to_use_strategy_fxshard() -> None:
+    """DDPStrategy (and the single-device strategy) move the LightningModule to their device at
+    setup: the ShardedModule inside refuses, naming strategy="fxshard", where it used to say to
+    move the model before fxshard.compile. One rank (Lightning's DDP over a 1-rank group)."""
+    said = run_ranks(_fit_a_sharded_module, 1)[0]
+    for strategy, name in (("ddp", "DDPStrategy"), ("auto", "SingleDeviceStrategy")):
+        assert said[strategy], strategy
+        for message in said[strategy]:
+            assert message.startswith("FxShardError: rank 0: a ShardedModule cannot be moved or cast "
+                                      "after compile"), message
+            assert f"Lightning's {name} moves the LightningModule to its device" in message, message
+            assert 'use Trainer(strategy="fxshard")' in message, message
+            assert "keep the model unsharded in the LightningModule" in message, message

@@ -9,10 +9,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -371,6 +373,56 @@ def refuse_ddp(module: nn.Module) -> NoReturn:
         "different shards' gradients, corrupting the model. Do not wrap it: "
         "sharded = fxshard.compile(model) takes the place of DDP(model), and has DDP's no_sync() "
         "and clip_grad_norm_()."
+    )
+
+
+def _trainer_moving() -> tuple[str, str] | None:
+    """The trainer on the call stack that is moving a module, if it is one fxshard has its own
+    for: ("lightning", its strategy's class) or ("transformers", the Trainer's class). Read from
+    the frames' modules, so a moved import path or a subclass is still recognised; fxshard's
+    own strategy and trainer are not."""
+    frame: FrameType | None = sys._getframe(1)
+    found: tuple[str, str] | None = None
+    while frame is not None:
+        package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+        kind = type(frame.f_locals.get("self"))
+        trainer = "lightning" if package in ("lightning", "pytorch_lightning") and \
+            kind.__name__.endswith("Strategy") else \
+            "transformers" if package == "transformers" and kind.__name__.endswith("Trainer") else None
+        if trainer is not None:
+            if any(c.__module__.startswith("fxshard.") for c in kind.__mro__):
+                return None  # FxShardStrategy's or FxShardTrainer's (or a subclass's) own move
+            found = found or (trainer, kind.__name__)
+        frame = frame.f_back
+    return found
+
+
+def refuse_move(module: nn.Module) -> NoReturn:
+    """``module.to(...)``, ``.cpu()``, ``.half()`` ... on a module whose parameters are this rank's
+    shards, placed by fxshard.compile. Lightning's strategies and the Hugging Face Trainer
+    move their model themselves: for them the fix is fxshard's own strategy and trainer."""
+    head = (f"rank {_job_rank()}: a {type(module).__name__} cannot be moved or cast after "
+            "compile (its parameters are this rank's flat shards, placed by fxshard.compile)")
+    moving = _trainer_moving()
+    if moving is not None and moving[0] == "lightning":
+        raise FxShardError(
+            f"{head}, and Lightning's {moving[1]} moves the LightningModule to its device. "
+            "Lightning's own strategies do not know fxshard: use Trainer(strategy=\"fxshard\") "
+            "(after import fxshard.lightning; or strategy=fxshard.lightning.FxShardStrategy(...)) "
+            "and keep the model unsharded in the LightningModule (self.model = Model(), not "
+            "fxshard.compile(Model())): the strategy compiles it at setup, on its device."
+        )
+    if moving is not None:
+        raise FxShardError(
+            f"{head}, and the Hugging Face {moving[1]} moves its model to args.device (and would "
+            "wrap it in DDP). Use fxshard.hf.FxShardTrainer in place of Trainer, with the model "
+            "unsharded: FxShardTrainer(model=model, args=args, ...) compiles it itself, on its "
+            "device, and keeps the Trainer's loop."
+        )
+    raise FxShardError(
+        f"{head}: move the model with .to(device / dtype) before fxshard.compile. Under Lightning "
+        "use Trainer(strategy=\"fxshard\"), under the Hugging Face Trainer "
+        "fxshard.hf.FxShardTrainer: they compile the unsharded model on its device."
     )
 
 
