@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import inspect
 import os
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -381,7 +381,8 @@ def _trainer_moving() -> tuple[str, str] | None:
     for: ("lightning", its strategy's class) or ("transformers", the Trainer's class). Read from
     the frames' modules, so a moved import path or a subclass is still recognised; fxshard's
     own strategy and trainer are not."""
-    frame: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None
     found: tuple[str, str] | None = None
     while frame is not None:
         package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
