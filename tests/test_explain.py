@@ -60,6 +60,8 @@ def test_explain_lays_fake_ranks_out_on_a_mesh_shape() -> None:
     assert e.report.shard_bytes * s == psi
     assert (e.report.rank, e.report.world_size) == (3, s)
     assert "rank 39 of 64 in the job (HSDP, 16 x 4); replica 9 of 16" in str(e.report)
+    # The plan's header counts the job's ranks and says how the mesh lays them out.
+    assert str(e.plan).startswith("ShardPlan(world_size=64 (16 replicas x 4 shards), policy=by_class(Block)")
     sizes = [g.padded_numel * g.dtype.itemsize for g in e.plan.groups]
     assert e.report.comm_bytes_per_dimension == {
         "shard": sum(2 * p // s * (s - 1) + p * (s - 1) // s for p in sizes),  # 2 gathers, 1 scatter

@@ -91,6 +91,19 @@ def test_explain_offload_lowers_the_device_peak_by_the_shards_and_gradients() ->
     assert on_device.predicted_peak_bytes - offloaded.predicted_peak_bytes >= on_device.shard_bytes
 
 
+def test_the_report_says_when_offload_moved_nothing() -> None:
+    """On a CPU-only job the host is the device: the report says so beside its lower peak;
+    planned for an accelerator (explain on meta) it does not."""
+    with fake_world(2, rank=0):
+        on_cpu = _compiled(offload_policy=fxshard.CPUOffloadPolicy(pin_memory=False)).report()
+    assert on_cpu.host_bytes > 0 and "offload moved nothing" in str(on_cpu)
+    with torch.device("meta"):
+        model = MLP()
+    planned = fxshard.explain(model, torch.randn(2, 12), by_class(nn.Linear), world_size=2,
+                              offload_policy=fxshard.CPUOffloadPolicy()).report
+    assert planned.host_bytes > 0 and "offload moved nothing" not in str(planned)
+
+
 def test_offload_chains_on_every_topology() -> None:
     """HSDP and reduce_in_rank_order: each reduction's row wrapped in its copy to the host, each
     gather's in its copy to the device (4 fake ranks); NO_SHARD is refused."""

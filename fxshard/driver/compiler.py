@@ -145,6 +145,8 @@ class Driver:
                                mixed_precision=self.config.mixed_precision,
                                replicate_all=self.config.no_shard,
                                replicate=self.config.replicate)
+        if self.world.replicas is not None:  # HSDP: the plan says how many ranks the job has
+            self._plan = replace(self._plan, replicas=self.world.replicas.size)
         for name in ("reshard_units", "offload_units"):
             unknown = sorted((getattr(options, name) or frozenset()) - {u.name for u in self._plan.units})
             if unknown:
@@ -352,7 +354,8 @@ class Driver:
                             optimizer=self.config.optimizer)
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
-                         topology=self.world.topology())
+                         topology=self.world.topology(),
+                         compute_device=self.device.type if self.runs else "")
         if self.budget_choice is None:
             return report
         return replace(report, budget=self.budget_choice, budget_inputs=self.budget_inputs)

@@ -75,6 +75,9 @@ class Report:
     # Where this rank sits beyond its shard group: "rank 3 of 4 in the job; replica 1
     # of 2" under HSDP, hpZ's partition; "" on one flat group.
     topology: str = field(default="", compare=False)
+    # The device type a running step computes on ("" for explain): offload to the host moves
+    # nothing when it is "cpu".
+    compute_device: str = field(default="", compare=False)
 
     @property
     def within_budget(self) -> bool | None:
@@ -98,6 +101,9 @@ class Report:
                "gradient shards" + (", and their optimizer state" if self.optimizer else
                                     "; the optimizer state follows them") + "; not in the peak)"]
               if self.host_bytes else []),
+            *(["  (the step computes on the CPU: offload moved nothing, the host is the device; "
+               "the peak above leaves those bytes out as it would on an accelerator)"]
+              if self.host_bytes and self.compute_device == "cpu" else []),
             "  communication per step (bytes each rank sends):",
         ]
         for kind, value in self.comm_bytes_per_step.items():

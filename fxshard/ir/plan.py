@@ -165,8 +165,9 @@ class FSDPUnit:
 class ShardPlan:
     units: tuple[FSDPUnit, ...]  # in first-use order once traced, else registration order
     groups: tuple[FlatGroup, ...]  # fixed at compile time: index i is flat shard i
-    world_size: int
+    world_size: int  # the ranks a flat group is sharded over
     policy: str
+    replicas: int = 1  # HSDP's copies of the sharded model: the job has world_size * replicas ranks
 
     def unit(self, name: str) -> FSDPUnit:
         for unit in self.units:
@@ -229,7 +230,9 @@ class ShardPlan:
                      f"{g.numel:_}", f"{g.padded_numel:_}", f"{g.shard_numel:_}", names)
                 )
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-        lines = [f"ShardPlan(world_size={self.world_size}, policy={self.policy}, "
+        ranks = (f"{self.world_size}" if self.replicas == 1 else
+                 f"{self.world_size * self.replicas} ({self.replicas} replicas x {self.world_size} shards)")
+        lines = [f"ShardPlan(world_size={ranks}, policy={self.policy}, "
                  f"units={len(self.units)}, numel={self.numel:_}, padded={self.padded_numel:_})"]
         for r in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
