@@ -306,7 +306,7 @@ def one_rank_worker(rank: int, world_size: int, root: str, call: str) -> dict[st
     return {"error": error, "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("call", ["save", "load"])
+@pytest.mark.parametrize("call", [pytest.param("save", marks=pytest.mark.slow), "load"])
 def test_save_or_load_on_one_rank_raises_a_clear_error_within_the_timeout(call: str) -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:

@@ -423,6 +423,7 @@ def lightning_validate_worker(rank: int, world_size: int, root: str) -> dict[str
     return out
 
 
+@pytest.mark.slow  # the direct load test above covers the fast tier
 def test_lightning_validate_loads_a_checkpoint_that_fit_wrote(tmp_path: Path) -> None:
     """Lightning's validate (and test, predict) restore the model alone: no optimizer is set up."""
     for r in run_ranks(lightning_validate_worker, 2, str(tmp_path)):

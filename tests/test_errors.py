@@ -322,9 +322,11 @@ def _only_rank0_gathers(rank: int, world_size: int, stay: float, group_timeout: 
 
 @pytest.mark.parametrize("stay, group_timeout, timeout, said", [
     (0.0, None, 30, "the other ranks did not answer (the wait failed after"),  # rank 1 left
-    (8.0, None, 3, "the other ranks did not answer within 3s."),  # timeout= fired
-    (8.0, 2.0, 60, "the other ranks did not answer within 2s (the process group's own timeout, "
-                   "which is shorter than the 60s asked for, fired first)."),
+    # The two timeouts in the slow tier: each waits out its seconds.
+    pytest.param(8.0, None, 3, "the other ranks did not answer within 3s.",  # timeout= fired
+                 marks=pytest.mark.slow),
+    pytest.param(8.0, 2.0, 60, "the other ranks did not answer within 2s (the process group's own "
+                 "timeout, which is shorter than the 60s asked for, fired first).", marks=pytest.mark.slow),
 ])
 def test_full_state_dict_on_one_rank_raises_instead_of_hanging_and_says_what_ended_the_wait(
         stay: float, group_timeout: float | None, timeout: float, said: str) -> None:

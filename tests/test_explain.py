@@ -557,6 +557,7 @@ def test_explain_plans_a_hugging_face_model_at_its_default_config() -> None:
     assert default.report.predicted_peak_bytes > 0 and set(default.graphs) == {"forward", "backward"}
 
 
+@pytest.mark.slow  # the Python API's test above covers the fast tier
 def test_cli_explain_plans_a_hugging_face_model_at_its_default_config(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "fxshard_test_hf_llama.py"

@@ -261,6 +261,7 @@ def _fit_a_sharded_module(rank: int, world_size: int) -> dict[str, list[str]]:
     return said
 
 
+@pytest.mark.slow  # a whole Lightning fit per strategy; test_hf_trainer's refusal stays fast
 def test_lightnings_own_strategies_given_a_sharded_module_are_told_to_use_strategy_fxshard() -> None:
     """DDPStrategy (and the single-device strategy) move the LightningModule to their device at
     setup: the ShardedModule inside refuses, naming strategy="fxshard", where it used to say to

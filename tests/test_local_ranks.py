@@ -33,7 +33,8 @@ def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t._local_tensors[rank]  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow), 5,
+                                        pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case_name", ["mlp", "gpt", "shared_use"])
 def test_graphs_on_simulated_ranks_match_autograd(case_name: str, world_size: int) -> None:
     case = CASES[case_name]

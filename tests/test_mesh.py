@@ -662,6 +662,7 @@ def _errors_on_a_2_by_2_mesh(rank: int, world_size: int) -> dict[str, str]:
     return said
 
 
+@pytest.mark.slow  # a 4-rank spawn of its own
 def test_errors_under_hsdp_name_the_jobs_rank_not_the_rank_in_the_shard_row() -> None:
     results = run_ranks(_errors_on_a_2_by_2_mesh, 4)
     for rank, said in enumerate(results):

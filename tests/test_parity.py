@@ -95,7 +95,9 @@ def results(world_size: int) -> list[dict[tuple[str, int, str], dict[str, Any]]]
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 @pytest.mark.parametrize("case_name", list(CASES))
 # world size 2 is in the release tier: DDP parity on the oldest and newest torch.
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.release), 3])
+# World size 1 is in the slow tier (test_world_size_one_... below keeps a 1-rank case fast).
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow),
+                                        pytest.param(2, marks=pytest.mark.release), 3])
 def test_matches_ddp(world_size: int, case_name: str, opt_name: str) -> None:
     per_rank = results(world_size)
     for pi, policy in enumerate(CASES[case_name].policies):
