@@ -237,3 +237,9 @@ def test_plan_table_and_unit_graph() -> None:
     kinds = {(a, b): d["kind"] for a, b, d in graph.edges(data=True)}
     assert kinds[("blocks.0", "blocks.1")] == "order"
     assert kinds[("<root>", "blocks.0")] == "contains"
+
+
+def test_the_printed_plan_shows_a_tied_weight_as_an_alias() -> None:
+    plan = make_plan(TinyGPT(), by_class(Block), 3)
+    root = next(line for line in str(plan).splitlines() if line.startswith("<root>"))
+    assert "tok.weight (= lm_head.weight)" in root, root

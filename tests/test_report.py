@@ -169,3 +169,26 @@ def test_a_steady_state_step_with_its_optimizer_is_predicted_within_three_percen
         assert mlp[2] == "optimizer step", mlp[2]
     if how == "fused":
         assert mlp[2] != "optimizer step", mlp[2]
+
+
+def test_the_peak_is_broken_down_into_gathered_units_reductions_and_activations() -> None:
+    """At the predicted peak: the units' gathered parameters (whole units' padded bytes), the
+    gradients being reduced, and the activations and temporaries; checkpointing the blocks
+    lowers only the last."""
+    reports = []
+    for checkpointing in (None, by_class(Block)):
+        with torch.device("meta"):
+            model = TinyGPT()
+        reports.append(fxshard.explain(model, torch.randint(0, 61, (8, 16)), by_class(Block), world_size=2,
+                                       activation_checkpointing=checkpointing).report)
+    plain, checkpointed = reports
+    for r in reports:
+        assert r.gathered_bytes_at_peak + r.reducing_bytes_at_peak + r.activation_bytes_at_peak == \
+            sum(r.at_peak.values())
+        block = next(u.padded_bytes for u in r.units if u.name == "blocks.1")
+        assert r.gathered_bytes_at_peak > 0 and r.gathered_bytes_at_peak % block == 0  # whole blocks
+        assert "at the peak: gathered units" in str(r) and "activations and temporaries" in str(r)
+    assert checkpointed.gathered_bytes_at_peak == plain.gathered_bytes_at_peak
+    assert checkpointed.activation_bytes_at_peak < plain.activation_bytes_at_peak
+    assert plain.predicted_peak_bytes - checkpointed.predicted_peak_bytes == \
+        plain.activation_bytes_at_peak - checkpointed.activation_bytes_at_peak

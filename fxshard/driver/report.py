@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir import compat, meta
+from fxshard.ir import predicates as P
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
 from fxshard.ir.memory import simulate
@@ -67,6 +68,12 @@ class Report:
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
     at_peak: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # ``at_peak`` by what owns it: units' gathered parameters (all_gather outputs), gradients
+    # in their reductions (reduce_scatter / all_reduce outputs), and the rest: activations
+    # (saved for backward, or made in this graph) and temporaries. 0 at the optimizer step.
+    gathered_bytes_at_peak: int = 0
+    reducing_bytes_at_peak: int = 0
+    activation_bytes_at_peak: int = 0
     # memory_budget=: what the planner chose per unit, and why, and the inputs of the
     # step it planned on (the first training step; later ones keep its choice).
     budget: BudgetChoice | None = field(default=None, compare=False)
@@ -95,6 +102,9 @@ class Report:
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
             f"  buffers, inputs     {(self.buffer_bytes + self.input_bytes) / mib:10.3f} MiB",
+            *([f"  at the peak: gathered units {self.gathered_bytes_at_peak / mib:.3f} MiB, gradients "
+               f"being reduced {self.reducing_bytes_at_peak / mib:.3f} MiB, activations and "
+               f"temporaries {self.activation_bytes_at_peak / mib:.3f} MiB"] if self.at_peak else []),
             *([f"  optimizer state     {self.optimizer_state_bytes / mib:10.3f} MiB  ({self.optimizer}, "
                "on the device)"] if self.optimizer else []),
             *([f"  on the host         {self.host_bytes / mib:10.3f} MiB  (offloaded parameter and "
@@ -228,6 +238,11 @@ def build_report(
             curves["optimizer step"] = (step,)
             if step > peak:
                 peak, phase, at_peak = step, "optimizer step", {}
+    peak_graph = forward if phase.startswith("forward") else graphs.get("backward", forward)
+    node_of: dict[str, fx.Node] = {n.name: n for n in peak_graph.graph.nodes} if at_peak else {}
+    gathered = sum(b for name, b in at_peak.items() if P.is_all_gather(node_of[name]))
+    reducing = sum(b for name, b in at_peak.items()
+                   if P.is_reduce_scatter(node_of[name]) or P.is_all_reduce(node_of[name]))
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]
@@ -245,4 +260,6 @@ def build_report(
                   offloaded_shard_bytes=_tensor_bytes(host),
                   optimizer_state_bytes=state_bytes,
                   optimizer=str(optimizer) if "optimizer step" in curves else "",
-                  memory_curve=curves, at_peak=at_peak)
+                  memory_curve=curves, at_peak=at_peak, gathered_bytes_at_peak=gathered,
+                  reducing_bytes_at_peak=reducing,
+                  activation_bytes_at_peak=sum(at_peak.values()) - gathered - reducing)

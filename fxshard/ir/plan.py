@@ -223,7 +223,9 @@ class ShardPlan:
         for unit in self.units:
             for gi in unit.groups:
                 g = self.groups[gi]
-                names = ", ".join(_relative(s.name, unit.modules) for s in g.params)
+                names = ", ".join(_relative(s.name, unit.modules)
+                                  + "".join(f" (= {alias})" for alias in s.aliases)  # tied weights
+                                  for s in g.params)
                 rows.append(
                     (unit.label, str(gi) + (" (replicated)" if g.replicated else ""),
                      _dtypes(g), "yes" if g.requires_grad else "no",
