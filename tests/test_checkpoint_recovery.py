@@ -143,6 +143,7 @@ def killed_runs() -> dict[str, Any]:
     return {"root": root, "expected": expected, "ranks": run_ranks(after_the_kill_worker, 2, root)}
 
 
+@pytest.mark.slow  # a save killed on one rank, then two runs after it: two spawns
 def test_a_save_killed_between_its_renames_leaves_the_old_and_the_partial_checkpoint() -> None:
     """The situation itself: nothing at PATH, both others complete."""
     for r in killed_runs()["ranks"]:
@@ -151,6 +152,7 @@ def test_a_save_killed_between_its_renames_leaves_the_old_and_the_partial_checkp
         assert _equal(r["partial"], killed_runs()["expected"]["s2"])
 
 
+@pytest.mark.slow  # a save killed on one rank, then two runs after it: two spawns
 def test_loading_a_missing_checkpoint_names_the_complete_ones_beside_it() -> None:
     root = killed_runs()["root"]
     for r in killed_runs()["ranks"]:
@@ -164,6 +166,7 @@ def test_loading_a_missing_checkpoint_names_the_complete_ones_beside_it() -> Non
         assert "nothing was changed" in error and r["missing_unchanged"], error
 
 
+@pytest.mark.slow  # a save killed on one rank, then two runs after it: two spawns
 def test_the_next_save_keeps_the_killed_saves_checkpoint() -> None:
     """The next save puts PATH.partial (complete, verified) back at PATH before it writes; when it
     then fails, PATH holds what the killed save wrote."""
