@@ -26,6 +26,7 @@ from fxshard.policies import by_class
 
 from dist_utils import run_ranks
 from models import Block, TinyGPT
+from test_checkpoint_integrity import _attempt
 
 RANKS_START_METHOD = "spawn"  # ranks exit through interpreter teardown (tests/dist_utils.py)
 
@@ -46,14 +47,6 @@ def _train(sharded: Any, opt: torch.optim.Optimizer, seed: int) -> None:
     nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
     opt.step()
     opt.zero_grad()
-
-
-def _attempt(fn: Any) -> str:
-    try:
-        fn()
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
