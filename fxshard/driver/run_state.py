@@ -6,8 +6,8 @@ compiled steps. ``RunState`` holds what running them changes, step by step:
 - ``no_sync``: whether backward reduces gradients (``requires_gradient_sync``),
   each flat group's unsharded gradient sum while it does not (``accumulators``),
   the groups whose sum waits to be reduced (``pending``), and each such group's
-  shard gradient when its sum began (``marks``: a ``zero_grad`` since then drops
-  the sum, as it drops DDP's accumulated ``.grad``);
+  shard gradient as the backward that last added to its sum found it (``marks``:
+  a ``zero_grad`` since then drops the sum, as it drops DDP's accumulated ``.grad``);
 - the buffer broadcast (DDP's ``broadcast_buffers``: before the first forward,
   and after each grad-enabled one) and the module whose buffers it sends;
 - the ranks' agreement on each phase's collectives, and ``abandoned``, set once
@@ -45,8 +45,8 @@ class RunState:
         self.accumulators: dict[int, torch.Tensor] = {}
         self.pending: set[int] = set()
         self.shards: Sequence[nn.Parameter] = ()  # by flat group index
-        # group -> (its shard's .grad's storage, that tensor's version) when its pending sum
-        # began. No reference to the gradient: autograd adds into a .grad in place only when
+        # group -> (its shard's .grad's storage, that tensor's version) at the start of the
+        # backward that last added to its pending sum. No reference to the gradient: autograd adds into a .grad in place only when
         # nothing else holds it.
         self.marks: dict[int, tuple[int, int]] = {}
         # (what to call it, tensor, requires_grad when planned): checked before every step.
