@@ -41,7 +41,9 @@ class ShardedModule(nn.Module):
 
     Build it with :func:`fxshard.compile`. ``parameters()`` yields one flat
     shard per unit and (dtype, requires_grad) group, so an optimizer built over
-    them keeps sharded state. The wrapped module is kept as a skeleton with its
+    them keeps sharded state; with ``use_orig_params=True`` it yields the
+    original parameters by name instead, as views of those shards, for
+    per-parameter optimizer groups. The wrapped module is kept as a skeleton with its
     parameters on the meta device; its buffers stay real and are updated in
     place, as in eager mode. Everything else is the driver's
     (``fxshard.driver.compiler.Driver``), which all front ends share.
@@ -197,6 +199,19 @@ class ShardedModule(nn.Module):
         with self._driver.state.no_sync():
             yield
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The flat shards (``flat_params.N``), or with ``use_orig_params=True`` the original
+        parameters by their names: each a 1-D view of the part this rank holds (empty where
+        it holds none), ``p.full_shape`` its unsharded shape. Group them for the optimizer as
+        under DDP, by name (``fxshard.driver.orig_params``)."""
+        orig = self._driver.orig
+        if orig is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for name, view in orig.views.items():
+            yield prefix + name, view
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the shards' gradients and drop what ``no_sync`` has added up and not yet
         reduced, as DDP's ``zero_grad`` drops the gradients it accumulated.
@@ -205,6 +220,8 @@ class ShardedModule(nn.Module):
         which fxshard notices before the next step (``RunState.drop_sums_of_cleared_grads``).
         """
         super().zero_grad(set_to_none)
+        if self._driver.orig is not None:  # the views' gradients are dropped: the shards' too
+            self._driver.orig.sync()
         self._driver.state.drop_pending_sums()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -319,6 +336,8 @@ def compile(
     replicated R times, ``(N, 1)`` is NO_SHARD: every parameter whole on every
     rank and its gradient all-reduced),
     ``replicate`` (a policy: the units it selects are NO_SHARD, whole on every rank),
+    ``use_orig_params`` (FSDP1's: ``parameters()`` and ``named_parameters()`` are the
+    original parameters by name, views of the shards, for per-parameter optimizer groups),
     ``timeout`` (seconds any collective of a step waits for the other ranks;
     default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
     ``disable_passes`` (pass names), and the scheduling options of

@@ -147,9 +147,10 @@ class FxShardBackend:
     def shard(self, module: nn.Module) -> list[nn.Parameter]:
         for sharding in self._modules:
             if any(id(p) in sharding.slots for p in module.parameters()):
-                return sharding.driver.shards  # already sharded: the same shards again
+                return sharding.driver.parameters  # already sharded: the same shards again
         driver = Driver(self.config)
-        shards = driver.shard(module)
+        driver.shard(module)
+        shards = driver.parameters  # the flat shards, or with use_orig_params their views
         plan = driver.plan
         # Stand-ins on the parameters' device: Dynamo bakes the device of
         # tensors computed from parameters into its graphs.
@@ -273,7 +274,9 @@ def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
 
 
 def parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Shard a ``torch.compile``-d model now; returns this rank's flat shards for the optimizer."""
+    """Shard a ``torch.compile``-d model now; returns this rank's flat shards for the optimizer
+    (with ``use_orig_params=True``: the original parameters, as views of them, in the model's
+    ``named_parameters()`` order)."""
     found, module = _find_backend(model)
     return found.shard(module)
 

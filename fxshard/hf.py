@@ -102,12 +102,6 @@ def refusals(args: TrainingArguments | None, model: Any = None, optimizers: Any 
         problems.append("auto_find_batch_size=True re-wraps the model after an out-of-memory error, "
                         "which a ShardedModule cannot be: set per_device_train_batch_size yourself "
                         "(fxshard's report() predicts a step's peak memory)")
-    if args.weight_decay:
-        problems.append(f"weight_decay={args.weight_decay}: the Trainer exempts biases and norm weights "
-                        "from weight decay, but fxshard's flat shards hold them together with the other "
-                        "weights of their unit, so no optimizer group can tell them apart: set "
-                        "weight_decay=0.0; to decay every parameter alike, pass "
-                        "optimizer_cls_and_kwargs=(torch.optim.AdamW, {'weight_decay': 0.01})")
     if args.label_smoothing_factor:
         problems.append("label_smoothing_factor>0: the Trainer decides whether to shift labels from the "
                         "wrapped model's class, which is ShardedModule here: compute the smoothed loss "
@@ -121,6 +115,13 @@ def compile_options(args: TrainingArguments | None, policy: Policy | None,
     any process group exists), and what is wrong with them."""
     options = dict(fxshard_options)
     problems: list[str] = []
+    # The Trainer's two optimizer groups (weight decay, and none for biases and norm weights)
+    # are chosen by parameter name: the original parameters, as views of the shards.
+    options.setdefault("use_orig_params", True)
+    if args is not None and args.weight_decay and not options["use_orig_params"]:
+        problems.append(f"weight_decay={args.weight_decay} with fxshard_options use_orig_params=False: "
+                        "the Trainer exempts biases and norm weights from weight decay by name, which "
+                        "flat shards do not have. Leave use_orig_params at its default (True)")
     if "policy" in options:
         problems.append("fxshard_options names 'policy': pass it as FxShardTrainer(policy=...)")
         options.pop("policy")
@@ -205,10 +206,11 @@ class FxShardTrainer(Trainer):
         return self._shard()
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer (``optim=``, ``optimizer_cls_and_kwargs=``) over the shards, in
-        one group. The Trainer's two groups (weight decay, and none for biases and norms) cannot
-        be told apart on flat shards: ``weight_decay`` in ``optimizer_cls_and_kwargs`` decays
-        every parameter alike; otherwise it is ``args.weight_decay``, which must be 0."""
+        """The Trainer's optimizer (``optim=``, ``optimizer_cls_and_kwargs=``) in the Trainer's two
+        groups: ``args.weight_decay`` for the parameters ``get_decay_parameter_names`` names, none
+        for the rest (biases, norm weights), over the original parameters as views of the shards
+        (``use_orig_params``, FxShardTrainer's default). With ``use_orig_params=False``: one
+        group over the flat shards, ``args.weight_decay`` then 0."""
         sharded = self._shard()
         if self.optimizer is None:
             if self.optimizer_cls_and_kwargs is not None:
@@ -219,14 +221,18 @@ class FxShardTrainer(Trainer):
             per_module = sorted({"params", "model", "optimizer_dict"} & set(optimizer_kwargs))
             if per_module or is_optimizer_factory(optimizer_cls):
                 raise FxShardError(
-                    f"optim={self.args.optim!r} builds its optimizer from the model's modules or "
-                    "per-parameter groups, which fxshard's flat shards do not have: use an "
-                    "element-wise optimizer (adamw_torch, adamw_torch_fused, sgd, adafactor, ...)"
+                    f"optim={self.args.optim!r} builds its optimizer from the model's modules, which "
+                    "a ShardedModule does not have: use an element-wise optimizer (adamw_torch, "
+                    "adamw_torch_fused, sgd, adafactor, ...)"
                 )
-            group: dict[str, Any] = {"params": [p for p in sharded.parameters() if p.requires_grad]}
-            if "weight_decay" not in optimizer_kwargs:  # the Trainer's default: args.weight_decay (0)
-                group["weight_decay"] = self.args.weight_decay
-            self.optimizer = optimizer_cls([group], **optimizer_kwargs)
+            named = [(n, p) for n, p in sharded.named_parameters() if p.requires_grad]
+            if sharded._driver.orig is not None:  # the Trainer's own rule, by the original names
+                decay = set(self.get_decay_parameter_names(self.model))
+                groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                          {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            else:
+                groups = [{"params": [p for _, p in named], "weight_decay": self.args.weight_decay}]
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
     # -- saving ---------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def _args(out: str, **changes: Any) -> TrainingArguments:
     settings: dict[str, Any] = dict(
         output_dir=out, use_cpu=True, report_to=[], seed=0, max_steps=STEPS,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
-        learning_rate=1e-2, logging_steps=1, save_strategy="no",
+        learning_rate=1e-2, weight_decay=0.1, logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
     return TrainingArguments(**(settings | changes))
 
@@ -210,7 +210,6 @@ def test_resume_from_a_checkpoint_ends_where_the_run_does() -> None:
     (dict(bf16_full_eval=True), "bf16_full_eval"),
     (dict(activation_checkpointing=True), "fxshard_options={'activation_checkpointing'"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size=True"),
-    (dict(weight_decay=0.01), "weight_decay=0.01"),
     (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
 ])
 def test_refused_arguments_name_the_problem_and_the_fix(tmp_path: Any, change: dict[str, Any],
@@ -275,12 +274,23 @@ def test_best_model_and_a_second_train_load_into_the_shards(tmp_path: Any) -> No
     assert resumed[3] == losses[3]
 
 
-def test_weight_decay_for_every_parameter_goes_through_the_optimizers_kwargs(tmp_path: Any) -> None:
-    trainer = FxShardTrainer(model=_model(), args=_args(str(tmp_path)),
-                             optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}))
+def test_the_optimizer_has_the_trainers_two_groups_by_the_original_names(tmp_path: Any) -> None:
+    """Weight decay for the parameters the Trainer's own rule names, none for the others:
+    the same names, in the same groups, as the plain Trainer's optimizer."""
+    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain")))
+    expected = plain.create_optimizer()
+    names = {id(p): n for n, p in plain.model.named_parameters()}
+    trainer = FxShardTrainer(model=_model(), args=_args(str(tmp_path / "fx")))
     optimizer = trainer.create_optimizer()
-    (group,) = optimizer.param_groups
-    assert group["weight_decay"] == 0.1 and group["params"] == list(trainer.model_wrapped.parameters())
+    views = {id(p): n for n, p in trainer.model_wrapped.named_parameters()}
+    assert [(g["weight_decay"], [views[id(p)] for p in g["params"]]) for g in optimizer.param_groups] == \
+        [(g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in expected.param_groups]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1 and optimizer.param_groups[1]["params"]
+
+
+def test_weight_decay_over_flat_shards_is_refused_with_the_default_to_keep(tmp_path: Any) -> None:
+    with pytest.raises(fxshard.FxShardError, match="use_orig_params at its default"):
+        FxShardTrainer(model=_model(), args=_args(str(tmp_path)), fxshard_options={"use_orig_params": False})
 
 
 def test_the_plain_trainer_given_a_sharded_module_is_told_to_use_fxshard_trainer(tmp_path: Any) -> None:

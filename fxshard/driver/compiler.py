@@ -30,11 +30,12 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import budget, grads
+from fxshard.driver import budget, grads, orig_params
 from fxshard.driver.codegen import GraphCompiler, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
+from fxshard.driver.orig_params import OrigParams
 from fxshard.driver.report import Report, build_report, describe_tensors
 from fxshard.driver.run_state import RunState
 from fxshard.driver.runtime import (
@@ -111,6 +112,7 @@ class Driver:
         self.device = torch.device("cpu")  # where compute runs
         self.shard_device = torch.device("cpu")  # where the shards live: the host under offload
         self.shards: list[nn.Parameter] = []
+        self.orig: OrigParams | None = None  # use_orig_params: the views the optimizer steps
         self.steps: list[CompiledStep] = []  # every step compiled, in order
         self.cache = StepCache()  # the same steps, by the front end's key
         # What changes while training (no_sync's sums, the buffer broadcast, the agreement,
@@ -189,7 +191,17 @@ class Driver:
         check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
+        if self.config.use_orig_params:  # after grads.install: the views' gradients follow its
+            self.orig = OrigParams(self._plan, self.shards, self.world.rank,
+                                   [name for name, _ in module.named_parameters()])
+            self.state.orig = self.orig
+            check_steps(list(self.orig.views.values()), self._check_orig_step)
         return self.shards
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """What an optimizer steps: the flat shards, or with ``use_orig_params`` the views."""
+        return list(self.orig.views.values()) if self.orig is not None else list(self.shards)
 
     def place_shards(self) -> list[int]:
         """Each shard where the options keep it: an offloaded unit's on the host (pinned where
@@ -235,8 +247,17 @@ class Driver:
         self.state.planned_requires_grad += [
             (f"flat shard {g.index} (unit {g.unit or '<root>'!r})", shard, shard.requires_grad)
             for g, shard in zip(self.plan.groups, self.shards)]
+        if self.orig is not None:
+            self.state.planned_requires_grad += [
+                (f"parameter {name!r} (sharded.named_parameters())", view, view.requires_grad)
+                for name, view in self.orig.views.items()]
 
     # -- steps --------------------------------------------------------------------------------
+
+    def _check_orig_step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.orig is not None
+        orig_params.check(optimizer, self.orig)
+        self._check_step(optimizer)
 
     def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_zero_over_shards(optimizer)
@@ -252,8 +273,10 @@ class Driver:
         if not isinstance(optimizer, ZeroRedundancyOptimizer) or self.world.job_size == 1:
             return
         ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        views = self.orig.slot_of if self.orig is not None else {}
         sharded = sorted({g.unit or "<root>" for g, shard in zip(self.plan.groups, self.shards)
-                          if id(shard) in ids and not g.replicated})
+                          if id(shard) in ids and not g.replicated}
+                         | {g.unit or "<root>" for i, (g, _) in views.items() if i in ids and not g.replicated})
         if sharded:
             raise FxShardError(
                 f"ZeroRedundancyOptimizer.step() over the sharded flat groups of units {sharded}: it "

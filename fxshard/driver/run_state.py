@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from fxshard.driver.consistency import agree, describe_step, with_buffer_broadcast
+from fxshard.driver.orig_params import OrigParams
 from fxshard.driver.runtime import Abandoned, World, broadcast_buffers, collective_failure
 from fxshard.driver.steps import CompiledStep
 from fxshard.ir import compat
@@ -45,6 +46,9 @@ class RunState:
         self.accumulators: dict[int, torch.Tensor] = {}
         self.pending: set[int] = set()
         self.shards: Sequence[nn.Parameter] = ()  # by flat group index
+        # use_orig_params: the views an optimizer steps; their gradients are carried into
+        # the shards' before anything here reads those
+        self.orig: OrigParams | None = None
         # group -> (its shard's .grad's storage, that tensor's version) at the start of the
         # backward that last added to its pending sum. No reference to the gradient: autograd adds into a .grad in place only when
         # nothing else holds it.
@@ -125,6 +129,8 @@ class RunState:
         None or replaced: ``zero_grad()``; zeroed in place: ``zero_grad(set_to_none=False)``).
         A gradient changed in place to anything but zeros is refused: the sums, kept apart from
         ``.grad``, cannot follow it."""
+        if self.orig is not None:
+            self.orig.sync()
         cleared = []
         for g, (storage, version) in self.marks.items():
             now = self.shards[g].grad  # a ShardGrad of the same storage after a backward
@@ -164,6 +170,8 @@ class RunState:
                 if g in cleared and (acc := self.accumulators.get(g)) is not None:
                     acc.zero_()
                 self.mark(g)
+            if self.orig is not None:  # the zero gradients mark made
+                self.orig.refresh()
 
     def refuse_step_over_pending_sums(self, optimizer: torch.optim.Optimizer, plan: ShardPlan) -> None:
         """An optimizer step while no_sync's sums wait to be reduced would step over shards

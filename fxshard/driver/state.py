@@ -540,9 +540,13 @@ def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping
 # -- the optimizer ----------------------------------------------------------------------------
 
 
-def _group_of_shard(driver: Driver, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(flat shard) -> flat group index, for every parameter ``optimizer`` steps."""
-    index = {id(s): i for i, s in enumerate(driver.shards)}
+def _stepped(driver: Driver, optimizer: torch.optim.Optimizer) -> dict[int, tuple[FlatGroup, ParamSlot | None]]:
+    """id(parameter) -> its flat group, and the parameter's slot for a view of it
+    (``use_orig_params``; None for a flat shard), for every parameter ``optimizer`` steps."""
+    index: dict[int, tuple[FlatGroup, ParamSlot | None]] = {
+        id(s): (g, None) for g, s in zip(driver.plan.groups, driver.shards)}
+    if driver.orig is not None:
+        index.update({i: (g, slot) for i, (g, slot) in driver.orig.slot_of.items()})
     for pg in optimizer.param_groups:
         for p in pg["params"]:
             if id(p) not in index:
@@ -569,29 +573,41 @@ def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for optimizer in optimizers:
-        index = _group_of_shard(driver, optimizer)
+        where = _stepped(driver, optimizer)
         _init_state(optimizer)
+        # use_orig_params: the views' per-element state, by flat group and key, laid out as
+        # the shard is, then named as a flat shard's is
+        laid_out: dict[int, dict[str, tuple[torch.Tensor, list[ParamSlot]]]] = {}
         for pg in optimizer.param_groups:
             names = []
             for p in pg["params"]:
-                group = plan.groups[index[id(p)]]
-                entries: dict[str, dict[str, Any]] = {slot.name: {} for slot in group.params}
+                group, view_slot = where[id(p)]
+                slots = group.params if view_slot is None else (view_slot,)
+                entries: dict[str, dict[str, Any]] = {slot.name: {} for slot in slots}
                 for key, value in optimizer.state.get(p, {}).items():
                     per_element = isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
-                    if per_element and full:
+                    if per_element and view_slot is not None:
+                        shard = driver.shards[group.index]
+                        flat, named = laid_out.setdefault(group.index, {}).setdefault(
+                            key, (torch.zeros_like(shard, dtype=value.dtype), []))
+                        piece = group.piece(view_slot, driver.world.rank)
+                        if piece is not None:
+                            flat[piece.shard] = value.detach()
+                        named.append(view_slot)
+                    elif per_element and full:
                         whole = gather_full(value, group, driver.world, timeout)
-                        for slot in group.params:
+                        for slot in slots:
                             entries[slot.name][key] = \
                                 whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
                     elif per_element:
                         copied = value.detach().clone()
-                        for slot in group.params:
+                        for slot in slots:
                             entries[slot.name][key] = sharded_value(copied, group, slot, driver)
                     elif isinstance(value, torch.Tensor) and value.numel() <= 1:
-                        for slot in group.params:
+                        for slot in slots:
                             entries[slot.name][key] = value.detach().clone()
                     elif not isinstance(value, torch.Tensor):
-                        for slot in group.params:
+                        for slot in slots:
                             entries[slot.name][key] = copy.deepcopy(value)
                     else:
                         raise FxShardError(
@@ -599,10 +615,20 @@ def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
                             f"{tuple(value.shape)}, neither the shard's {tuple(p.shape)} nor a scalar: "
                             f"fxshard cannot name its parts by parameter ({type(optimizer).__name__})"
                         )
-                state.update(entries)
-                names += [slot.name for slot in group.params]
+                for name, entry in entries.items():
+                    state.setdefault(name, {}).update(entry)
+                names += [slot.name for slot in slots]
             groups.append({**{k: copy.deepcopy(v) for k, v in pg.items() if k != "params"},
                            "params": names})
+        for g in sorted(laid_out):  # the same order on every rank: gather_full is a collective
+            group = plan.groups[g]
+            for key in sorted(laid_out[g]):
+                flat, named = laid_out[g][key]
+                whole = gather_full(flat, group, driver.world, timeout) if full else flat
+                for slot in named:
+                    state[slot.name][key] = (
+                        whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone() if full
+                        else sharded_value(flat, group, slot, driver))
     return {"state": state, "param_groups": groups}
 
 
@@ -626,7 +652,6 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
     """Each optimizer's own state dict, assembled from ``state_dict`` and checked on every
     rank (every rank raises on a problem anywhere); nothing is changed."""
     problems: list[str] = []
-    plan = driver.plan
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         problems.append("an optimizer state dict has 'state' and 'param_groups' (from "
                         "fxshard.get_optimizer_state_dict / get_state_dict)")
@@ -638,14 +663,22 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
             hyper[name] = {k: v for k, v in pg.items() if k != "params"}
     loads: OptimizerLoad = []
     for optimizer in optimizers:
-        index = _group_of_shard(driver, optimizer)
+        where = _stepped(driver, optimizer)
         new_state: dict[int, dict[str, Any]] = {}
         new_groups: list[dict[str, Any]] = []
         position = 0
         for pg in optimizer.param_groups:
             positions, found = [], None
             for p in pg["params"]:
-                group = plan.groups[index[id(p)]]
+                group, view_slot = where[id(p)]
+                if view_slot is not None:  # use_orig_params: one parameter's piece
+                    view_state = _view_state(group, view_slot, p, saved, driver, problems)
+                    if view_state:
+                        new_state[position] = view_state
+                    positions.append(position)
+                    position += 1
+                    found = found or hyper.get(view_slot.name)
+                    continue
                 flat = _flat_state(group, p, saved, driver, problems)
                 if flat:
                     new_state[position] = flat
@@ -667,6 +700,24 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
         [("param_groups", state_dict["param_groups"]), *sorted(saved.items(), key=lambda kv: repr(kv[0]))],
         "optimizer state"))
     return loads
+
+
+def _view_state(group: FlatGroup, slot: ParamSlot, view: torch.Tensor, saved: Mapping[str, Any],
+                driver: Driver, problems: list[str]) -> dict[str, Any]:
+    """The optimizer state of one parameter's view (``use_orig_params``), from its saved state."""
+    entry = saved.get(slot.name)
+    if entry is None:
+        problems.append(f"missing optimizer state for parameter {slot.name!r}")
+        return {}
+    result: dict[str, Any] = {}
+    for key, value in entry.items():
+        if len(value_shape(value) or ()) > 0:
+            local = _local_piece(value, group, slot, driver, f"{slot.name!r} state {key!r}", problems)
+            result[key] = (local.to(view.device).clone() if local is not None
+                           else torch.zeros_like(view, dtype=value_dtype(value)))
+        else:
+            result[key] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return result
 
 
 def _flat_state(group: FlatGroup, shard: torch.Tensor, saved: Mapping[str, Any], driver: Driver,

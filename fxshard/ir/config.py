@@ -102,6 +102,11 @@ class CompileConfig:
     optimizer: OptimizerState | None = None
     # FSDP2's MixedPrecisionPolicy semantics (fxshard.ir.precision).
     mixed_precision: MixedPrecision | None = None
+    # FSDP1's option: the module's parameters() are the original parameters, by their
+    # names, each a 1-D view of the part this rank's flat shard holds, so optimizer
+    # groups can be chosen per parameter (fxshard/driver/orig_params.py). False: one
+    # flat shard per unit and group.
+    use_orig_params: bool = False
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
     # are copied to every rank before the first forward and before each forward
     # that follows a forward with grad enabled, as DDP does. False (the
@@ -164,7 +169,7 @@ class CompileConfig:
         ``on_pass``, ``timeout``, ``dump_dir``, ``disable_passes``, ``inflight_groups``,
         ``broadcast_buffers``, ``param_init_fn``, ``sync_module_states``,
         ``mixed_precision``, ``activation_checkpointing``, ``memory_budget``, ``optimizer``,
-        ``replicate``, and
+        ``replicate``, ``use_orig_params``, and
         every field of :class:`ShardingOptions` by name.
         """
         refused = {k: why for k, why in _NOT_FOR.get(front_end, {}).items() if k in kwargs}

@@ -1,0 +1,131 @@
+"""use_orig_params=True: optimizer groups chosen per parameter train as DDP with the same groups.
+
+The recipe's two groups (weight decay for matrices, none for biases and norm weights, chosen
+by name) and a learning rate per group, 2 gloo ranks against DDP. Under DDP each parameter is
+its own tensor; under fxshard each is a view of the flat shard, stepped by the same elementwise
+AdamW: the parameters agree to rel 1e-5 (docs/devices.md, "Numerics").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxshard
+from fxshard.policies import by_class
+from tests.dist_utils import run_ranks
+from tests.models import Block, TinyGPT
+
+
+def _groups(named: Any) -> list[dict[str, Any]]:
+    """HF's rule by name: no decay for biases and LayerNorm weights; a second learning rate."""
+    decay, plain = [], []
+    for name, p in named:
+        (plain if name.endswith("bias") or ".ln" in name or name.startswith("ln") else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1, "lr": 1e-2},
+            {"params": plain, "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randint(0, 61, (2, 16), generator=gen), torch.randint(0, 61, (2, 16), generator=gen))
+            for _ in range(steps)]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).reshape(-1, 61), y.reshape(-1))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any, accumulate: int,
+           no_sync: Any, clip: Any) -> list[float]:
+    """Steps of ``accumulate`` micro-batches each: no_sync for all but the last, then clip."""
+    losses = []
+    for i in range(0, len(batches), accumulate):
+        optimizer.zero_grad()
+        for k, (x, y) in enumerate(batches[i:i + accumulate]):
+            last = k == accumulate - 1
+            with no_sync() if not last else _nothing():
+                loss = _loss(model, x, y) / accumulate
+                loss.backward()
+            losses.append(float(loss))
+        clip()
+        optimizer.step()
+    return losses
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _groups_against_ddp(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(reference)
+    sharded = fxshard.compile(model, policy=by_class(Block), use_orig_params=True)
+    names = [n for n, _ in sharded.named_parameters()]
+    shapes = {n: tuple(p.full_shape) for n, p in sharded.named_parameters()}
+    opt = torch.optim.AdamW(_groups(sharded.named_parameters()))
+    ddp_opt = torch.optim.AdamW(_groups(ddp.module.named_parameters()))
+    batches = _batches(rank, 8)
+    losses = _train(sharded, opt, batches, 2, sharded.no_sync,
+                    lambda: sharded.clip_grad_norm_(0.5))
+    ddp_losses = _train(ddp, ddp_opt, batches, 2, ddp.no_sync,
+                        lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5))
+    full = sharded.full_state_dict()
+    optim = fxshard.get_optimizer_state_dict(sharded, opt,
+                                             options=fxshard.checkpoint.StateDictOptions(full_state_dict=True))
+    return {"names": names, "ddp_names": [n for n, _ in ddp.module.named_parameters()],
+            "shapes": shapes, "losses": losses, "ddp_losses": ddp_losses,
+            "params": {k: v for k, v in full.items()},
+            "ddp_params": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()},
+            "optim": optim, "ddp_optim": ddp_opt.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def groups_results() -> list[dict[str, Any]]:
+    return run_ranks(_groups_against_ddp, 2)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1e-12)).item())
+
+
+def test_named_parameters_are_the_original_names_and_shapes(groups_results: list[dict[str, Any]]) -> None:
+    for r in groups_results:
+        assert r["names"] == r["ddp_names"]
+        assert r["shapes"]["blocks.0.mlp.0.weight"] == (128, 32)
+        assert r["shapes"]["blocks.0.ln1.bias"] == (32,)
+
+
+def test_groups_by_name_with_weight_decay_and_two_learning_rates_train_like_ddp(
+        groups_results: list[dict[str, Any]]) -> None:
+    for r in groups_results:
+        for a, b in zip(r["losses"], r["ddp_losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+        assert r["params"].keys() == r["ddp_params"].keys()
+        for name, value in r["ddp_params"].items():
+            assert _close(r["params"][name], value), name
+
+
+def test_the_optimizer_state_of_the_views_is_named_and_whole_like_ddps(
+        groups_results: list[dict[str, Any]]) -> None:
+    r = groups_results[0]
+    names = r["ddp_names"]
+    ddp_state = r["ddp_optim"]["state"]
+    assert [g["lr"] for g in r["optim"]["param_groups"]] == [1e-2, 3e-3]
+    assert sorted(n for g in r["optim"]["param_groups"] for n in g["params"]) == sorted(names)
+    order = [n for g in _groups((n, n) for n in names) for n in g["params"]]  # DDP's state: by position
+    for i, name in enumerate(order):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _close(r["optim"]["state"][name][key], ddp_state[i][key]), (name, key)
+        assert float(r["optim"]["state"][name]["step"]) == float(ddp_state[i]["step"])
