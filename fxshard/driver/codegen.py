@@ -12,6 +12,9 @@ each collective and each wait (``with_profiler_ranges``); the graphs that
 ``sharded.graphs``, the report and ``verify`` read have none. Inductor removes
 ``record_function`` ops from the graphs it compiles, so ``compute="inductor"``
 runs without them: its collectives keep torch's own names only.
+
+Inductor compiles a copy of each emitted graph that reads ``no_sync``'s
+accumulators as inputs rather than attributes (``finish_with_attributes_as_inputs``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.layout import CommGroup, Layout
+from fxshard.ir.ops import FREE
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
 from fxshard.passes.context import REDUCE, GradSync
@@ -135,7 +139,7 @@ class GraphCompiler:
                               and info.role is meta.Role.PIECE else x
                               for n, x in zip(placeholders, example_inputs)]
         try:
-            compiled = self.finish(gm, example_inputs)
+            compiled = finish_with_attributes_as_inputs(self.finish, gm, example_inputs)
         except Exception as e:
             raise FxShardError(
                 f"compiling fxshard's emitted {kind} graph failed: {type(e).__name__}: "
@@ -182,6 +186,64 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}), type_expr=None)
     return compat.make_graph_module(gm, graph)
+
+
+def finish_with_attributes_as_inputs(finish: Callable[[fx.GraphModule, Any], Callable[..., Any]],
+                                     gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """``finish(gm, example_inputs)`` for a compiler that takes tensors only as inputs (Inductor).
+
+    The only tensor attributes of an emitted graph are ``no_sync``'s accumulators: ``get_attr``s
+    of the driver's unsharded sums, which backward adds into in place and, in the step that
+    reduces them, frees. Inductor takes a ``get_attr`` for a constant of the graph it compiles
+    (it runs the graph on fake tensors, where a real constant fails; one it folded or copied
+    would not be written back). So ``finish`` compiles a copy that reads each as one more input,
+    which Inductor writes in place (an input mutation, as it does AOTAutograd's ``copy_``
+    epilogues), and the compiled graph is called with the accumulators after AOTAutograd's
+    arguments. Their frees run when the graph returns: Inductor frees no input, and may move a
+    read past an explicit free (``insert_free_pass`` is left out under Inductor for that)::
+
+        emitted:   acc = get_attr(fxshard_accumulated_0) ... add_(acc, cat)
+        compiled:  def graph(*args, acc): ... add_(acc, cat)               graph(*args, accumulator)
+        emitted:   ... s = add(cat, acc); free(acc); div_(s, N) ...
+        compiled:  def graph(*args, acc): ... s = add(cat, acc); div_(s, N) ...
+                                                                  graph(*args, accumulator); free(accumulator)
+
+    ``gm`` itself (``sharded.graphs``, the report, ``verify``) keeps the attributes and frees.
+    """
+    emitted = [n for n in gm.graph.nodes
+               if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)]
+    if not emitted:
+        return finish(gm, example_inputs)
+    tensors = [getattr(gm, str(n.target)) for n in emitted]
+    fakes = [n.meta["val"] for n in emitted]
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies), type_expr=None)  # names and metadata kept
+    attributes = [copies[n] for n in emitted]
+    freed = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    for node, tensor in zip(attributes, tensors):
+        with graph.inserting_after(last) if last is not None else graph.inserting_before():
+            last = graph.placeholder(str(node.target))
+        last.meta.update(node.meta)
+        for free in [u for u in node.users if P.is_free(u)]:
+            graph.erase_node(free)
+            freed.append(tensor)
+        node.replace_all_uses_with(last)
+        graph.erase_node(node)
+    graph.lint()
+    compiled = finish(fx.GraphModule(gm, graph), [*example_inputs, *fakes])
+    boxed = compat.is_boxed(compiled)
+
+    def run(args: list[Any]) -> Any:
+        args.extend(tensors)
+        outputs = compiled(args) if boxed else compiled(*args)
+        for tensor in freed:
+            FREE(tensor)
+        return outputs
+
+    return compat.boxed(run)
 
 
 def _boxed(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -75,12 +75,6 @@ class RunState:
         return GradSync(flush=frozenset(pending))
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
-        if not requires and self.compute == "inductor":
-            raise FxShardError(
-                "no_sync / set_requires_gradient_sync(False) is not supported with "
-                "compute='inductor' yet: its accumulators are buffers the eager graphs update in "
-                "place. Use compute='eager', or accumulate with gradient reduction every micro-batch."
-            )
         self.requires_gradient_sync = requires
 
     @contextlib.contextmanager
