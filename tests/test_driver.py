@@ -175,6 +175,57 @@ def test_compile_runs_inductor_compute_like_the_backend() -> None:
     assert not [n for gm in sm.graphs.values() for n in gm.graph.nodes if P.is_free(n)]
 
 
+def _accumulating_graph(flush: bool) -> tuple[fx.GraphModule, torch.Tensor]:
+    """``add_(acc, grad)`` (inside no_sync) or ``add(grad, acc); free(acc)`` (the step that
+    reduces the sum), ``acc`` a get_attr of a real tensor, as insert_reduce_scatter_pass emits."""
+    acc = torch.ones(4)
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    graph = gm.graph
+    with FakeTensorMode() as mode:
+        grad = graph.placeholder("grad")
+        grad.meta["val"] = torch.empty(4)
+    gm.register_buffer("fxshard_accumulated_0", acc, persistent=False)
+    attr = graph.get_attr("fxshard_accumulated_0")
+    attr.meta["val"] = mode.from_tensor(acc)
+    if flush:
+        total = call(graph, torch.ops.aten.add.Tensor, (grad, attr))
+        call(graph, torch.ops.fxshard.free.default, (attr,))
+        graph.output((total,))
+    else:
+        call(graph, torch.ops.aten.add_.Tensor, (attr, grad))
+        graph.output((None,))
+    gm.recompile()
+    return gm, acc
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_inductor_takes_no_syncs_accumulators_as_inputs(flush: bool) -> None:
+    # Inductor compiles a get_attr as a constant (a real tensor in its fake run failed); the
+    # compiled copy reads the accumulator as its last input and writes it in place, and the
+    # free of the step that reduces the sum runs after the graph.
+    from fxshard.driver.codegen import finish_with_attributes_as_inputs
+
+    gm, acc = _accumulating_graph(flush)
+    seen: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def finish(lifted: fx.GraphModule, example_inputs: Any) -> Any:
+        seen.append((lifted, list(example_inputs)))
+        return lifted.forward  # unboxed, as a compiler may return
+
+    run = finish_with_attributes_as_inputs(finish, gm, [gm.graph.find_nodes(op="placeholder")[0].meta["val"]])
+    (lifted, example_inputs), = seen
+    ops = [n.op for n in lifted.graph.nodes]
+    assert ops.count("placeholder") == 2 and "get_attr" not in ops and len(example_inputs) == 2
+    assert not [n for n in lifted.graph.nodes if P.is_free(n)]
+    assert [n.op for n in gm.graph.nodes].count("get_attr") == 1  # the emitted graph is kept
+    out = run([torch.full((4,), 2.0)])
+    if flush:
+        assert torch.equal(out[0], torch.full((4,), 3.0))
+        assert acc.untyped_storage().nbytes() == 0  # freed once the graph returned
+    else:
+        assert torch.equal(acc, torch.full((4,), 3.0))  # the driver's tensor, added into
+
+
 def test_pipeline_is_built_from_the_configuration() -> None:
     def names(graph: str, **kw: Any) -> list[str]:
         return [s.name for s in build_pipeline(graph, CompileConfig.build("compile", **kw))]  # type: ignore[arg-type]
