@@ -53,12 +53,33 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module, driver: Driver):
         super().__init__()
-        self.flat_params = nn.ParameterList(driver.shards)
+        if driver.orig is None:
+            self.flat_params = nn.ParameterList(driver.shards)
+        else:  # use_orig_params: the views are the parameters, under the original names
+            object.__setattr__(self, "flat_params", nn.ParameterList(driver.shards))
+            self._register_views(driver.orig.views)
         # A plain attribute: the skeleton's meta parameters are not ours to expose.
         object.__setattr__(self, "_skeleton", module)
         self._driver = driver
         self._last: CompiledStep | None = None
         self.training = module.training
+
+    def _register_views(self, views: Mapping[str, nn.Parameter]) -> None:
+        """Each view under its original name, in modules named as the original's, so that
+        ``named_parameters()`` of this module, and of any module holding it (a
+        LightningModule), gives the original names. Registered past ``register_module``'s
+        checks: a submodule may share a name with one of this class's attributes, which
+        attribute access then still finds."""
+        for name, view in views.items():
+            *path, leaf = name.split(".")
+            owner: nn.Module = self
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = owner._modules[part] = nn.Module()
+                assert child is not None
+                owner = child
+            owner._parameters[leaf] = view
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -198,19 +219,6 @@ class ShardedModule(nn.Module):
         """
         with self._driver.state.no_sync():
             yield
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The flat shards (``flat_params.N``), or with ``use_orig_params=True`` the original
-        parameters by their names: each a 1-D view of the part this rank holds (empty where
-        it holds none), ``p.full_shape`` its unsharded shape. Group them for the optimizer as
-        under DDP, by name (``fxshard.driver.orig_params``)."""
-        orig = self._driver.orig
-        if orig is None:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
-        for name, view in orig.views.items():
-            yield prefix + name, view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the shards' gradients and drop what ``no_sync`` has added up and not yet

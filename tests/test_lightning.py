@@ -31,6 +31,7 @@ class LitGPT(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.grouped = False
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -48,7 +49,14 @@ class LitGPT(L.LightningModule):
         self.norms.append(torch.nn.utils.clip_grad_norm_(self.parameters(), float("inf")).item())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if not self.grouped:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        # The recipe's groups, by name: needs the original names (use_orig_params=True).
+        named = list(self.named_parameters())
+        plain = [p for n, p in named if n.endswith("bias") or ".ln" in n]
+        decay = [p for n, p in named if not (n.endswith("bias") or ".ln" in n)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": plain, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
 
 
 def _data() -> DataLoader:
@@ -58,9 +66,10 @@ def _data() -> DataLoader:
 
 
 def _fit(strategy: Any, epochs: int, ckpt_path: str | None = None, save: str | None = None,
-         **trainer: Any) -> tuple[LitGPT, L.Trainer]:
+         grouped: bool = False, **trainer: Any) -> tuple[LitGPT, L.Trainer]:
     L.seed_everything(0, verbose=False)
     lit = LitGPT()
+    lit.grouped = grouped
     t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   **trainer)
@@ -95,8 +104,10 @@ def lightning_worker(rank: int, world_size: int, directory: str) -> dict[str, An
     resumed, t = _fit(FxShardStrategy(policy=by_class(Block)), 2, ckpt_path=ckpt)
     out["resumed"] = (first.losses + resumed.losses, _weights(resumed), t.global_step)
     # Gradient accumulation (no_sync for the batch that does not step) and clipping.
-    ddp_acc, _ = _fit("ddp", 1, accumulate_grad_batches=2, gradient_clip_val=1.0)
-    acc, t = _fit("fxshard", 1, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    # The optimizer in two groups by name (use_orig_params=True).
+    ddp_acc, _ = _fit("ddp", 1, accumulate_grad_batches=2, gradient_clip_val=1.0, grouped=True)
+    acc, t = _fit(FxShardStrategy(policy=by_class(Block), use_orig_params=True), 1, accumulate_grad_batches=2,
+                  gradient_clip_val=1.0, grouped=True)
     out["accumulate"] = (ddp_acc.losses, _weights(ddp_acc), acc.losses, _weights(acc))
     out["norms"] = (ddp_acc.norms, acc.norms)
     out["grad_sync"] = [s.grad_sync for s in acc.model._driver.steps]  # type: ignore[union-attr]
@@ -162,6 +173,8 @@ def test_a_resumed_fit_equals_the_uninterrupted_one(results: list[dict[str, Any]
 
 
 def test_accumulate_grad_batches_and_clipping_train_like_ddp(results: list[dict[str, Any]]) -> None:
+    """With the optimizer in two groups by name (weight decay, and a second learning rate),
+    built in configure_optimizers from the LightningModule's named_parameters()."""
     for r in results:
         ddp_losses, ddp_weights, losses, weights = r["accumulate"]
         assert len(losses) == 4
@@ -237,7 +250,14 @@ class _HoldsSharded(L.LightningModule):
         return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if not self.grouped:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        # The recipe's groups, by name: needs the original names (use_orig_params=True).
+        named = list(self.named_parameters())
+        plain = [p for n, p in named if n.endswith("bias") or ".ln" in n]
+        decay = [p for n, p in named if not (n.endswith("bias") or ".ln" in n)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": plain, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
 
 
 def _fit_a_sharded_module(rank: int, world_size: int) -> dict[str, list[str]]:

@@ -129,3 +129,88 @@ def test_the_optimizer_state_of_the_views_is_named_and_whole_like_ddps(
         for key in ("exp_avg", "exp_avg_sq"):
             assert _close(r["optim"]["state"][name][key], ddp_state[i][key]), (name, key)
         assert float(r["optim"]["state"][name]["step"]) == float(ddp_state[i]["step"])
+
+
+def _dim_rule(named: Any, dim: Any) -> list[dict[str, Any]]:
+    """nanoGPT's rule: weight decay for every parameter of 2 or more dimensions."""
+    params = [p for _, p in named]
+    return [{"params": [p for p in params if dim(p) >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if dim(p) < 2], "weight_decay": 0.0}]
+
+
+def _step_error(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    x, y = _batches(0, 1)[0]
+    _loss(model, x, y).backward()
+    try:
+        optimizer.step()
+    except fxshard.FxShardError as e:
+        return str(e)
+    finally:
+        optimizer.zero_grad()
+    return None
+
+
+def _refusals_and_checkpoint(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    flat = fxshard.compile(TinyGPT(), policy=by_class(Block))
+    before = [s.detach().clone() for s in flat.parameters()]
+    errors = {"dim, flat shards": _step_error(flat, torch.optim.AdamW(_dim_rule(flat.named_parameters(),
+                                                                                 lambda p: p.dim()))),
+              "name, flat shards": _step_error(flat, torch.optim.AdamW(_groups(flat.named_parameters())))}
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+
+    torch.manual_seed(0)
+    sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), use_orig_params=True)
+    errors["dim, views"] = _step_error(sharded, torch.optim.AdamW(_dim_rule(sharded.named_parameters(),
+                                                                            lambda p: p.dim())))
+    errors["views and shards"] = _step_error(sharded, torch.optim.AdamW(
+        [*sharded.parameters(), *sharded.flat_params]))
+    by_shape = _dim_rule(sharded.named_parameters(), lambda p: len(p.full_shape))
+    names = {id(p): n for n, p in sharded.named_parameters()}
+    reference = TinyGPT()
+    ddp_groups = _dim_rule(reference.named_parameters(), lambda p: p.dim())
+    ref_names = {id(p): n for n, p in reference.named_parameters()}
+
+    # A checkpoint of the views' optimizer, loaded into a fresh model and optimizer: both go on alike.
+    opt = torch.optim.AdamW(_groups(sharded.named_parameters()))
+    batches = _batches(rank, 4)
+    _train(sharded, opt, batches[:2], 1, sharded.no_sync, lambda: None)
+    fxshard.checkpoint.save(path, sharded, opt)
+    torch.manual_seed(1)
+    fresh = fxshard.compile(TinyGPT(), policy=by_class(Block), use_orig_params=True)
+    fresh_opt = torch.optim.AdamW(_groups(fresh.named_parameters()))
+    fxshard.checkpoint.load(path, fresh, fresh_opt)
+    _train(sharded, opt, batches[2:], 1, sharded.no_sync, lambda: None)
+    _train(fresh, fresh_opt, batches[2:], 1, fresh.no_sync, lambda: None)
+    return {"errors": errors, "unchanged": unchanged,
+            "by_shape": [[names[id(p)] for p in g["params"]] for g in by_shape],
+            "ddp_by_dim": [[ref_names[id(p)] for p in g["params"]] for g in ddp_groups],
+            "resumed": fresh.full_state_dict(), "continued": sharded.full_state_dict()}
+
+
+@pytest.fixture(scope="module")
+def refusal_results(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return run_ranks(_refusals_and_checkpoint, 2, str(tmp_path_factory.mktemp("ckpt") / "step"))
+
+
+def test_groups_by_p_dim_are_refused_before_the_first_step_naming_the_way(
+        refusal_results: list[dict[str, Any]]) -> None:
+    for r in refusal_results:
+        assert "use_orig_params=True" in r["errors"]["dim, flat shards"]
+        assert "use_orig_params=True" in r["errors"]["name, flat shards"]
+        assert "len(p.full_shape) >= 2" in r["errors"]["dim, views"]
+        assert "stepped twice" in r["errors"]["views and shards"]
+        assert r["unchanged"]  # refused before anything changed
+
+
+def test_groups_by_full_shape_are_nanogpts_groups(refusal_results: list[dict[str, Any]]) -> None:
+    for r in refusal_results:
+        assert r["by_shape"] == r["ddp_by_dim"]
+
+
+def test_a_checkpoint_of_grouped_views_resumes_where_the_run_goes_on(
+        refusal_results: list[dict[str, Any]]) -> None:
+    for r in refusal_results:
+        assert r["resumed"].keys() == r["continued"].keys()
+        for name, value in r["continued"].items():
+            assert torch.equal(r["resumed"][name], value), name

@@ -30,13 +30,13 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import budget, grads, orig_params
+from fxshard.driver import budget, calibrate, grads, orig_params
 from fxshard.driver.codegen import GraphCompiler, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.orig_params import OrigParams
-from fxshard.driver.report import Report, build_report, describe_tensors
+from fxshard.driver.report import Report, build_report, describe_tensors, timed
 from fxshard.driver.run_state import RunState
 from fxshard.driver.runtime import (
     World,
@@ -59,6 +59,7 @@ from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import bus_bytes, step_collectives
 from fxshard.ir.config import CompileConfig
+from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.policies import ByPredicate
@@ -118,6 +119,13 @@ class Driver:
         # What changes while training (no_sync's sums, the buffer broadcast, the agreement,
         # an abandoned step): apart from what the compile decided.
         self.state = RunState(self.world, config.compute, config.broadcast_buffers)
+        # The rates report() predicts time with (fxshard.ir.cost). On a live group of several
+        # ranks every rank takes them now, together (a measurement the first time on this
+        # host, then one all_reduce): report() may be called on one rank alone, and must not
+        # communicate. Elsewhere they are this device's, taken when a report first asks.
+        self.rates: Rates | None = None
+        if runs and self.world.job_size > 1 and backend not in (None, "fake"):
+            self.rates = calibrate.calibrate(self.world, comm_device(self.world.comm_group))
 
     @property
     def plan(self) -> ShardPlan:
@@ -260,6 +268,10 @@ class Driver:
         self._check_step(optimizer)
 
     def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        why = orig_params.shape_grouping(
+            optimizer, {id(s): g.params for g, s in zip(self.plan.groups, self.shards)}, views=False)
+        if why is not None:
+            raise FxShardError(why)
         self._refuse_zero_over_shards(optimizer)
         self.state.refuse_step_over_pending_sums(optimizer, self.plan)
 
@@ -379,9 +391,28 @@ class Driver:
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
                          topology=self.world.topology(),
                          compute_device=self.device.type if self.runs else "")
+        rates = self.timing()
+        if rates is not None:
+            layout = layout_of(self.world, bool(self.config.inflight_groups))
+            time = predict_step(emitted_graphs(step.graphs), rates, dimensions=layout.dimensions(),
+                                units=[u.name for u in self.plan.units],
+                                agreement=(AGREEMENT_BYTES, self.world.job_size)
+                                if self.world.job_size > 1 else None)
+            optimizer = self.config.optimizer
+            report = timed(report, time, optimizer_seconds(
+                optimizer, [s.numel() * s.element_size() for s in self.shards if s.requires_grad],
+                rates.device) if optimizer is not None and step.trains else 0.0)
         if self.budget_choice is None:
             return report
         return replace(report, budget=self.budget_choice, budget_inputs=self.budget_inputs)
+
+    def timing(self) -> Rates | None:
+        """The rates report() predicts with: the job's, calibrated when the driver was built;
+        else, for a step that runs, this device's (collectives free: one rank, or torch's fake
+        group); None for explain, unless a profile was set."""
+        if self.rates is None and self.runs and self.device.type != "meta":
+            self.rates = calibrate.local_rates(self.device)
+        return self.rates
 
     def dump_directory(self, index: int) -> Path:
         """Step 0 dumps into ``dump_dir``, step k > 0 into ``dump_dir/step-k``."""

@@ -19,12 +19,13 @@ into the range.
 
 A rule that reads shapes cannot see the original ones (``p.dim()`` is 1 for
 every view): groups that look chosen that way are refused at the first step
-(:func:`dim_grouping`), naming ``p.full_shape`` and the grouping by name.
+(:func:`shape_grouping`), naming ``p.full_shape`` and the grouping by name; so are
+such groups over the flat shards, naming ``use_orig_params=True``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -113,24 +114,34 @@ def _is_view_of(t: torch.Tensor, grad: torch.Tensor, where: slice) -> bool:
             and t.numel() == where.stop - where.start)
 
 
-def dim_grouping(optimizer: torch.optim.Optimizer, orig: OrigParams) -> str | None:
-    """Why ``optimizer``'s groups look chosen by ``p.dim()`` (nanoGPT's ``p.dim() >= 2``
-    for weight decay), which sees 1 for every view; None when they do not: one group is
-    empty while another, with a different ``weight_decay``, holds parameters that are
-    2-D or more and ones that are not."""
+def shape_grouping(optimizer: torch.optim.Optimizer, slots: Mapping[int, Sequence[ParamSlot]],
+                   views: bool) -> str | None:
+    """Why ``optimizer``'s groups look chosen by a rule that cannot see the original
+    parameters, or None. ``slots``: id(parameter) -> the original parameters it holds.
+
+    nanoGPT chooses weight decay by ``p.dim() >= 2``, which is 1 for every flat shard and
+    every view; HF's rule by name finds no bias among ``flat_params.N``. Either way one
+    group is empty, and another, with a different ``weight_decay``, holds matrices and
+    vectors (biases, norm weights) alike. Such groups are refused."""
     groups = optimizer.param_groups
-    decays = {pg.get("weight_decay") for pg in groups}
-    if len(groups) < 2 or len(decays) < 2 or not any(not pg["params"] for pg in groups):
+    if len(groups) < 2 or len({pg.get("weight_decay") for pg in groups}) < 2 \
+            or all(pg["params"] for pg in groups):
         return None
     for pg in groups:
-        dims = {len(orig.slot_of[id(p)][1].shape) >= 2 for p in pg["params"] if id(p) in orig.slot_of}
-        if dims == {True, False}:
+        dims = {len(slot.shape) >= 2 for p in pg["params"] for slot in slots.get(id(p), ())}
+        if dims != {True, False}:
+            continue
+        if views:
             return (f"{type(optimizer).__name__}'s param_groups look chosen by p.dim(): one is "
                     f"empty, and one (weight_decay={pg.get('weight_decay')}) holds both matrices and "
                     "vectors. With use_orig_params=True each parameter is a 1-D view of this "
                     "rank's shard, so p.dim() is 1 for all of them. Choose by the original shape, "
-                    "p.full_shape (len(p.full_shape) >= 2), or by name from "
-                    "sharded.named_parameters() (biases and norm weights without decay).")
+                    "len(p.full_shape) >= 2, or by name from sharded.named_parameters().")
+        return (f"{type(optimizer).__name__}'s param_groups differ in weight_decay, one is empty, "
+                f"and one (weight_decay={pg.get('weight_decay')}) holds flat shards of matrices and "
+                "vectors (biases, norm weights) alike: a rule by p.dim() or by name cannot see the "
+                "original parameters in flat shards. Compile with use_orig_params=True and choose "
+                "the groups from sharded.named_parameters(), by name or by len(p.full_shape) >= 2.")
     return None
 
 
@@ -148,6 +159,6 @@ def refuse_mixed(optimizer: torch.optim.Optimizer, orig: OrigParams) -> None:
 def check(optimizer: torch.optim.Optimizer, orig: OrigParams) -> None:
     """Before an optimizer step over the views."""
     refuse_mixed(optimizer, orig)
-    why = dim_grouping(optimizer, orig)
+    why = shape_grouping(optimizer, {i: (slot,) for i, (_, slot) in orig.slot_of.items()}, views=True)
     if why is not None:
         raise FxShardError(why)
