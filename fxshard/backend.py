@@ -26,6 +26,7 @@ Misuse fails loudly:
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -310,6 +311,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-# torch.compile(model, backend="fxshard"): default options (everything in one unit).
+# torch.compile(model, backend="fxshard"): default options (everything in one unit). An install
+# names it in the torch_dynamo_backends entry points (pyproject.toml), which Dynamo loads on first
+# use (``import fxshard`` imports nothing); registering it here too would make that load fail
+# ("duplicate name"), so only a checkout that is not installed registers it, on import of this module.
 DEFAULT = FxShardBackend()
-compat.register_backend("fxshard", DEFAULT)
+if "fxshard" not in importlib.metadata.entry_points(group="torch_dynamo_backends").names:
+    compat.register_backend("fxshard", DEFAULT)

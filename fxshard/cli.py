@@ -23,13 +23,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from fxshard.ir.errors import FxShardError, TraceError
-from fxshard.ir.policies import Policy, by_class, by_size, selective
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from fxshard.ir.policies import Policy
+
+# The parser is built without torch (``fxshard --help`` answers at once, tests/test_cli_import.py);
+# torch and the compiler are imported by the commands that use them.
 
 _TERM = re.compile(r"^\s*(by_size|by_class)\(\s*([^)]*)\)\s*$")
 
@@ -85,6 +90,10 @@ def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
     factory's module, then torch.nn."""
     if not text:
         return None
+    import torch.nn as nn
+
+    from fxshard.ir.policies import by_class, by_size
+
     policy: Policy | None = None
     for term in text.split("|"):
         match = _TERM.match(term)
@@ -109,6 +118,8 @@ def parse_checkpointing(text: str | None, namespace: ModuleType) -> Policy | Non
     """A policy as for ``--policy``, or ``selective(<policy>)``."""
     if not text:
         return None
+    from fxshard.ir.policies import selective
+
     match = re.match(r"^\s*selective\((.*)\)\s*$", text)
     if match is None:
         return parse_policy(text, namespace)
@@ -139,6 +150,8 @@ def parse_optimizer(text: str) -> Any:
     literal keywords (what ``optimizer=`` takes)."""
     import ast
     import functools
+
+    import torch
 
     try:
         tree = ast.parse(text.strip(), mode="eval").body
@@ -173,6 +186,8 @@ def _value(text: str) -> Any:
 
 
 def _inputs(shapes: list[str], dtypes: list[str]) -> tuple[torch.Tensor, ...]:
+    import torch
+
     if not shapes:
         raise FxShardError("give the model's input with --input-shape (e.g. --input-shape 8,1024)")
     result = []
@@ -191,6 +206,8 @@ def _token_ids_as_int64(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> t
     int64 (token ids), the others float32. An input the forward changes before the
     embedding (ids + 1) is not recognised: tracing then fails with a hint to pass
     --input-dtype int64."""
+    import torch
+
     from fxshard.explain import embedding_inputs
 
     ids = embedding_inputs(model, inputs)
@@ -234,9 +251,8 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fxshard.explain import explain
-
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fxshard`` command's parser (imports nothing heavy: torch is imported by the commands)."""
     parser = argparse.ArgumentParser(prog="fxshard", description="fxshard: FSDP as a compiler pass")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="plan, graphs and predicted memory at any world size, no cluster")
@@ -276,22 +292,38 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("out", help="the file to write: the model's full state dict, original names")
     co.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     co.add_argument("--optimizer", action="store_true", help="also write the optimizer state to OUT.optim")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "passes":
         return _passes(args.option)
     if args.command == "consolidate":
-        from fxshard.consolidate import consolidate
+        return _consolidate(args)
+    return _explain(args)
 
-        try:
-            written = consolidate(args.checkpoint, args.out, format=args.format, optimizer=args.optimizer)
-        except FxShardError as e:
-            print(f"fxshard consolidate: error: {e}", file=sys.stderr)
-            return 2
-        except OSError as e:  # one that consolidate has not turned into an error naming the fix
-            print(f"fxshard consolidate: error: {e}", file=sys.stderr)
-            return 2
-        print("wrote " + ", ".join(map(str, written)))
-        return 0
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from fxshard.consolidate import consolidate
+
+    try:
+        written = consolidate(args.checkpoint, args.out, format=args.format, optimizer=args.optimizer)
+    except FxShardError as e:
+        print(f"fxshard consolidate: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # one that consolidate has not turned into an error naming the fix
+        print(f"fxshard consolidate: error: {e}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxshard.explain import explain
+
     try:
         module, factory = load_factory(args.factory)
         if args.no_meta:
