@@ -1,14 +1,16 @@
-"""``sharded.report()``: predicted peak memory and communication of one step, per rank.
+"""``sharded.report()``: predicted peak memory, communication and time of one step, per rank.
 
 Everything here is read off the emitted graphs (``meta["val"]`` sizes, the
-collective nodes), so it is known before the step first runs. The measured
-counterparts live in fxshard.measure.
+collective nodes), so it is known before the step first runs. The time comes
+from the same graphs and a set of rates (``fxshard.ir.cost``: measured on the
+live group, or a named hardware profile). The measured counterparts live in
+fxshard.measure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -17,6 +19,7 @@ from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
+from fxshard.ir.cost import StepTime
 from fxshard.ir.memory import simulate
 from fxshard.ir.optimizer import OptimizerState
 from fxshard.ir.plan import ShardPlan
@@ -29,6 +32,11 @@ class UnitReport:
     shard_bytes: int  # what this rank holds
     gathers: int  # all_gathers of its parameters per step
     comm_bytes: int  # bus bytes per step, all kinds
+    # Predicted seconds per step (None: no rates): its nodes on the compute stream, its
+    # collectives from start to end, and how long compute waited for them.
+    compute_seconds: float | None = None
+    comm_seconds: float | None = None
+    exposed_comm_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,15 @@ class Report:
     # The device type a running step computes on ("" for explain): offload to the host moves
     # nothing when it is "cpu".
     compute_device: str = field(default="", compare=False)
+    # Time (None: no rates; explain without hardware=). The step: forward then backward on
+    # one compute stream, the collectives on their process groups (fxshard.ir.cost), plus
+    # with optimizer= its step. The compute stream computes or waits, so
+    # predicted_step_seconds == compute + exposed communication (+ the optimizer step).
+    predicted_step_seconds: float | None = None
+    exposed_comm_seconds: float | None = None
+    predicted_compute_seconds: float | None = None
+    predicted_optimizer_seconds: float = 0.0
+    time: StepTime | None = field(default=None, repr=False, compare=False)
 
     @property
     def within_budget(self) -> bool | None:
@@ -99,6 +116,7 @@ class Report:
             + (f", the latest {self.step}" if self.step else ""),
             *([f"  topology            {self.topology}"] if self.topology else []),
             f"  predicted peak      {self.predicted_peak_bytes / mib:10.3f} MiB  (at {self.peak_phase})",
+            *self._time_lines(),
             f"  parameter shards    {self.shard_bytes / mib:10.3f} MiB",
             f"  gradient shards     {self.grad_shard_bytes / mib:10.3f} MiB",
             f"  buffers, inputs     {(self.buffer_bytes + self.input_bytes) / mib:10.3f} MiB",
@@ -122,9 +140,15 @@ class Report:
             lines.append("  the steps' collectives per mesh dimension:")
             for dim, value in self.comm_bytes_per_dimension.items():
                 lines.append(f"    {dim:<16}{value / mib:10.3f} MiB  ({_WHERE[dim]})")
-        header = ("unit", "gathered MiB", "shard MiB", "gathers", "comm MiB")
-        rows = [(u.name or "<root>", f"{u.padded_bytes / mib:.3f}", f"{u.shard_bytes / mib:.3f}",
-                 str(u.gathers), f"{u.comm_bytes / mib:.3f}") for u in self.units]
+        header: tuple[str, ...] = ("unit", "gathered MiB", "shard MiB", "gathers", "comm MiB")
+        rows: list[tuple[str, ...]] = [
+            (u.name or "<root>", f"{u.padded_bytes / mib:.3f}", f"{u.shard_bytes / mib:.3f}",
+             str(u.gathers), f"{u.comm_bytes / mib:.3f}") for u in self.units]
+        if self.time is not None:
+            header += ("compute ms", "comm ms", "exposed ms")
+            rows = [(*r, *(f"{(s or 0.0) * 1e3:.3f}" for s in (u.compute_seconds, u.comm_seconds,
+                                                               u.exposed_comm_seconds)))
+                    for r, u in zip(rows, self.units)]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, *rows]:
             lines.append("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
@@ -142,6 +166,38 @@ class Report:
                     "batch the first: call the model with it first, or pass it as example_inputs= "
                     "to fxshard.compile.")
         return "\n".join(lines)
+
+
+    def _time_lines(self) -> list[str]:
+        if self.time is None or self.predicted_step_seconds is None:
+            return []
+        t, ms = self.time, 1e3
+        parts = [f"compute {t.compute_seconds * ms:.3f} ms",
+                 f"exposed communication {t.exposed_comm_seconds * ms:.3f} ms"
+                 + (f" (the agreement {t.agreement_seconds * ms:.3f})" if t.agreement_seconds else "")]
+        if self.predicted_optimizer_seconds:
+            parts.append(f"optimizer step {self.predicted_optimizer_seconds * ms:.3f} ms")
+        named = {u.name for u in self.units} | {"agreement"}
+        outside = sum(u.compute_seconds for u in t.units if u.name not in named)
+        return [f"  predicted step      {self.predicted_step_seconds * ms:10.3f} ms   ({'; '.join(parts)})",
+                f"  communication       {t.comm_seconds * ms:10.3f} ms   (the collectives start to end, "
+                "overlapped or not)",
+                *([f"  compute outside the units' modules {outside * ms:.3f} ms"] if outside else []),
+                f"  rates               {t.rates}"]
+
+
+def timed(report: Report, time: StepTime, optimizer_seconds: float = 0.0) -> Report:
+    """``report`` with the predicted ``time`` of its step (and its optimizer step's seconds)."""
+    per_unit = {u.name: u for u in time.units}
+    units = tuple(replace(u, compute_seconds=per_unit[u.name].compute_seconds if u.name in per_unit else 0.0,
+                          comm_seconds=per_unit[u.name].comm_seconds if u.name in per_unit else 0.0,
+                          exposed_comm_seconds=per_unit[u.name].exposed_comm_seconds
+                          if u.name in per_unit else 0.0)
+                  for u in report.units)
+    return replace(report, units=units, predicted_step_seconds=time.seconds + optimizer_seconds,
+                   exposed_comm_seconds=time.exposed_comm_seconds,
+                   predicted_compute_seconds=time.compute_seconds,
+                   predicted_optimizer_seconds=optimizer_seconds, time=time)
 
 
 _WHERE = {"shard": "inside the shard group", "replicate": "between replicas",

@@ -76,6 +76,13 @@ def collectives(graph_name: str, gm: fx.GraphModule,
     """The collectives ``gm``'s chains issue (``fxshard.ir.chains``), in graph order;
     ``dimensions`` names each process group's dimension of the layout and slot there
     (``Layout.dimensions``)."""
+    return [c for _, c in collective_nodes(graph_name, gm, dimensions)]
+
+
+def collective_nodes(graph_name: str, gm: fx.GraphModule,
+                     dimensions: Mapping[str, tuple[str, int]] | None = None,
+                     ) -> list[tuple[fx.Node, Collective]]:
+    """``collectives``, each with the node that issues it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     issued = sorted(((c, chain) for chain in chains(gm.graph) for c in chain.collectives),
                     key=lambda pair: order[pair[0]])
@@ -98,10 +105,10 @@ def collectives(graph_name: str, gm: fx.GraphModule,
             _, op, size, name = node.args
         assert isinstance(size, int) and isinstance(name, str)
         dimension, slot = (dimensions or {}).get(name, ("", 0))
-        result.append(Collective(graph_name, KINDS[node.target], chain.unit,  # type: ignore[index]
-                                 tuple(val.shape), val.dtype, size, name,
-                                 op if isinstance(op, str) else None, dimension, slot,
-                                 chain.lowering, chain.direction.value))
+        result.append((node, Collective(graph_name, KINDS[node.target], chain.unit,  # type: ignore[index]
+                                        tuple(val.shape), val.dtype, size, name,
+                                        op if isinstance(op, str) else None, dimension, slot,
+                                        chain.lowering, chain.direction.value)))
     return result
 
 

@@ -1,0 +1,313 @@
+"""Calibration: the rates of this device and of the live process group, measured briefly.
+
+    device_rates(device)      matmul FLOP/s per dtype (float32, bfloat16), memory bandwidth,
+                              the overhead of an operator and of a view: measured once per
+                              device, torch release and thread count, cached on disk
+    measure_network(group)    all_gather, reduce_scatter and all_reduce at three sizes each,
+                              fitted by least squares to latency + bus bytes / bandwidth
+    calibrate(world, device)  both, the same on every rank: each rank's numbers, then the
+                              slowest of each over the job (a MAX all_reduce), so every rank
+                              predicts (and, later, plans) the same
+
+The cache is one JSON file, ``calibration.json``, in ``$FXSHARD_CACHE_DIR`` or
+``~/.cache/fxshard``. The network's entry is keyed by backend, group size, host,
+torch release and thread count; a rank without an entry makes every rank
+measure (they decide together, in the same all_reduce), so ranks never wait on
+a measurement only some of them run. Delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxshard.driver.runtime import World, comm_device
+from fxshard.ir import compat
+from fxshard.ir.collectives import bus_bytes
+from fxshard.ir.cost import DeviceRates, Link, Network, Rates
+
+log = logging.getLogger("fxshard")
+
+CACHE_ENV = "FXSHARD_CACHE_DIR"
+DTYPES = ("float32", "bfloat16")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+# This process's rates, by cache key: a device's, and a network's cache entry.
+_DEVICES: dict[str, DeviceRates] = {}
+_NETWORKS: dict[str, dict[str, Any]] = {}
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fxshard") / "calibration.json"
+
+
+def _load(key: str) -> dict[str, Any] | None:
+    try:
+        entry = json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _save(key: str, entry: dict[str, Any]) -> None:
+    """Add ``entry`` to the cache file (written whole, then renamed: readers never see half)."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[key] = entry
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        scratch.replace(path)
+    except OSError as e:  # a read-only home: measure again next time
+        log.info("fxshard: could not cache the calibration in %s: %s", path, e)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    return str(device)
+
+
+def device_key(device: torch.device) -> str:
+    return f"device | {device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3) -> float:
+    """The median time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    begin = time.perf_counter()
+    while len(times) < calls or time.perf_counter() - begin < least and len(times) < 100:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_device(device: torch.device) -> DeviceRates:
+    """This device's rates, in about a quarter of a second (the CPU at its thread count)."""
+    big = device.type != "cpu"
+    n = 4096 if big else 512
+    flops: dict[str, float] = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        flops[name] = 2 * n ** 3 / _seconds(functools.partial(torch.mm, a, b), device)
+    numel = (1 << 26) if big else (1 << 22)
+    x, y, out = (torch.randn(numel, device=device) for _ in range(3))
+    bandwidth = 3 * numel * 4 / _seconds(lambda: torch.add(x, y, out=out), device)
+    one, other = torch.ones(1, device=device), torch.ones(1, device=device)
+    add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
+
+    def adds() -> None:
+        for _ in range(100):
+            add(one, other)
+
+    def views() -> None:
+        for _ in range(100):
+            view(one, [1])
+
+    overhead = _seconds(adds, device) / 100
+    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100)
+
+
+def device_rates(device: torch.device) -> DeviceRates:
+    """This device's rates: from this process's memo, the cache, or measured (then cached)."""
+    key = device_key(device)
+    if key in _DEVICES:
+        return _DEVICES[key]
+    entry = _load(key)
+    rates = _device_from(entry) if entry is not None else None
+    if rates is None:
+        rates = measure_device(device)
+        _save(key, _device_entry(rates))
+        log.info("fxshard: measured %s", rates)
+    _DEVICES[key] = rates
+    return rates
+
+
+def _device_entry(rates: DeviceRates) -> dict[str, Any]:
+    return {"name": rates.name, "matmul_flops": dict(rates.matmul_flops), "bandwidth": rates.bandwidth,
+            "overhead": rates.overhead, "view_overhead": rates.view_overhead}
+
+
+def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
+    try:
+        return DeviceRates(entry["name"], {k: float(v) for k, v in entry["matmul_flops"].items()},
+                           float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def fit(points: list[tuple[float, float]]) -> Link:
+    """Least squares ``seconds = latency + bus_bytes / bandwidth`` over (bus bytes, seconds);
+    a negative latency is taken as 0 (and the bandwidth refitted through the origin)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    latency = my - slope * mx
+    if latency < 0 or slope <= 0:
+        latency = max(0.0, min(ys)) if slope <= 0 else 0.0
+        slope = max(sum(x * (y - latency) for x, y in points) / sum(x * x for x in xs), 1e-15)
+    return Link(latency, 1.0 / slope)
+
+
+def _sizes(device: torch.device) -> tuple[int, ...]:
+    """Full-buffer bytes measured: up to where bandwidth, not latency, decides."""
+    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 22)
+
+
+def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
+                name: str) -> tuple[Callable[[], object], int]:
+    """One collective of ``kind`` and its wait, as the emitted graphs run them; its input's bytes."""
+    ops = compat.c10d_functional
+    if kind == "all_gather":
+        return (lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, n, name))), shard.numel() * 4
+    if kind == "reduce_scatter":
+        return (lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", n, name))), full.numel() * 4
+    return (lambda: ops.wait_tensor(ops.all_reduce(full, "sum", name))), full.numel() * 4
+
+
+def measure_network(group: dist.ProcessGroup) -> Network:
+    """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
+    three sizes each, through the functional collectives the emitted graphs run; about a
+    tenth of a second on gloo between two processes of one host."""
+    device = comm_device(group)
+    n, name = group.size(), group.group_name
+    links: dict[str, Link] = {}
+    for kind in KINDS:
+        points = []
+        for size in _sizes(device):
+            numel = size // 4 // n * n
+            full = torch.ones(numel, device=device)
+            shard = torch.ones(numel // n, device=device)
+            run, given = _collective(kind, full, shard, n, name)
+            # The same number of calls on every rank: a rank never waits on a call others skip.
+            seconds = _seconds(run, device, least=0.0, calls=3)
+            points.append((float(bus_bytes(kind, given, n)), seconds))
+        links[kind] = fit(points)
+    return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
+
+
+# -- agreeing ---------------------------------------------------------------------------------
+
+
+def _pack(device: DeviceRates, network: Network | None) -> list[float]:
+    """Seconds per unit of work, so that the MAX over ranks is the slowest rank's."""
+    values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
+    values += [1.0 / device.bandwidth, device.overhead, device.view_overhead]
+    for kind in KINDS:
+        link = network.links.get(kind) if network is not None else None
+        values += [link.latency, 1.0 / link.bandwidth] if link is not None else [0.0, 0.0]
+    return values
+
+
+def _unpack(values: list[float], name: str, network_name: str) -> tuple[DeviceRates, Network]:
+    flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
+    bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
+    links = {kind: Link(values[5 + 2 * i], 1.0 / values[6 + 2 * i]) for i, kind in enumerate(KINDS)}
+    return DeviceRates(name, flops, bandwidth, overhead, view), Network(network_name, links)
+
+
+def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in tensor.tolist()]
+
+
+def network_key(world: World) -> str:
+    group = world.comm_group
+    return (f"network | {dist.get_backend(group)} | {world.size} ranks | {socket.gethostname()} | "
+            f"torch {torch.__version__} | {torch.get_num_threads()} threads")
+
+
+def calibrate(world: World, device: torch.device) -> Rates:
+    """The rates every rank of ``world`` predicts with: each rank's device and network (cached,
+    or measured now), the slowest of each over the job. Every rank of the job calls this
+    together where there is a live group of more than one rank (the driver, when it is
+    built); elsewhere it measures the device alone and communicates nothing."""
+    local = device_rates(device)
+    if world.group is None or world.job_size == 1:
+        return Rates(f"{local.name}, one rank", local, Network.free("one rank: no collectives"))
+    backend = dist.get_backend(world.group)
+    if backend == "fake":
+        return Rates(f"{local.name}, fake process group", local,
+                     Network.free("torch's fake process group: collectives move nothing"))
+    key = network_key(world)
+    entry = _NETWORKS.get(key) or _load(key)
+    cached = _network_from(entry) if entry is not None else None
+    agreed = _max_over(world.job_group, [float(cached is None), *_pack(local, cached)])
+    name = f"{backend} over {world.size} ranks"
+    if agreed[0] > 0:  # some rank has no entry: every rank measures, now
+        start = time.perf_counter()
+        measured = measure_network(world.comm_group)
+        _NETWORKS[key] = _network_entry(measured)
+        _save(key, _NETWORKS[key])
+        log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
+        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured))]
+    elif entry is not None:
+        _NETWORKS[key] = entry
+    device_rates_, network = _unpack(agreed[1:], f"{local.name} (the slowest of {world.job_size} ranks)",
+                                     f"{name}, measured (the slowest rank's)")
+    return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
+                 (f"measured on this job's ranks; cached in {cache_path()}",))
+
+
+def _network_entry(network: Network) -> dict[str, Any]:
+    return {kind: {"latency": link.latency, "bandwidth": link.bandwidth} for kind, link in network.links.items()}
+
+
+def _network_from(entry: dict[str, Any]) -> Network | None:
+    try:
+        return Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]))
+                                  for kind in KINDS})
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def local_rates(device: torch.device) -> Rates:
+    """This device alone, for a step whose collectives cost nothing (one rank, or torch's fake
+    process group); communicates nothing."""
+    local = device_rates(device)
+    return Rates(local.name, local, Network.free())

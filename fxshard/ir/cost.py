@@ -1,0 +1,515 @@
+"""Time: how long one step takes, read off the emitted graphs and a set of rates.
+
+Pure: nothing here measures anything or touches a process group. The rates come
+from a measurement on the live group (``fxshard/driver/calibrate.py``) or from a
+named hardware profile (``hardware(name)``); given the same rates, every rank
+predicts the same times.
+
+    a node          max(flops / rate(dtype), bytes / bandwidth) + overhead      (a roofline;
+                    FLOPs by torch.utils.flop_counter's formulas, bytes the node's inputs
+                    and outputs from meta["val"]; a view costs the dispatch overhead alone)
+    a collective    latency + (n - 1) * hop_latency + bus bytes / bandwidth      (alpha-beta;
+                    bus bytes by the ring accounting: all_gather and reduce_scatter move
+                    (n-1)/n of the full buffer per rank, all_reduce 2(n-1)/n)
+    the step        predict_step: the graphs run one after the other
+
+      compute   |--fw node--|--node--|...wait A..|--node--|          one stream, graph order
+      group g0  |  gather A ----------|  gather C ---|                    FIFO per process group:
+      group g1  |        gather B --------|                               a group runs one at a time
+                ^ issued where the graph issues it; a wait is a join: compute resumes at
+                  max(now, the collective's end); collectives in flight together on one link
+                  (a layout dimension) share its bandwidth equally
+
+That is the runtime fxshard emits: the graphs run eagerly in node order on one
+compute stream (CUDA's current stream; the CPU's calling thread); a functional
+collective is issued asynchronously on the process group it names (gloo: the
+group's one worker thread; NCCL: the group's own stream), so collectives on one
+group run in issue order and collectives on different groups (the in-flight
+slots of ``assign_groups_pass``) run at once over the same wires.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.collectives import bus_bytes, collective_nodes
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.optimizer import OptimizerState
+
+# -- rates ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What one device computes per second.
+
+    ``matmul_flops``: FLOP/s of the operators torch's flop counter counts (matmuls,
+    convolutions, attention), by dtype name ("float32", "bfloat16"); ``bandwidth``:
+    bytes/s an elementwise operator moves (its inputs read, its output written);
+    ``overhead``: seconds each operator costs whatever its size (eager dispatch, a
+    kernel launch); ``view_overhead``: the same for a view (no kernel, the dispatch).
+    """
+
+    name: str
+    matmul_flops: Mapping[str, float]
+    bandwidth: float
+    overhead: float
+    view_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
+            raise ValueError(f"{self.name}: rates must be positive: {self}")
+
+    def flop_rate(self, dtype: torch.dtype | None) -> float:
+        """FLOP/s for ``dtype``: its own rate, float16 at bfloat16's, anything else at float32's
+        (or the slowest known)."""
+        name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+        for candidate in (name, "bfloat16" if name == "float16" else name, "float32"):
+            if candidate in self.matmul_flops:
+                return self.matmul_flops[candidate]
+        return min(self.matmul_flops.values())
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective kind over one kind of wire: ``latency`` seconds, plus ``hop_latency``
+    per ring step (n - 1 of them), plus bus bytes over ``bandwidth`` (bytes/s)."""
+
+    latency: float
+    bandwidth: float
+    hop_latency: float = 0.0
+
+    def seconds(self, bus: float, group_size: int) -> float:
+        return self.latency + self.hop_latency * (group_size - 1) + bus / self.bandwidth
+
+
+# Kinds a network table may leave out, and the kind whose link they take instead.
+_SAME_AS = {"all_to_all": "reduce_scatter", "broadcast": "all_gather", "agreement": "all_gather"}
+
+
+@dataclass(frozen=True)
+class Network:
+    """Collectives' links by kind: ``links`` inside a node, ``between_nodes`` for a group
+    larger than ``ranks_per_node`` or HSDP's "replicate" dimension (None: one node)."""
+
+    name: str
+    links: Mapping[str, Link]
+    between_nodes: Mapping[str, Link] | None = None
+    ranks_per_node: int | None = None
+
+    @classmethod
+    def free(cls, name: str = "no communication") -> Network:
+        """Collectives that cost nothing (torch's fake process group: nothing runs)."""
+        return cls(name, {"all_gather": Link(0.0, math.inf)})
+
+    def link(self, kind: str, group_size: int, dimension: str = "shard") -> Link:
+        table = self.links
+        if self.between_nodes is not None and (
+                dimension == "replicate" or self.ranks_per_node is not None and group_size > self.ranks_per_node):
+            table = self.between_nodes
+        for candidate in (kind, _SAME_AS.get(kind, "all_gather"), "all_gather"):
+            if candidate in table:
+                return table[candidate]
+        return next(iter(table.values()))
+
+    def seconds(self, kind: str, input_bytes: int, group_size: int, dimension: str = "shard") -> float:
+        """One collective of ``kind`` whose input is ``input_bytes`` (all_gather: the shard;
+        the others: the full buffer) over ``group_size`` ranks."""
+        if group_size <= 1:
+            return 0.0
+        return self.link(kind, group_size, dimension).seconds(_bus(kind, input_bytes, group_size), group_size)
+
+
+def _bus(kind: str, input_bytes: int, group_size: int) -> int:
+    if kind in ("broadcast", "agreement"):
+        kind = "all_gather"
+    return bus_bytes(kind, input_bytes, group_size)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Everything the time model needs: a device and a network, with where they came from."""
+
+    name: str
+    device: DeviceRates
+    network: Network
+    sources: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        d, lines = self.device, [f"rates {self.name}"]
+        lines.append(f"  device {d.name}: " + ", ".join(
+            f"{dtype} {rate / 1e12:.3g} TFLOP/s" for dtype, rate in d.matmul_flops.items())
+            + f"; memory {d.bandwidth / 1e9:.3g} GB/s; {d.overhead * 1e6:.3g} us per operator"
+            + f" ({d.view_overhead * 1e6:.3g} us per view)")
+        tables = [("", self.network.links)]
+        if self.network.between_nodes is not None:
+            tables += [(f" between nodes ({self.network.ranks_per_node} ranks per node)",
+                        self.network.between_nodes)]
+        for where, table in tables:
+            lines.append(f"  network {self.network.name}{where}:")
+            for kind, link in table.items():
+                hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""
+                lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + bus bytes / "
+                             f"{link.bandwidth / 1e9:.3g} GB/s")
+        lines += [f"  source: {s}" for s in self.sources]
+        return "\n".join(lines)
+
+
+# -- named hardware profiles ----------------------------------------------------------------------
+
+_H100_SXM = DeviceRates(
+    "NVIDIA H100 SXM5 80GB",
+    # Dense peaks at 70% (large GEMMs reach 65-75% of peak): bf16 989 TFLOP/s; fp32 matmuls run
+    # on the CUDA cores (torch's default allow_tf32=False) at 67 TFLOP/s.
+    {"bfloat16": 0.7 * 989e12, "float32": 0.7 * 67e12},
+    0.85 * 3.35e12,  # HBM3 3.35 TB/s; STREAM-like kernels reach about 85%
+    5e-6,  # an eager operator: dispatch and launch, about 5 us
+    2e-6,
+)
+# NVLink 4: 900 GB/s per GPU both ways together, 450 GB/s each way; NCCL's ring reaches
+# about 80% of it in bus bandwidth (nccl-tests' busbw) for large messages.
+_NVLINK = {kind: Link(10e-6, 0.8 * 450e9, 1e-6) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+# 400 Gb/s InfiniBand NDR per GPU (a ConnectX-7 per GPU in DGX H100): 50 GB/s each way; NCCL's
+# rings across nodes reach about 80% of it in bus bandwidth.
+_IB = {kind: Link(20e-6, 0.8 * 50e9, 3e-6) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+_SOURCES = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16 dense 989 TFLOP/s, fp32 67 TFLOP/s, "
+    "HBM3 3.35 TB/s, NVLink 900 GB/s",
+    "NVIDIA DGX H100 user guide: 8 GPUs on NVSwitch, 8 ConnectX-7 400 Gb/s InfiniBand ports (one per GPU)",
+    "NVIDIA nccl-tests, doc/PERFORMANCE.md: bus bandwidth (busbw) = algbw x (n-1)/n for all_gather "
+    "and reduce_scatter, 2(n-1)/n for all_reduce; ring latency grows with n - 1 steps",
+)
+
+PROFILES: dict[str, Rates] = {
+    "h100-nvlink": Rates("h100-nvlink", _H100_SXM, Network("NVLink 4 (NVSwitch), 8 GPUs", _NVLINK),
+                         _SOURCES),
+    "h100-ib": Rates("h100-ib", _H100_SXM,
+                     Network("NVLink 4 inside a node; InfiniBand NDR 400 Gb/s per GPU between nodes",
+                             _NVLINK, _IB, ranks_per_node=8), _SOURCES),
+}
+
+
+def hardware(name: str) -> Rates:
+    """The named profile (``PROFILES``); an unknown name raises, listing the known ones."""
+    if name not in PROFILES:
+        raise FxShardError(f"unknown hardware profile {name!r}: known are {', '.join(sorted(PROFILES))}")
+    return PROFILES[name]
+
+
+# -- one node ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int
+    bytes: int
+    seconds: float
+
+
+_FREE = NodeCost(0, 0, 0.0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _val(arg: Any) -> Any:
+    return fx.node.map_arg(arg, lambda n: n.meta.get("val"))
+
+
+def flops(node: fx.Node) -> int:
+    """FLOPs of ``node`` by torch's flop counter's formula for its operator (0: none there)."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*_val(node.args), out_val=node.meta.get("val"), **_val(node.kwargs)))
+    except Exception:  # a formula that does not take this overload's arguments: count none
+        return 0
+
+
+def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
+    """What ``node`` costs on the compute stream (a collective: its issue; its wait: nothing)."""
+    if node.op != "call_function" or P.is_getitem(node) or P.is_wait(node):
+        return _FREE
+    if P.is_collective(node):
+        return NodeCost(0, 0, device.overhead)
+    if P.is_view(node) or P.is_free(node):
+        return NodeCost(0, 0, device.view_overhead)
+    out = node.meta.get("val")
+    moved = _nbytes(out) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))  # each operand read
+    count = flops(node)
+    outs = _tensors(out)
+    seconds = moved / device.bandwidth
+    if count:
+        seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None))
+    return NodeCost(count, moved, seconds + device.overhead)
+
+
+def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device: DeviceRates) -> float:
+    """The optimizer step over shards of ``shard_bytes`` (those with gradients), memory-bound:
+    each shard and its gradient read, the shard written, each state read and written (Adam's
+    family also its square root and quotient, out of place), and about one operator per state
+    and shard beyond three."""
+    per = 3 + 2 * state.states + (4 if state.adam_temporaries else 0)
+    ops = (3 + 2 * state.states) * len(shard_bytes)
+    return per * sum(shard_bytes) / device.bandwidth + ops * device.overhead
+
+
+# -- the step -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveSpan:
+    """One collective of the predicted step; times in seconds from the step's start."""
+
+    graph: str
+    node: str  # the collective's node
+    wait: str  # its wait's node
+    kind: str
+    unit: str
+    group: str
+    dimension: str
+    bytes: int  # its input's bytes
+    issued: float  # compute issued it
+    start: float  # its group began it (after the group's earlier collectives)
+    end: float
+    waited: float  # compute reached its wait
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def exposed(self) -> float:
+        """How long compute waited for it."""
+        return max(0.0, self.end - self.waited)
+
+
+@dataclass(frozen=True)
+class NodeSpan:
+    graph: str
+    node: str
+    unit: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    name: str
+    compute_seconds: float  # its nodes on the compute stream (module path, or its chains)
+    comm_seconds: float  # its collectives, start to end
+    exposed_comm_seconds: float  # the compute stream's waits on them
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted step. The compute stream is always computing or waiting, so
+    ``seconds == compute_seconds + exposed_comm_seconds``; ``units`` split both (and the
+    collectives' own durations) by FSDP unit, the agreement's waits under "agreement"."""
+
+    rates: str
+    seconds: float
+    compute_seconds: float
+    exposed_comm_seconds: float
+    comm_seconds: float  # every collective's duration, start to end, overlapped or not
+    graphs: tuple[tuple[str, float, float], ...]  # (graph, start, end)
+    units: tuple[UnitTime, ...]
+    collectives: tuple[CollectiveSpan, ...]
+    agreement_seconds: float = 0.0  # the ranks' agreement before each graph (exposed)
+    nodes: tuple[NodeSpan, ...] = field(default=(), repr=False, compare=False)
+
+
+@dataclass
+class _Flight:
+    key: int
+    group: str
+    link: str  # what it shares bandwidth with
+    latency: float
+    work: float  # seconds at the link's full bandwidth
+    issued: float
+    start: float = math.nan
+    end: float = math.nan
+    left: float = 0.0  # work left
+
+    def in_data(self, now: float) -> bool:
+        return self.start + self.latency <= now + 1e-15
+
+
+class _Network:
+    """The communication streams: one FIFO per process group; collectives in flight at once
+    on one link share its bandwidth equally (processor sharing)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.queues: dict[str, deque[_Flight]] = {}
+
+    def _active(self) -> list[_Flight]:
+        return [q[0] for q in self.queues.values() if q]
+
+    def _next_event(self) -> tuple[float, _Flight | None]:
+        active = self._active()
+        sharing: dict[str, int] = {}
+        for f in active:
+            if f.in_data(self.now):
+                sharing[f.link] = sharing.get(f.link, 0) + 1
+        best, who = math.inf, None
+        for f in active:
+            if not f.in_data(self.now):
+                at = f.start + f.latency
+            else:
+                at = self.now + f.left * sharing[f.link]
+            if at < best:
+                best, who = at, f
+        return best, who
+
+    def _step(self, until: float) -> bool:
+        """Advance to the next event or ``until``, whichever is first; True if an event."""
+        at, who = self._next_event()
+        target = min(at, until)
+        active = self._active()
+        sharing: dict[str, int] = {}
+        for f in active:
+            if f.in_data(self.now):
+                sharing[f.link] = sharing.get(f.link, 0) + 1
+        for f in active:
+            if f.in_data(self.now):
+                f.left -= (target - self.now) / sharing[f.link]
+        self.now = max(self.now, target)
+        if who is None or at > until:
+            return False
+        for q in self.queues.values():  # everything done by now leaves its queue
+            while q and q[0].in_data(self.now) and q[0].left <= 1e-15:
+                done = q.popleft()
+                done.end = self.now
+                if q:
+                    q[0].start = max(self.now, q[0].issued)
+        return True
+
+    def advance(self, t: float) -> None:
+        while self._step(t):
+            pass
+        self.now = max(self.now, t)
+
+    def issue(self, f: _Flight) -> None:
+        self.advance(f.issued)
+        q = self.queues.setdefault(f.group, deque())
+        if not q:
+            f.start = f.issued
+        f.left = f.work
+        q.append(f)
+
+    def finish(self, f: _Flight) -> float:
+        while math.isnan(f.end):
+            if not self._step(math.inf):
+                raise AssertionError(f"collective {f.key} never ends")
+        return f.end
+
+
+def unit_of(node: fx.Node, units: Sequence[str]) -> str:
+    """The FSDP unit ``node`` belongs to: its chain's, else the innermost unit whose module
+    path contains the module that computed it; "" (the root) otherwise."""
+    info = meta.get_info(node)
+    if info is not None:
+        return info.unit
+    path = meta.module_path(node)
+    best, depth = "", 0
+    for unit in units if path else ():
+        for name in unit.split("+"):  # tied units merge: "a+b"
+            if name and len(name) > depth and (path == name or path.startswith(name + ".")):  # type: ignore[union-attr]
+                best, depth = unit, len(name)
+    return best
+
+
+def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
+                 dimensions: Mapping[str, tuple[str, int]] | None = None,
+                 units: Sequence[str] = (), agreement: tuple[int, int] | None = None) -> StepTime:
+    """Simulate ``graphs`` ("forward" or "inference", then "backward") one after the other.
+
+    ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
+    which link it runs on; ``units``: the plan's unit names, to attribute compute to;
+    ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
+    compute stream waits for (None: no agreement).
+    """
+    device, network = rates.device, rates.network
+    names = [n for n in ("forward", "inference", "backward") if n in graphs]
+    net = _Network()
+    now = 0.0
+    compute = exposed = agreed = 0.0
+    per_unit: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
+    spans: list[CollectiveSpan] = []
+    node_spans: list[NodeSpan] = []
+    windows: list[tuple[str, float, float]] = []
+    key = 0
+    for name in names:
+        gm = graphs[name]
+        begin = now
+        if agreement is not None and agreement[1] > 1:
+            waited = network.seconds("agreement", agreement[0], agreement[1])
+            now += waited
+            agreed += waited
+            exposed += waited
+        issued: dict[fx.Node, tuple[_Flight, Any]] = {}
+        info = {node: c for node, c in collective_nodes(name, gm, dimensions)}
+        for node in gm.graph.nodes:
+            cost = node_cost(node, device)
+            unit = unit_of(node, units) if cost.seconds else ""
+            if cost.seconds:
+                node_spans.append(NodeSpan(name, node.name, unit, now, now + cost.seconds))
+                now += cost.seconds
+                compute += cost.seconds
+                per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += cost.seconds
+            if node in info:
+                c = info[node]
+                link = network.link(c.kind, c.group_size, c.dimension or "shard")
+                bus = _bus(c.kind, c.input_bytes, c.group_size)
+                flight = _Flight(key, c.group_name, c.dimension or "shard",
+                                 link.latency + link.hop_latency * (c.group_size - 1) if c.group_size > 1 else 0.0,
+                                 bus / link.bandwidth if c.group_size > 1 else 0.0, now)
+                key += 1
+                net.issue(flight)
+                issued[node] = (flight, c)
+            elif P.is_wait(node) and isinstance(node.args[0], fx.Node) and node.args[0] in issued:
+                flight, c = issued.pop(node.args[0])
+                end = net.finish(flight)
+                wait = max(0.0, end - now)
+                spans.append(CollectiveSpan(name, node.args[0].name, node.name, c.kind, c.unit, c.group_name,
+                                            c.dimension, c.input_bytes, flight.issued, flight.start, end, now))
+                entry = per_unit.setdefault(c.unit, [0.0, 0.0, 0.0])
+                entry[1] += end - flight.start
+                entry[2] += wait
+                exposed += wait
+                now += wait
+        for flight, _ in issued.values():  # not waited in this graph (never, once verified)
+            end = net.finish(flight)
+            now = max(now, end)
+        windows.append((name, begin, now))
+    if agreed:
+        per_unit["agreement"] = [0.0, 0.0, agreed]
+    unit_times = tuple(UnitTime(u, *v) for u, v in per_unit.items())
+    return StepTime(rates.name, now, compute, exposed, sum(s.seconds for s in spans), tuple(windows),
+                    unit_times, tuple(sorted(spans, key=lambda s: (s.issued, s.start))), agreed,
+                    tuple(node_spans))
+

@@ -1,0 +1,314 @@
+"""Time (fxshard/ir/cost.py, fxshard/driver/calibrate.py): a node's and a collective's cost
+under given rates, the simulated streams against schedules computed by hand, and the report
+of a real 2-rank step under injected rates (nothing here times anything).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxshard.ir import meta
+from fxshard.ir import predicates as P
+from fxshard.ir.cost import (
+    DeviceRates,
+    Link,
+    Network,
+    Rates,
+    flops,
+    hardware,
+    node_cost,
+    predict_step,
+)
+from fxshard.ir.errors import FxShardError
+from fxshard.ir.meta import ChainTag, Direction, NodeInfo, Role
+from fxshard.ir.nodes import call
+
+from dist_utils import run_ranks
+
+GFLOP = 1e9
+
+
+def _device(fp32: float = GFLOP, bf16: float = 2 * GFLOP, bandwidth: float = 1e18, overhead: float = 0.0,
+            view: float = 0.0) -> DeviceRates:
+    return DeviceRates("test device", {"float32": fp32, "bfloat16": bf16}, bandwidth, overhead, view)
+
+
+class Builder:
+    """A graph built by hand, every node with its fake ``meta["val"]``."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode()
+        self.gm = fx.GraphModule({}, fx.Graph())
+        self.g = self.gm.graph
+        self.chains = 0
+
+    def input(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> fx.Node:
+        node = self.g.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    def op(self, target: Any, *args: Any) -> fx.Node:
+        return call(self.g, target, args)
+
+    def gather(self, shard: fx.Node, unit: str, group: str) -> fx.Node:
+        """all_gather over 2 ranks on ``group``, tagged as one chain of ``unit`` (as a lowering
+        tags it); returns the collective (``wait`` waits it)."""
+        tag = ChainTag(self.chains, Direction.GATHER, "all_gather")
+        self.chains += 1
+        node = self.op(P.ALL_GATHER, shard, 2, group)
+        meta.set_info(node, NodeInfo(Role.ALL_GATHER, 0, unit, tag))
+        return node
+
+    def wait(self, collective: fx.Node) -> fx.Node:
+        node = self.op(P.WAIT, collective)
+        info = meta.get_info(collective)
+        assert info is not None
+        meta.set_info(node, NodeInfo(Role.WAIT, 0, info.unit, info.chain))
+        return node
+
+    def done(self, *outputs: fx.Node) -> fx.GraphModule:
+        self.g.output(outputs)
+        self.g.lint()
+        return self.gm
+
+
+# -- one node -------------------------------------------------------------------------------------
+
+
+def test_a_matmul_costs_its_flops_at_its_dtypes_rate_or_its_bytes_at_the_bandwidth() -> None:
+    b = Builder()
+    x, w = b.input("x", 64, 128), b.input("w", 128, 32)
+    mm = b.op(torch.ops.aten.mm.default, x, w)
+    xb, wb = b.input("xb", 64, 128, dtype=torch.bfloat16), b.input("wb", 128, 32, dtype=torch.bfloat16)
+    mm16 = b.op(torch.ops.aten.mm.default, xb, wb)
+    t = b.op(torch.ops.aten.t.default, w)
+    add = b.op(torch.ops.aten.add.Tensor, mm, mm)
+    work = 2 * 64 * 128 * 32
+    moved = (64 * 128 + 128 * 32 + 64 * 32) * 4
+    assert flops(mm) == work and flops(add) == 0
+
+    compute_bound = _device(fp32=GFLOP, bandwidth=1e12, overhead=1e-6, view=3e-7)
+    cost = node_cost(mm, compute_bound)
+    assert (cost.flops, cost.bytes) == (work, moved)
+    assert cost.seconds == pytest.approx(work / GFLOP + 1e-6)
+    assert node_cost(mm16, compute_bound).seconds == pytest.approx(work / (2 * GFLOP) + 1e-6)  # bf16's rate
+    assert node_cost(t, compute_bound).seconds == pytest.approx(3e-7)  # a view: dispatch only
+    assert node_cost(t, compute_bound).bytes == 0
+
+    memory_bound = _device(fp32=1e18, bf16=1e18, bandwidth=1e9, overhead=1e-6)
+    assert node_cost(mm, memory_bound).seconds == pytest.approx(moved / 1e9 + 1e-6)
+    assert node_cost(mm16, memory_bound).seconds == pytest.approx(moved / 2 / 1e9 + 1e-6)  # half the bytes
+    assert node_cost(add, memory_bound).seconds == pytest.approx(3 * 64 * 32 * 4 / 1e9 + 1e-6)
+
+
+def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> None:
+    inside, between = Link(10e-6, 1e9, 1e-6), Link(50e-6, 1e8)
+    net = Network("test", {"all_gather": inside, "reduce_scatter": inside, "all_reduce": inside},
+                  {"all_gather": between, "reduce_scatter": between}, ranks_per_node=8)
+    n = 4
+    # all_gather's input is one shard: each rank receives the other n - 1.
+    assert net.seconds("all_gather", 1000, n) == pytest.approx(10e-6 + 3e-6 + 3 * 1000 / 1e9)
+    # reduce_scatter's is the full buffer: (n - 1) / n of it; all_reduce twice that.
+    assert net.seconds("reduce_scatter", 4000, n) == pytest.approx(10e-6 + 3e-6 + 3000 / 1e9)
+    assert net.seconds("all_reduce", 4000, n) == pytest.approx(10e-6 + 3e-6 + 6000 / 1e9)
+    # Past a node, and between replicas, the wire between nodes.
+    assert net.seconds("all_gather", 1000, 16) == pytest.approx(50e-6 + 15 * 1000 / 1e8)
+    assert net.seconds("reduce_scatter", 4000, 4, "replicate") == pytest.approx(50e-6 + 3000 / 1e8)
+    assert net.seconds("all_to_all", 4000, 4, "replicate") == pytest.approx(50e-6 + 3000 / 1e8)
+    assert net.seconds("all_gather", 1000, 1) == 0.0  # one rank: nothing moves
+    assert Network.free().seconds("all_reduce", 1 << 30, 8) == 0.0
+
+
+def test_hardware_profiles_by_name_and_an_unknown_name_lists_them() -> None:
+    h100 = hardware("h100-ib")
+    assert h100.device.matmul_flops["bfloat16"] > 1e14 and any("datasheet" in s for s in h100.sources)
+    # 8 GPUs on NVLink, then InfiniBand: a gather over 16 ranks is slower per byte.
+    assert h100.network.seconds("all_gather", 1 << 24, 16) / 15 > h100.network.seconds("all_gather", 1 << 24, 8) / 7
+    with pytest.raises(FxShardError, match="h100-ib, h100-nvlink"):
+        hardware("h100")
+
+
+# -- the streams ------------------------------------------------------------------------------------
+
+ALPHA, BETA = 1e-3, 1e6  # 1 ms per collective, 1 MB/s: a 2-rank gather of an S-byte shard takes 1 ms + S us
+
+
+def _rates(fp32: float = GFLOP) -> Rates:
+    link = Link(ALPHA, BETA)
+    return Rates("test", _device(fp32=fp32), Network("test", {"all_gather": link, "reduce_scatter": link}))
+
+
+def test_a_gather_in_flight_while_compute_uses_the_previous_one_against_a_hand_schedule() -> None:
+    """gather A, wait A, gather B, compute with A, wait B, compute with B."""
+    b = Builder()
+    x = b.input("x", 100, 200)
+    shard_a, shard_b = b.input("a", 200 * 300 // 2), b.input("b", 300 * 300 // 2)
+    wait_a = b.wait(b.gather(shard_a, "a", "g0"))
+    gather_b = b.gather(shard_b, "b", "g1")
+    y = b.op(torch.ops.aten.mm.default, x, b.op(torch.ops.aten.view.default, wait_a, [200, 300]))
+    wait_b = b.wait(gather_b)
+    z = b.op(torch.ops.aten.mm.default, y, b.op(torch.ops.aten.view.default, wait_b, [300, 300]))
+    y.meta["custom"] = {meta.MODULE_ANNOTATION: "a.proj"}  # computed inside unit a's module
+    z.meta["custom"] = {meta.MODULE_ANNOTATION: "b"}
+    gm = b.done(z)
+
+    # By hand: A moves its 120 kB shard (the other rank's half), B 180 kB.
+    a = ALPHA + 200 * 300 // 2 * 4 / BETA  # 0.121 s
+    bb = ALPHA + 300 * 300 // 2 * 4 / BETA  # 0.181 s
+    m1, m2 = 2 * 100 * 200 * 300 / GFLOP, 2 * 100 * 300 * 300 / GFLOP  # 0.012 s, 0.018 s
+    dims = {"g0": ("shard", 0), "g1": ("shard", 1)}
+    t = predict_step({"forward": gm}, _rates(), dimensions=dims, units=["a", "b"])
+    assert t.seconds == pytest.approx(a + max(m1, bb) + m2)  # B outlasts the compute that hides it
+    assert t.exposed_comm_seconds == pytest.approx(a + bb - m1)
+    assert t.compute_seconds == pytest.approx(m1 + m2)
+    assert t.seconds == pytest.approx(t.compute_seconds + t.exposed_comm_seconds)
+    (span_a, span_b) = t.collectives
+    assert (span_a.start, span_a.end, span_a.exposed) == pytest.approx((0.0, a, a))
+    assert (span_b.issued, span_b.start, span_b.end) == pytest.approx((a, a, a + bb))
+    assert span_b.waited == pytest.approx(a + m1) and span_b.exposed == pytest.approx(bb - m1)
+    units = {u.name: u for u in t.units}
+    assert units["a"].compute_seconds == pytest.approx(m1) and units["b"].compute_seconds == pytest.approx(m2)
+    assert units["a"].comm_seconds == pytest.approx(a) and units["b"].exposed_comm_seconds == pytest.approx(bb - m1)
+
+    # Faster links: B is hidden entirely behind the first matmul.
+    slow = predict_step({"forward": gm}, _rates(fp32=GFLOP / 100), dimensions=dims, units=["a", "b"])
+    assert slow.exposed_comm_seconds == pytest.approx(a)
+    assert slow.seconds == pytest.approx(a + 100 * (m1 + m2))
+
+
+def _two_in_flight(group_b: str) -> fx.GraphModule:
+    """gather A, gather B (both issued first), wait A, compute, wait B, compute."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    gather_a = b.gather(b.input("a", 5000), "a", "g0")
+    gather_b = b.gather(b.input("b", 5000), "b", group_b)
+    y = b.op(torch.ops.aten.mm.default, x, b.op(torch.ops.aten.view.default, b.wait(gather_a), [100, 100]))
+    z = b.op(torch.ops.aten.mm.default, y, b.op(torch.ops.aten.view.default, b.wait(gather_b), [100, 100]))
+    return b.done(z)
+
+
+@pytest.mark.parametrize("group_b, dimension, ends", [
+    # Another process group on the same wires: both in flight at once, each at half the bandwidth.
+    ("g1", "shard", lambda w: (ALPHA + 2 * w, ALPHA + 2 * w)),
+    # The same process group: one after the other (a group runs its collectives in issue order).
+    ("g0", "shard", lambda w: (ALPHA + w, 2 * (ALPHA + w))),
+    # Another dimension's wires (HSDP's replicas): each at full bandwidth.
+    ("g1", "replicate", lambda w: (ALPHA + w, ALPHA + w)),
+])
+def test_collectives_in_flight_together_share_their_wires_or_queue_on_their_group(
+        group_b: str, dimension: str, ends: Any) -> None:
+    w = 5000 * 4 / BETA  # each moves its 20 kB shard: 0.02 s at full bandwidth
+    end_a, end_b = ends(w)
+    m = 2 * 100 ** 3 / GFLOP
+    t = predict_step({"forward": _two_in_flight(group_b)}, _rates(),
+                     dimensions={"g0": ("shard", 0), group_b: (dimension, 1)}, units=["a", "b"])
+    span_a, span_b = t.collectives
+    assert (span_a.end, span_b.end) == pytest.approx((end_a, end_b))
+    # By hand: compute waits for A, multiplies, waits for whatever is left of B, multiplies.
+    after_b = max(end_a + m, end_b)
+    assert t.seconds == pytest.approx(after_b + m)
+    assert t.exposed_comm_seconds == pytest.approx(end_a + max(0.0, end_b - end_a - m))
+
+
+def test_the_agreement_before_each_graph_is_waited_for() -> None:
+    gm = _two_in_flight("g1")
+    dims = {"g0": ("shard", 0), "g1": ("shard", 1)}
+    alone = predict_step({"forward": gm}, _rates(), dimensions=dims)
+    agreed = predict_step({"forward": gm, "backward": gm}, _rates(), dimensions=dims, agreement=(8, 2))
+    once = ALPHA + 8 / BETA  # an 8-byte all_gather over 2 ranks
+    assert agreed.agreement_seconds == pytest.approx(2 * once)
+    assert agreed.seconds == pytest.approx(2 * (alone.seconds + once))
+    assert agreed.exposed_comm_seconds == pytest.approx(2 * (alone.exposed_comm_seconds + once))
+    assert [g for g, _, _ in agreed.graphs] == ["forward", "backward"]
+    assert agreed.graphs[1][1] == pytest.approx(agreed.graphs[0][2])  # backward starts where forward ends
+
+
+# -- a real step --------------------------------------------------------------------------------------
+
+LINK = Link(2e-4, 2e8)  # injected: what the ranks "measure"
+
+
+def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    import os
+
+    import fxshard
+    from fxshard.driver import calibrate
+    from fxshard.driver.trace_events import chrome_trace
+    from fxshard.ir.collectives import step_collectives
+    from fxshard.policies import by_class
+
+    from models import MLP
+
+    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")  # as if on two hosts
+    measured: list[str] = []
+
+    def device(d: torch.device) -> DeviceRates:  # rank 1 is the slower: every rank must use its rates
+        measured.append("device")
+        return _device(fp32=GFLOP / (1 + rank), bandwidth=1e9, overhead=1e-5, view=1e-6)
+
+    def network(group: Any) -> Network:
+        measured.append("network")
+        link = Link(LINK.latency * (1 + rank), LINK.bandwidth / (1 + rank))
+        return Network("injected", {k: link for k in calibrate.KINDS})
+
+    calibrate.measure_device, calibrate.measure_network = device, network  # type: ignore[assignment]
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear),
+                              optimizer=torch.optim.AdamW)
+    sharded(torch.randn(8, 32)).square().mean().backward()
+    first = list(measured)
+    driver = sharded._driver
+    again = calibrate.calibrate(driver.world, torch.device("cpu"))  # what the next driver does: no measuring
+    assert again == driver.rates
+    report = sharded.report()
+    return dict(report=report, measured=first, again=measured[len(first):], text=str(report),
+                collectives=len(step_collectives(sharded.graphs)),
+                trace=chrome_trace(sharded.graphs, report))
+
+
+def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: Any) -> None:
+    ranks = run_ranks(_report_worker, 2, str(tmp_path))
+    for out in ranks:
+        # Measured once (injected here), then from the process's memo: one all_reduce per driver.
+        assert out["measured"] == ["device", "network"] and out["again"] == []
+    r0, r1 = ranks[0]["report"], ranks[1]["report"]
+    t = r0.time
+    assert t is not None and r0.predicted_step_seconds > 0 and r0.exposed_comm_seconds > 0
+    # Every rank predicts with the slowest rank's rates (rank 1's), so both predict the same.
+    assert r0.predicted_step_seconds == r1.predicted_step_seconds
+    assert t.rates == r1.time.rates and "slowest" in t.rates
+    # The parts add up: the compute stream computes or waits; the units split both.
+    assert r0.predicted_step_seconds == pytest.approx(
+        r0.predicted_compute_seconds + r0.exposed_comm_seconds + r0.predicted_optimizer_seconds)
+    assert r0.predicted_optimizer_seconds > 0  # optimizer=AdamW
+    by_unit = {u.name: u for u in t.units}
+    assert sum(u.compute_seconds for u in t.units) == pytest.approx(t.compute_seconds)
+    assert sum(u.exposed_comm_seconds for u in t.units) == pytest.approx(t.exposed_comm_seconds)
+    for u in r0.units:
+        assert u.compute_seconds == by_unit[u.name].compute_seconds > 0
+        assert u.comm_seconds == by_unit[u.name].comm_seconds > 0
+    assert sum(u.comm_seconds for u in r0.units) == pytest.approx(t.comm_seconds)
+    # Every collective, each no shorter than it takes alone on rank 1's link (sharing the wires
+    # only lengthens it), between its issue and the step's end.
+    assert len(t.collectives) == ranks[0]["collectives"] > 0
+    slow = Network("rank 1", {"all_gather": Link(LINK.latency * 2, LINK.bandwidth / 2)})
+    for c in t.collectives:
+        assert c.issued <= c.start <= c.end <= t.seconds
+        assert c.seconds >= slow.seconds(c.kind, c.bytes, 2) * (1 - 1e-9)
+    assert "predicted step" in ranks[0]["text"] and "compute ms" in ranks[0]["text"]
+    # The Chrome trace is drawn in the predicted microseconds.
+    trace = ranks[0]["trace"]
+    assert trace["otherData"]["time_axis"].startswith("predicted microseconds")
+    graphs = [e for e in trace["traceEvents"] if e.get("cat") == "graph"]
+    assert sum(e["dur"] for e in graphs) == pytest.approx(t.seconds * 1e6)
+    drawn = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat", "").startswith("collective"))
+    assert drawn == pytest.approx(sorted(c.start * 1e6 for c in t.collectives))
+    assert all(math.isfinite(e.get("ts", 0)) for e in trace["traceEvents"])
