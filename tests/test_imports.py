@@ -56,6 +56,21 @@ def test_every_public_name_resolves_on_first_use() -> None:
         fxshard.nonesuch  # noqa: B018
 
 
+def test_a_clone_named_fxshard_imports_from_its_parent_folder(tmp_path: Path) -> None:
+    """A script run beside a clone named ``fxshard`` finds the clone's root first; its
+    __init__.py loads the package below it (an empty namespace package before, which has
+    no ``compile``, installed or not)."""
+    (tmp_path / "fxshard").symlink_to(ROOT, target_is_directory=True)
+    result = subprocess.run(
+        [sys.executable, "-c", "import fxshard, fxshard.cli; print(fxshard.__file__); print(fxshard.FxShardError)"],
+        cwd=tmp_path, text=True, capture_output=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert result.returncode == 0, result.stderr
+    path, error = result.stdout.splitlines()
+    assert Path(path).resolve() == ROOT / "fxshard" / "__init__.py"
+    assert error == "<class 'fxshard.ir.errors.FxShardError'>"
+
+
 _COMPILE_BY_NAME = """
     import torch, fxshard
     {before}
