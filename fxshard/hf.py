@@ -227,6 +227,7 @@ class FxShardTrainer(Trainer):
                 )
             named = [(n, p) for n, p in sharded.named_parameters() if p.requires_grad]
             if sharded._driver.orig is not None:  # the Trainer's own rule, by the original names
+                assert self.model is not None  # _shard compiled it
                 decay = set(self.get_decay_parameter_names(self.model))
                 groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                           {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
