@@ -109,6 +109,19 @@ def test_a_matmul_costs_its_flops_at_its_dtypes_rate_or_its_bytes_at_the_bandwid
     assert node_cost(add, memory_bound).seconds == pytest.approx(3 * 64 * 32 * 4 / 1e9 + 1e-6)
 
 
+def test_a_small_matmul_runs_at_the_measured_rate_for_its_size() -> None:
+    """The curve calibration measures (FLOPs of a square matmul, FLOP/s), read in log-log."""
+    device = DeviceRates("curved", {"float32": 1e10}, 1e18, 0.0,
+                         matmul_curve={"float32": ((1e6, 1e9), (1e8, 1e10))})
+    assert device.flop_rate(torch.float32, 1e7) == pytest.approx(10 ** 9.5)  # halfway in log-log
+    assert device.flop_rate(torch.float32, 1e3) == 1e9 and device.flop_rate(torch.float32, 1e12) == 1e10
+    assert device.flop_rate(torch.float32) == 1e10  # no size: the peak
+    assert device.flop_rate(torch.bfloat16, 1e7) == pytest.approx(10 ** 9.5)  # no bf16 of its own: fp32's
+    b = Builder()
+    mm = b.op(torch.ops.aten.mm.default, b.input("x", 100, 100), b.input("w", 100, 100))  # 2 MFLOP
+    assert node_cost(mm, device).seconds == pytest.approx(2e6 / device.flop_rate(torch.float32, 2e6))
+
+
 def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> None:
     inside, between = Link(10e-6, 1e9, 1e-6), Link(50e-6, 1e8)
     net = Network("test", {"all_gather": inside, "reduce_scatter": inside, "all_reduce": inside},

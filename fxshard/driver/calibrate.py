@@ -44,6 +44,7 @@ log = logging.getLogger("fxshard")
 CACHE_ENV = "FXSHARD_CACHE_DIR"
 DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+CALLS = 7  # timed calls of each collective at each size (their median), after one to warm up
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -123,19 +124,29 @@ def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01
     return statistics.median(times)
 
 
+def matmul_sizes(device: torch.device) -> tuple[int, ...]:
+    """The square matmuls measured, n x n by n x n: from where dispatch dominates to the peak."""
+    return (64, 128, 256, 512) if device.type == "cpu" else (512, 1024, 2048, 4096)
+
+
 def measure_device(device: torch.device) -> DeviceRates:
-    """This device's rates, in about a quarter of a second (the CPU at its thread count)."""
-    big = device.type != "cpu"
-    n = 4096 if big else 512
+    """This device's rates, in about a quarter of a second (the CPU at its thread count). Each
+    operator allocates its output, as a graph's nodes do."""
     flops: dict[str, float] = {}
+    curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        flops[name] = 2 * n ** 3 / _seconds(functools.partial(torch.mm, a, b), device)
-    numel = (1 << 26) if big else (1 << 22)
-    x, y, out = (torch.randn(numel, device=device) for _ in range(3))
-    bandwidth = 3 * numel * 4 / _seconds(lambda: torch.add(x, y, out=out), device)
+        points = []
+        for n in matmul_sizes(device):
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            work = 2.0 * n ** 3
+            points.append((work, work / _seconds(functools.partial(torch.mm, a, b), device)))
+        curves[name] = tuple(points)
+        flops[name] = points[-1][1]
+    numel = (1 << 26) if device.type != "cpu" else (1 << 22)
+    x, y = (torch.randn(numel, device=device) for _ in range(2))
+    bandwidth = 3 * numel * 4 / _seconds(lambda: torch.add(x, y), device)
     one, other = torch.ones(1, device=device), torch.ones(1, device=device)
     add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
 
@@ -148,7 +159,7 @@ def measure_device(device: torch.device) -> DeviceRates:
             view(one, [1])
 
     overhead = _seconds(adds, device) / 100
-    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100)
+    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves)
 
 
 def device_rates(device: torch.device) -> DeviceRates:
@@ -168,15 +179,18 @@ def device_rates(device: torch.device) -> DeviceRates:
 
 def _device_entry(rates: DeviceRates) -> dict[str, Any]:
     return {"name": rates.name, "matmul_flops": dict(rates.matmul_flops), "bandwidth": rates.bandwidth,
-            "overhead": rates.overhead, "view_overhead": rates.view_overhead}
+            "overhead": rates.overhead, "view_overhead": rates.view_overhead,
+            "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()}}
 
 
 def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
     try:
         return DeviceRates(entry["name"], {k: float(v) for k, v in entry["matmul_flops"].items()},
-                           float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]))
+                           float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]),
+                           {k: tuple((float(f), float(r)) for f, r in v)
+                            for k, v in entry["matmul_curve"].items()})
     except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+        return None  # an entry of an older fxshard: measured again
 
 
 def fit(points: list[tuple[float, float]]) -> Link:
@@ -224,7 +238,7 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             shard = torch.ones(numel // n, device=device)
             run, given = _collective(kind, full, shard, n, name)
             # The same number of calls on every rank: a rank never waits on a call others skip.
-            seconds = _seconds(run, device, least=0.0, calls=3)
+            seconds = _seconds(run, device, least=0.0, calls=CALLS)
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
@@ -234,20 +248,28 @@ def measure_network(group: dist.ProcessGroup) -> Network:
 
 
 def _pack(device: DeviceRates, network: Network | None) -> list[float]:
-    """Seconds per unit of work, so that the MAX over ranks is the slowest rank's."""
+    """Seconds per unit of work, so that the MAX over ranks is the slowest rank's. Every rank
+    measures the same sizes (its device type's), so the vectors line up."""
     values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
     values += [1.0 / device.bandwidth, device.overhead, device.view_overhead]
     for kind in KINDS:
         link = network.links.get(kind) if network is not None else None
         values += [link.latency, 1.0 / link.bandwidth] if link is not None else [0.0, 0.0]
+    for d in DTYPES:
+        values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
     return values
 
 
-def _unpack(values: list[float], name: str, network_name: str) -> tuple[DeviceRates, Network]:
+def _unpack(values: list[float], like: DeviceRates, name: str,
+            network_name: str) -> tuple[DeviceRates, Network]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     links = {kind: Link(values[5 + 2 * i], 1.0 / values[6 + 2 * i]) for i, kind in enumerate(KINDS)}
-    return DeviceRates(name, flops, bandwidth, overhead, view), Network(network_name, links)
+    rest, curves = iter(values[5 + 2 * len(KINDS):]), {}
+    for d in DTYPES:
+        curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
+    return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c}),
+            Network(network_name, links))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -288,7 +310,7 @@ def calibrate(world: World, device: torch.device) -> Rates:
         agreed = [0.0, *_max_over(world.job_group, _pack(local, measured))]
     elif entry is not None:
         _NETWORKS[key] = entry
-    device_rates_, network = _unpack(agreed[1:], f"{local.name} (the slowest of {world.job_size} ranks)",
+    device_rates_, network = _unpack(agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
                                      f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
                  (f"measured on this job's ranks; cached in {cache_path()}",))

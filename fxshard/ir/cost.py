@@ -58,6 +58,9 @@ class DeviceRates:
     bytes/s an elementwise operator moves (its inputs read, its output written);
     ``overhead``: seconds each operator costs whatever its size (eager dispatch, a
     kernel launch); ``view_overhead``: the same for a view (no kernel, the dispatch).
+    ``matmul_curve``: per dtype, (FLOPs of one matmul, FLOP/s), smallest first: a small
+    matmul runs below the peak, so an operator's rate is read off this curve by its FLOPs
+    (interpolated in log-log, the ends held); a dtype without one runs at ``matmul_flops``.
     """
 
     name: str
@@ -65,19 +68,32 @@ class DeviceRates:
     bandwidth: float
     overhead: float
     view_overhead: float = 0.0
+    matmul_curve: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
             raise ValueError(f"{self.name}: rates must be positive: {self}")
 
-    def flop_rate(self, dtype: torch.dtype | None) -> float:
-        """FLOP/s for ``dtype``: its own rate, float16 at bfloat16's, anything else at float32's
-        (or the slowest known)."""
+    def flop_rate(self, dtype: torch.dtype | None, flops: float | None = None) -> float:
+        """FLOP/s for ``dtype`` (float16 at bfloat16's, anything else at float32's, or the
+        slowest known), for an operator of ``flops`` where the curve says (None: the peak)."""
         name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
         for candidate in (name, "bfloat16" if name == "float16" else name, "float32"):
             if candidate in self.matmul_flops:
-                return self.matmul_flops[candidate]
+                curve = self.matmul_curve.get(candidate)
+                return _interpolate(curve, flops) if curve and flops else self.matmul_flops[candidate]
         return min(self.matmul_flops.values())
+
+
+def _interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """``curve``'s value at ``x``, linear in log-log between its points, its ends held."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    return curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,9 @@ class Rates:
             f"{dtype} {rate / 1e12:.3g} TFLOP/s" for dtype, rate in d.matmul_flops.items())
             + f"; memory {d.bandwidth / 1e9:.3g} GB/s; {d.overhead * 1e6:.3g} us per operator"
             + f" ({d.view_overhead * 1e6:.3g} us per view)")
+        for dtype, curve in d.matmul_curve.items():
+            lines.append(f"    {dtype} by a matmul's size: " + ", ".join(
+                f"{flops / 1e6:.3g} MFLOP at {rate / 1e9:.3g} GFLOP/s" for flops, rate in curve))
         tables = [("", self.network.links)]
         if self.network.between_nodes is not None:
             tables += [(f" between nodes ({self.network.ranks_per_node} ranks per node)",
@@ -263,7 +282,7 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     outs = _tensors(out)
     seconds = moved / device.bandwidth
     if count:
-        seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None))
+        seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None, count))
     return NodeCost(count, moved, seconds + device.overhead)
 
 
