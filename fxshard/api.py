@@ -114,7 +114,9 @@ class ShardedModule(nn.Module):
 
     @property
     def options(self) -> ShardingOptions:
-        return self._driver.config.options
+        """The scheduling options the steps run with: the ones compile was given, or once
+        ``memory_budget`` has planned (at the first training step), the ones it chose."""
+        return self._driver.schedule.config.options
 
 
     @property

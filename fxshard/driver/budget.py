@@ -21,13 +21,13 @@ import torch.fx as fx
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import World, comm_device
+from fxshard.driver.steps import Schedule
 from fxshard.ir import compat, meta
-from fxshard.ir.budget import MIB, BudgetChoice, Candidate, Prediction, search
+from fxshard.ir.budget import MIB, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.meta import Direction, Role
 from fxshard.ir.plan import ShardPlan
-from fxshard.passes import build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
 PARAMS = "parameter shards, buffers and inputs"
@@ -42,9 +42,10 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
            input_bytes: int, grad_sync: GradSync = REDUCE,
            accumulators: Mapping[int, torch.Tensor] | None = None,
-           ) -> tuple[BudgetChoice, CompileConfig, Checkpointing | None]:
-    """The cheapest schedule within ``config.memory_budget``, and the configuration and
-    checkpointing that run it. ``regions``: the regions recomputing may use;
+           planned_on: str = "") -> Schedule:
+    """The cheapest schedule within ``config.memory_budget``: its configuration, pipelines
+    and checkpointing, with the budget's choice (planned on inputs ``planned_on``).
+    ``regions``: the regions recomputing may use;
     ``grad_sync`` and ``accumulators``: the traced step's (a step inside no_sync keeps
     full-size gradient sums). Every rank takes each candidate's largest peak over the
     ranks, so all choose the same schedule (their inputs may differ in size)."""
@@ -62,8 +63,8 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
         # Checked once on the emitted graphs (always); after every pass only for the
         # schedule that runs (FXSHARD_VERIFY), not for each trial.
         trial_config = trial_config.with_options(verify=False)
-        trial = GraphCompiler(plan, world, trial_config, build_pipelines(trial_config),
-                              checkpointing=checkpointing, grad_sync=grad_sync, accumulators=accumulators)
+        trial = GraphCompiler(plan, world, Schedule.of(trial_config, checkpointing),
+                              grad_sync=grad_sync, accumulators=accumulators)
         graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
@@ -78,7 +79,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
                     config.options.max_inflight_gathers, unit_bytes, _offloadable(config, plan, shards),
                     alike=_computations(joint, regions))
     chosen_config, checkpointing = configured(choice.chosen)
-    return choice, chosen_config, checkpointing
+    return Schedule.of(chosen_config, checkpointing, choice, planned_on)
 
 
 def _computations(joint: fx.GraphModule, regions: Checkpointing | None) -> dict[str, Hashable]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
+from fxshard.driver.steps import Schedule
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains, next_chain_id
@@ -40,10 +41,15 @@ from fxshard.ir.errors import FxShardError
 from fxshard.ir.layout import CommGroup, Layout
 from fxshard.ir.ops import FREE
 from fxshard.ir.plan import ShardPlan
-from fxshard.passes import GraphKind, PassContext, PassSpec, run_passes
+from fxshard.passes import GraphKind, PassContext, run_passes
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
+
+
+# A planner: the schedule to run, chosen from the joint graph (joint, its example inputs,
+# the number of forward outputs, the partitioner's keyword arguments) before its passes run.
+Planner = Callable[[fx.GraphModule, Any, int, dict[str, Any]], Schedule]
 
 
 class GraphCompiler:
@@ -55,33 +61,38 @@ class GraphCompiler:
     GraphModule itself, in the boxed calling convention).
     """
 
-    def __init__(self, plan: ShardPlan, world: World,
-                 config: CompileConfig, pipelines: Mapping[str, Sequence[PassSpec]],
+    def __init__(self, plan: ShardPlan, world: World, schedule: Schedule,
                  on_pass: PassHook | None = None,
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
                  grad_sync: GradSync = REDUCE,
                  accumulators: Mapping[int, torch.Tensor] | None = None,
-                 checkpointing: Checkpointing | None = None,
-                 abandoned: Abandoned | None = None):
+                 abandoned: Abandoned | None = None,
+                 planner: Planner | None = None):
         self.plan = plan
         self.world = world
         self.world_size = world.size
         self.group_name = world.group_name
-        self.config = config
-        self.pipelines = pipelines
+        # What the passes run with: ``schedule``, or what ``planner`` returns from the joint
+        # graph, before its passes run (the memory budget's choice).
+        self.schedule = schedule
+        self.planner = planner
         self.on_pass = on_pass
         self.finish = finish
         self.grad_sync = grad_sync
         self.accumulators = accumulators or {}
-        self.checkpointing = checkpointing
         self.abandoned = abandoned or Abandoned()  # the driver's: a graph that raises marks it
-        # Called with the joint graph before its passes run (the memory budget
-        # planner, which may change config, pipelines and checkpointing).
-        self.before_partition: Callable[[fx.GraphModule, Any, int, dict[str, Any]], None] | None = None
         self.emit_only = False  # emit(): run the passes, compile nothing to run
         self.saved_buffers: dict[str, int] = {}  # backward input name -> flat group
         self.graphs: dict[str, fx.GraphModule] = {}
         self.num_user_outputs: int | None = None
+
+    @property
+    def config(self) -> CompileConfig:
+        return self.schedule.config
+
+    @property
+    def checkpointing(self) -> Checkpointing | None:
+        return self.schedule.checkpointing
 
     def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
         return PassContext(self.plan, layout_of(self.world, bool(self.config.inflight_groups)), graph,
@@ -95,7 +106,7 @@ class GraphCompiler:
         if on_pass is not None:
             on_pass("traced", gm)
         try:
-            return run_passes(gm, ctx, self.pipelines[ctx.graph], on_pass=on_pass)
+            return run_passes(gm, ctx, self.schedule.pipelines[ctx.graph], on_pass=on_pass)
         except FxShardError:
             raise
         except Exception as e:
@@ -108,8 +119,9 @@ class GraphCompiler:
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if self.before_partition is not None:
-            self.before_partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+        if self.planner is not None:
+            self.schedule = self.planner(joint, joint_inputs, num_fwd_outputs, kwargs)
+            self.planner = None
         joint = self._run(joint, self.context("joint"))
         self.graphs["joint"] = joint
         self.num_user_outputs = num_fwd_outputs

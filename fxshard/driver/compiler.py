@@ -50,20 +50,19 @@ from fxshard.driver.runtime import (
     strip_parameters,
     with_comm_groups,
 )
-from fxshard.driver.steps import CompiledStep, StepCache
+from fxshard.driver.steps import CompiledStep, Schedule, StepCache
 from fxshard.driver.trace import TracedStep, trace_step
 from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
-from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import bus_bytes, step_collectives
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import FxShardError
+from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.policies import ByPredicate
-from fxshard.passes import PassSpec, build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
@@ -98,18 +97,18 @@ class Driver:
         separate = config.inflight_groups if config.inflight_groups is not None else backend == "gloo"
         config = config.with_options(
             inflight_groups=bool(separate) and world.size > 1 and backend not in (None, "fake"))
-        # Built now, so a bad disable_passes fails before anything is sharded.
-        self.pipelines: dict[str, tuple[PassSpec, ...]] = build_pipelines(config)
-        self.config = config
+        self.config = config  # what the front end was told; a planner's choices are a Schedule
+        # What the passes run with: this configuration's (its pipelines built now, so a bad
+        # disable_passes fails before anything is sharded), the regions to recompute once
+        # sharded, and a planner's choice once made (memory_budget, at the first training
+        # trace): each a new value, kept for every later step.
+        self.schedule = Schedule.of(config)
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
         hpz = config.options.hpz_size(world.size) if world.size > 1 and not config.no_shard else None
         self.world: World = with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
         self.runs = runs
         self._plan: ShardPlan | None = None
-        self.checkpointing: Checkpointing | None = None  # activation_checkpointing, resolved
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
-        self.budget_choice: BudgetChoice | None = None  # memory_budget: the planner's choice
-        self.budget_inputs = ""  # the inputs of the step it was planned on
         self.device = torch.device("cpu")  # where compute runs
         self.shard_device = torch.device("cpu")  # where the shards live: the host under offload
         self.shards: list[nn.Parameter] = []
@@ -171,11 +170,12 @@ class Driver:
                 "copy from forward, which offload does not rematerialise yet. Shard them (a (1, N) or "
                 "(R, S) mesh, no replicate=/replicate_below=), or leave those units on the device "
                 "(offload_units= names the ones to offload)")
-        self.checkpointing = plan_checkpointing(module, self.config.activation_checkpointing)
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(
                 module, self.config.activation_checkpointing or _unit_modules(self._plan))
-            self.checkpointing = None
+        else:
+            self.schedule = replace(self.schedule, checkpointing=plan_checkpointing(
+                module, self.config.activation_checkpointing))
         if on_meta and self.world.group is not None:  # becomes real where the group communicates
             self.device = comm_device(self.world.group)
         else:
@@ -194,7 +194,7 @@ class Driver:
         else:
             self.shards = make_shards(module, self._plan, self.world.rank,
                                       torch.device("meta") if on_meta else self.shard_device)
-        self.place_shards()
+        self.place_shards(self.schedule.config.options)
         self.state.shards = self.shards
         check_steps(self.shards, self._check_step)
         if self.world.comm and self.world.size > 1:  # a real group, more than one rank
@@ -211,15 +211,15 @@ class Driver:
         """What an optimizer steps: the flat shards, or with ``use_orig_params`` the views."""
         return list(self.orig.views.values()) if self.orig is not None else list(self.shards)
 
-    def place_shards(self) -> list[int]:
+    def place_shards(self, options: ShardingOptions) -> list[int]:
         """Each shard where the options keep it: an offloaded unit's on the host (pinned where
         the device is an accelerator: the copies then overlap compute), the others on the
         device. A move keeps the ``nn.Parameter`` (an optimizer already built over the shards
         stays valid). Returns the indices of the groups moved."""
         if self.device.type == "meta" or self.shard_device == self.device:
             return []
-        offload = self.config.options.offload_policy
-        host = self.config.options.offloaded_groups(self.plan.groups)
+        offload = options.offload_policy
+        host = options.offloaded_groups(self.plan.groups)
         moved = []
         for g, shard in zip(self.plan.groups, self.shards):
             target = self.shard_device if g.index in host else self.device
@@ -305,18 +305,18 @@ class Driver:
         """Trace ``step`` on ``inputs`` and run every graph's passes; nothing runs yet."""
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
-        compiler = GraphCompiler(self.plan, self.world, self.config, self.pipelines,
-                                 on_pass=recorder,
+        accumulators = self.state.accumulators_for(self.plan, self.device) if grad_sync != REDUCE else None
+        planner = None
+        if self.config.memory_budget is not None and self.schedule.budget is None:
+            def planner(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any]) -> Schedule:
+                # Inputs are real by then: the trace refuses symbolic sizes.
+                return self._plan_budget(joint, joint_inputs, n, kwargs, buffer_bytes,
+                                         sum(x.numel() * x.element_size() for x in inputs),
+                                         describe_tensors(inputs), grad_sync, accumulators)
+        compiler = GraphCompiler(self.plan, self.world, self.schedule, on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
-                                 grad_sync=grad_sync,
-                                 accumulators=self.state.accumulators_for(self.plan, self.device)
-                                 if grad_sync != REDUCE else None,
-                                 checkpointing=self.checkpointing, abandoned=self.state.abandoned)
-        if self.config.memory_budget is not None and self.budget_choice is None:
-            compiler.before_partition = (  # inputs are real by then: the trace refuses symbolic sizes
-                lambda joint, joint_inputs, n, kwargs: self._plan_budget(
-                    compiler, joint, joint_inputs, n, kwargs, buffer_bytes,
-                    sum(x.numel() * x.element_size() for x in inputs), describe_tensors(inputs)))
+                                 grad_sync=grad_sync, accumulators=accumulators,
+                                 abandoned=self.state.abandoned, planner=planner)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -337,8 +337,10 @@ class Driver:
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
-            inputs=describe_tensors(inputs),
+            inputs=describe_tensors(inputs), schedule=compiler.schedule,
         )
+        if compiler.schedule.budget is not None and self.schedule.budget is None:
+            self.schedule = compiler.schedule  # the budget's plan, for every later step
         self.steps.append(compiled)
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
                  "train" if compiled.trains else "inference", self.world.rank)
@@ -346,26 +348,25 @@ class Driver:
             self.dump(compiled, self.dump_directory(len(self.steps) - 1))
         return compiled
 
-    def _plan_budget(self, compiler: GraphCompiler, joint: fx.GraphModule, joint_inputs: Any,
-                     num_fwd_outputs: int, kwargs: dict[str, Any], buffer_bytes: int,
-                     input_bytes: int, inputs: str) -> None:
-        """memory_budget: choose the schedule on the first training trace, before its passes
-        run, and keep it for every later trace (fxshard.ir.budget)."""
-        choice, config, checkpointing = budget.choose(
+    def _plan_budget(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+                     kwargs: dict[str, Any], buffer_bytes: int, input_bytes: int, inputs: str,
+                     grad_sync: GradSync, accumulators: dict[int, torch.Tensor] | None) -> Schedule:
+        """memory_budget: the schedule chosen on the first training trace, before its passes run
+        (fxshard.ir.budget), kept for every later trace. The units it offloads move to the
+        host now, and the trace's shards with them."""
+        schedule = budget.choose(
             self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
-            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, compiler.grad_sync, compiler.accumulators)
-        log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, choice.table())
-        self.budget_choice, self.config, self.checkpointing = choice, config, checkpointing
-        self.budget_inputs = inputs  # what the budget was planned for
-        moved = set(self.place_shards())  # the units it offloads, and those it keeps on the device
+            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs)
+        assert schedule.budget is not None
+        log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, schedule.budget.table())
+        moved = set(self.place_shards(schedule.config.options))  # offloaded, or kept on the device
         for node in joint.graph.nodes:  # the trace's shards move with them
             m = P.marker(node)
             if m is not None and not m.kind.is_gradient and m.group in moved and m.value.op == "placeholder":
                 val = m.value.meta["val"]
                 with val.fake_mode:
                     m.value.meta["val"] = val.to(self.shards[m.group].device)
-        self.pipelines = build_pipelines(config)
-        compiler.config, compiler.pipelines, compiler.checkpointing = config, self.pipelines, checkpointing
+        return schedule
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step (``RunState.run``)."""
@@ -374,6 +375,7 @@ class Driver:
     # -- what a step will do --------------------------------------------------------------------
 
     def report(self, step: CompiledStep) -> Report:
+        schedule = step.schedule or self.schedule
         phases = 2 if step.trains else 1  # an agreement before forward and before backward
         agreement = phases * bus_bytes("all_gather", AGREEMENT_BYTES, self.world.job_size)
         # A training step's forward starts by broadcasting (DDP's rule, steady state).
@@ -385,7 +387,7 @@ class Driver:
                             accumulator_bytes=sum(a.numel() * a.element_size()
                                                   for a in self.state.accumulators.values())
                             if step.grad_sync != REDUCE else 0,
-                            host_groups=self.config.options.offloaded_groups(self.plan.groups),
+                            host_groups=schedule.config.options.offloaded_groups(self.plan.groups),
                             optimizer=self.config.optimizer)
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
@@ -402,9 +404,9 @@ class Driver:
             report = timed(report, time, optimizer_seconds(
                 optimizer, [s.numel() * s.element_size() for s in self.shards if s.requires_grad],
                 rates.device) if optimizer is not None and step.trains else 0.0)
-        if self.budget_choice is None:
+        if schedule.budget is None:
             return report
-        return replace(report, budget=self.budget_choice, budget_inputs=self.budget_inputs)
+        return replace(report, budget=schedule.budget, budget_inputs=schedule.planned_on)
 
     def timing(self) -> Rates | None:
         """The rates report() predicts with: the job's, calibrated when the driver was built;

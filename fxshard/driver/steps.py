@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,11 +13,36 @@ import torch.fx as fx
 from fxshard.driver.dump import PassLog
 from fxshard.driver.guards import MAX_VARIANTS, Guards
 from fxshard.driver.trace import OutputSpec
+from fxshard.ir.budget import BudgetChoice
+from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import Collective, fingerprint
+from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
+from fxshard.passes import PassSpec, build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a step's passes run with: the configuration, each graph's pipeline built from it,
+    and the regions backward recomputes. Fixed before any trace from what the user asked, or
+    returned by a planner from one (``memory_budget``: ``driver.budget.choose``, with its
+    ``budget`` choice and the inputs it planned on). Never changed: a plan is a new value."""
+
+    config: CompileConfig
+    pipelines: Mapping[str, tuple[PassSpec, ...]]
+    checkpointing: Checkpointing | None = None
+    budget: BudgetChoice | None = None
+    planned_on: str = ""  # the inputs of the step a planner chose it on
+
+    @classmethod
+    def of(cls, config: CompileConfig, checkpointing: Checkpointing | None = None,
+           budget: BudgetChoice | None = None, planned_on: str = "") -> Schedule:
+        """The schedule of ``config``: its pipelines built now (a bad ``disable_passes``
+        fails here)."""
+        return cls(config, build_pipelines(config), checkpointing, budget, planned_on)
 
 
 @dataclass
@@ -39,6 +64,7 @@ class CompiledStep:
     grad_sync: GradSync = REDUCE  # what its backward does with gradients (no_sync)
     groups: frozenset[int] = frozenset()  # the flat groups it reads
     inputs: str = ""  # its tensor inputs, "float32[4, 12], int64[4]"
+    schedule: Schedule | None = None  # what its passes ran with
 
     def __post_init__(self) -> None:
         for phase in ("forward", "backward") if self.trains else ("forward",):
