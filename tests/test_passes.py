@@ -537,15 +537,15 @@ def test_assign_groups_gives_collectives_in_flight_together_different_groups() -
 
 def test_checkpoint_activations_recomputes_a_region_in_backward() -> None:
     from fxshard.ir.checkpointing import Checkpointing
-    from fxshard.ir.meta import MODULE_ANNOTATION
+    from fxshard.ir.meta import set_module_path
     from fxshard.passes import checkpoint_activations_pass
 
     b = Builder()
     x, t = b.input("x", 3, 4), b.input("tangent", 3, 4, tag="is_backward")
     inner = b.op(aten.relu.default, x)
-    inner.meta["custom"] = {MODULE_ANNOTATION: "block"}
+    set_module_path(inner, "block")
     out = b.op(aten.sin.default, inner)
-    out.meta["custom"] = {MODULE_ANNOTATION: "block"}
+    set_module_path(out, "block")
     grad = b.op(aten.mul.Tensor, t, b.op(aten.cos.default, inner, tag="is_backward"), tag="is_backward")
     gm = b.done(out, grad)
     c = ctx("joint", checkpointing=Checkpointing(("block",)))

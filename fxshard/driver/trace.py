@@ -131,7 +131,7 @@ class _ModuleScopes:
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:
-            cm = torch.fx.traceback.annotate({meta.MODULE_ANNOTATION: name})
+            cm = meta.annotate_module(name)
             cm.__enter__()
             self.stack.append((name, cm))
 

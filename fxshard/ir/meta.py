@@ -1,6 +1,14 @@
-"""Node metadata: fxshard's own under one key, and the only readers of torch's.
+"""Node metadata: fxshard's own in one record per node, and the only readers of torch's.
 
-fxshard's metadata lives under ``node.meta["fxshard"]`` as a ``NodeInfo``.
+Everything fxshard records on a node is one ``Record`` under
+``node.meta["fxshard"]``: the ``NodeInfo`` of a node fxshard made (its role,
+flat group, unit and collective chain) and, on a backward copy of a forward
+value, the forward node it copies. Passes read and write it through the
+accessors below (``get_info``, ``set_info``, ``role_of``, ``mark_copy``,
+``copies_in``), never through the key. A node made in another's place takes the
+other's torch metadata through ``provenance``, never fxshard's record. The one
+graph-level record, a graph's scheduling positions, is
+``fxshard.ir.schedule.schedule_of(gm)``.
 
 Torch's conventions are read and written here alone, so a change in a torch
 release is mended in one place:
@@ -8,20 +16,26 @@ release is mended in one place:
   ("is_forward" / "is_backward") and names the gradients of the outputs
   ``tangents_*`` (``is_backward``, ``tag_backward``, ``is_tangent``);
 - the module path of a traced node, recorded while tracing with
-  ``torch.fx.traceback.annotate``, lands in ``meta["custom"]`` (``module_path``);
-  a graph Dynamo captured carries ``meta["nn_module_stack"]`` instead, whose
-  paths read ``L['self'].blocks.0`` (or ``L['self'].blocks[0]``).
+  ``torch.fx.traceback.annotate`` (``annotate_module``), lands in
+  ``meta["custom"]`` (``module_path``); a graph Dynamo captured carries
+  ``meta["nn_module_stack"]`` instead, whose paths read ``L['self'].blocks.0``
+  (or ``L['self'].blocks[0]``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
+from torch.fx import traceback as fx_traceback
 
 KEY = "fxshard"
+# The module path's name inside torch's ``meta["custom"]``, where ``annotate_module`` puts it.
 MODULE_ANNOTATION = "fxshard.module"
 
 class Role(enum.Enum):
@@ -62,26 +76,41 @@ class ChainTag:
     lowering: str
 
 
-# Backward copies of forward values (rematerialized parameter chains,
-# recomputed activations) name the forward node they copy under this key.
-COPY_OF = "fxshard.copy_of"
-
-
 @dataclass(frozen=True)
 class NodeInfo:
+    """What a node fxshard made is for."""
+
     role: Role
     group: int  # index of the flat group (ShardPlan.groups) the node works on
     unit: str  # name of the FSDP unit that owns that group
     chain: ChainTag | None = None  # the collective chain the node is part of
 
 
+@dataclass(frozen=True)
+class Record:
+    """Everything fxshard records on one node: the value of ``node.meta["fxshard"]``."""
+
+    info: NodeInfo | None = None  # set on the nodes fxshard made (``set_info``)
+    # A backward copy of a forward value (a rematerialized parameter chain, a recomputed
+    # activation): the name of the forward node it computes again (``mark_copy``).
+    copy_of: str | None = None
+
+
+def record(node: fx.Node) -> Record:
+    found = node.meta.get(KEY)
+    return found if isinstance(found, Record) else Record()
+
+
+def _update(node: fx.Node, **changes: Any) -> None:
+    node.meta[KEY] = dataclasses.replace(record(node), **changes)
+
+
 def set_info(node: fx.Node, info: NodeInfo) -> None:
-    node.meta[KEY] = info
+    _update(node, info=info)
 
 
 def get_info(node: fx.Node) -> NodeInfo | None:
-    info = node.meta.get(KEY)
-    return info if isinstance(info, NodeInfo) else None
+    return record(node).info
 
 
 def role_of(node: fx.Node) -> Role | None:
@@ -107,9 +136,26 @@ def tag_backward(node: fx.Node) -> None:
     node.meta[_PARTITIONER_TAG] = "is_backward"
 
 
+# The module path is written while tracing, before there is a node to hold a record:
+# ``torch.fx.traceback.annotate`` puts it in ``meta["custom"]`` of every node traced inside,
+# and AOTAutograd carries ``meta["custom"]`` over to the joint graph's nodes (and the
+# partitioner to the forward and backward graphs'). So it lives there, not in ``Record``.
+_CUSTOM = "custom"
+
+
+def annotate_module(path: str) -> contextlib.AbstractContextManager[Any]:
+    """While entered, every node traced is computed by the module at ``path``."""
+    return fx_traceback.annotate({MODULE_ANNOTATION: path})
+
+
+def set_module_path(node: fx.Node, path: str) -> None:
+    """Record on a hand-made node what ``annotate_module`` records while tracing."""
+    node.meta[_CUSTOM] = {**node.meta.get(_CUSTOM, {}), MODULE_ANNOTATION: path}
+
+
 def module_path(node: fx.Node) -> str | None:
     """The path of the innermost module whose forward computed ``node``; "" for the root."""
-    custom = node.meta.get("custom")
+    custom = node.meta.get(_CUSTOM)
     if isinstance(custom, dict):
         path = custom.get(MODULE_ANNOTATION)
         if isinstance(path, str):
@@ -133,11 +179,17 @@ def _dynamo_path(path: str) -> str:
 
 def mark_copy(copy: fx.Node, of: fx.Node) -> None:
     """Record that backward node ``copy`` computes the same value as forward node ``of``."""
-    copy.meta[COPY_OF] = of.name
+    _update(copy, copy_of=of.name)
 
 
 def copies_in(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Forward node -> its backward copy, for every copy recorded with ``mark_copy``."""
     by_name = {n.name: n for n in graph.nodes}
-    return {by_name[n.meta[COPY_OF]]: n for n in graph.nodes
-            if n.meta.get(COPY_OF) in by_name}
+    return {by_name[of]: n for n in graph.nodes
+            if (of := record(n).copy_of) is not None and of in by_name}
+
+
+def provenance(node: fx.Node) -> dict[str, Any]:
+    """``node``'s torch metadata (stack trace, module path, partitioner tag, ...), for a node
+    made in its place: neither fxshard's record nor the value, which the new node has its own of."""
+    return {k: v for k, v in node.meta.items() if k not in (KEY, "val")}

@@ -166,7 +166,7 @@ def _save_rng_state(graph: fx.Graph, node: fx.Node, region: str, save: Any) -> d
         raise GraphInvariantError(f"{node.name}: random operator without a fake tensor result")
     # The generator of the device it draws on: its result's (torch.rand has no tensor input).
     state = mode.from_tensor(ops.generator_state(results[0].device))  # meta (explain): cpu-sized
-    provenance = {k: v for k, v in node.meta.items() if k not in (meta.KEY, "val")}
+    provenance = meta.provenance(node)
     with graph.inserting_before(node):
         op: Any = node.target
         pair = graph.call_function(save, (op, *node.args), dict(node.kwargs))

@@ -39,7 +39,7 @@ class BackwardCopies:
             with self.graph.inserting_before(before):
                 new = make() if make is not None else self.graph.node_copy(node, lambda a: inputs[a])
             made = new.meta.get("val") if make is not None else None
-            new.meta = {k: v for k, v in node.meta.items() if k not in (meta.KEY, meta.COPY_OF)}
+            new.meta = meta.provenance(node)
             if make is not None:
                 new.meta["val"] = made  # ``make`` computed it
             else:

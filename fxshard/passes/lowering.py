@@ -112,7 +112,7 @@ class ChainBuilder:
             else self.gm.graph.inserting_before(before or self.at)
         with where:
             node = call(self.gm.graph, target, args, op_kwargs)
-        node.meta.update({k: v for k, v in self.like.meta.items() if k not in (meta.KEY, "val")})
+        node.meta.update(meta.provenance(self.like))
         return self.tag_node(node, role)
 
     def cast(self, value: fx.Node, dtype: torch.dtype | None, role: Role = Role.CAST, *,
@@ -136,7 +136,7 @@ def untagged_cast(gm: fx.GraphModule, value: fx.Node, dtype: torch.dtype | None,
         return value
     with gm.graph.inserting_before(before):
         node = call(gm.graph, CONVERT, (value, dtype))
-    node.meta.update({k: v for k, v in before.meta.items() if k not in (meta.KEY, "val")})
+    node.meta.update(meta.provenance(before))
     meta.set_info(node, meta.NodeInfo(Role.CAST, group, unit))
     return node
 

@@ -87,7 +87,7 @@ def _keep_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         with graph.inserting_after(piece):
             kept = call(graph, aten.clone.default, (piece,))
         for node in (piece, kept):  # part of the gather's chain: its kept piece
-            node.meta.update({k: v for k, v in buffer.meta.items() if k not in (meta.KEY, "val")})
+            node.meta.update(meta.provenance(buffer))
             meta.set_info(node, meta.NodeInfo(Role.PIECE, chain.group, chain.unit, chain.tag))
         outputs[i] = kept
     output.args = (tuple(outputs),)
