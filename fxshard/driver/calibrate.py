@@ -130,8 +130,7 @@ def matmul_sizes(device: torch.device) -> tuple[int, ...]:
 
 
 def measure_device(device: torch.device) -> DeviceRates:
-    """This device's rates, in about a quarter of a second (the CPU at its thread count). Each
-    operator allocates its output, as a graph's nodes do."""
+    """This device's rates, in about a quarter of a second (the CPU at its thread count)."""
     flops: dict[str, float] = {}
     curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
@@ -144,9 +143,11 @@ def measure_device(device: torch.device) -> DeviceRates:
             points.append((work, work / _seconds(functools.partial(torch.mm, a, b), device)))
         curves[name] = tuple(points)
         flops[name] = points[-1][1]
+    # Streaming tensors larger than a CPU's caches (16 MiB each), into a buffer already touched:
+    # a fresh 64 MiB allocation on the CPU costs its page faults on top (docs/time.md).
     numel = (1 << 26) if device.type != "cpu" else (1 << 22)
-    x, y = (torch.randn(numel, device=device) for _ in range(2))
-    bandwidth = 3 * numel * 4 / _seconds(lambda: torch.add(x, y), device)
+    x, y, out = (torch.randn(numel, device=device) for _ in range(3))
+    bandwidth = 3 * numel * 4 / _seconds(lambda: torch.add(x, y, out=out), device)
     one, other = torch.ones(1, device=device), torch.ones(1, device=device)
     add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
 

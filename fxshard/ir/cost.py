@@ -288,12 +288,14 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
 
 def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device: DeviceRates) -> float:
     """The optimizer step over shards of ``shard_bytes`` (those with gradients), memory-bound:
-    each shard and its gradient read, the shard written, each state read and written (Adam's
-    family also its square root and quotient, out of place), and about one operator per state
-    and shard beyond three."""
-    per = 3 + 2 * state.states + (4 if state.adam_temporaries else 0)
-    ops = (3 + 2 * state.states) * len(shard_bytes)
-    return per * sum(shard_bytes) / device.bandwidth + ops * device.overhead
+    the passes over a shard's size its operators make, one operator each. torch's Adam and
+    AdamW (for-loop or foreach) make 21: the weight decay (2), the first moment's lerp (3),
+    the second moment's mul and addcmul (2 + 4), the denominator's sqrt, div and add (2 each)
+    and the update's addcdiv (4); another optimizer, the shard, its gradient and each state
+    read and written (3 + 2 per state)."""
+    passes = 21 if state.adam_temporaries else 3 + 2 * state.states
+    ops = (8 if state.adam_temporaries else 1 + state.states) * len(shard_bytes)
+    return passes * sum(shard_bytes) / device.bandwidth + ops * device.overhead
 
 
 # -- the step -----------------------------------------------------------------------------------
