@@ -16,11 +16,24 @@ from typing import Any
 import torch
 
 from fxshard.ir import compat
+from fxshard.ir import predicates as P
 from fxshard.ir.collectives import bus_bytes
-from fxshard.ir.compat import TorchDispatchMode
+from fxshard.ir.compat import TorchDispatchMode, pytree
 
-_f = compat.c10d_functional
 _c = torch.ops.c10d
+
+# The c10d collectives DDP and FSDP issue: each one's kind, and the argument that holds
+# what it sends (a tensor, a list, or FSDP1's list of lists); all name ``process_group``.
+_C10D = {
+    _c.allreduce_.default: ("all_reduce", "tensors"),
+    _c.allreduce_coalesced_.default: ("all_reduce", "tensors"),
+    _c._allgather_base_.default: ("all_gather", "input_tensor"),
+    _c.allgather_into_tensor_coalesced_.default: ("all_gather", "inputs"),
+    _c.allgather_.default: ("all_gather", "input_tensors"),  # list form, used by FSDP1 on CPU
+    _c._reduce_scatter_base_.default: ("reduce_scatter", "input_tensor"),
+    _c.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", "inputs"),
+    _c.reduce_scatter_.default: ("reduce_scatter", "input_tensors"),
+}
 
 
 def peak_memory(fn: Callable[[], Any], *track: Any) -> int:
@@ -61,30 +74,15 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _f.all_gather_into_tensor.default:
-            self._count("all_gather", _nbytes(args[0]), args[1])
-        elif func is _f.reduce_scatter_tensor.default:
-            self._count("reduce_scatter", _nbytes(args[0]), args[2])
-        elif func is _f.all_reduce.default:
-            group = compat.resolve_process_group(args[2])
-            self._count("all_reduce", _nbytes(args[0]), group.size())
-        elif func is _c.allreduce_.default:
-            self._count("all_reduce", sum(_nbytes(t) for t in args[0]), _group_size(args[1]))
-        elif func is _c._allgather_base_.default:
-            self._count("all_gather", _nbytes(args[1]), _group_size(args[2]))
-        elif func is _c._reduce_scatter_base_.default:
-            self._count("reduce_scatter", _nbytes(args[1]), _group_size(args[2]))
-        elif func is _c.allgather_into_tensor_coalesced_.default:
-            self._count("all_gather", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
-        elif func is _c.reduce_scatter_tensor_coalesced_.default:
-            self._count("reduce_scatter", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
-        elif func is _c.allgather_.default:  # list form, used by FSDP1 on CPU
-            self._count("all_gather", sum(_nbytes(t) for t in args[1]), _group_size(args[2]))
-        elif func is _c.reduce_scatter_.default:
-            full = sum(_nbytes(t) for ts in args[1] for t in ts)
-            self._count("reduce_scatter", full, _group_size(args[2]))
-        elif func is _c.allreduce_coalesced_.default:
-            self._count("all_reduce", sum(_nbytes(t) for t in args[0]), _group_size(args[1]))
+        call = P.collective_call(func, args, kwargs)
+        legacy = _C10D.get(func)
+        if call is not None and call.kind != "all_to_all":
+            self._count(call.kind, _nbytes(call.input), call.ranks())
+        elif legacy is not None:
+            kind, sent = legacy
+            bound = P.bind(func, args, kwargs)
+            self._count(kind, sum(_nbytes(t) for t in pytree.tree_leaves(bound[sent])),
+                        _group_size(bound["process_group"]))
         elif func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.name():
             self.uncounted[func.name()] += 1  # a collective this counter does not size
         return func(*args, **kwargs)

@@ -128,7 +128,7 @@ def test_hpz_gathers_forward_in_the_shard_group_and_backward_within_the_partitio
             assert cut.args[1:] == (0, padded[group] // 2, padded[group])  # rank 1 of 2: the second half
         gathers = nodes(backward, P.is_all_gather)
         assert {meta.get_info(n).group for n in gathers} == set(pieces)
-        assert all(P.group_name(n) in partition and n.args[1] == 2 for n in gathers)
+        assert all(P.group_name(n) in partition and P.collective_args(n).group_size == 2 for n in gathers)
         assert all(n.args[0].meta["val"].numel() * 2 == padded[meta.get_info(n).group] for n in gathers)
         scatters = nodes(backward, P.is_reduce_scatter)
         assert len(scatters) == 3 and all(P.group_name(n) in shard for n in scatters)

@@ -125,6 +125,25 @@ def test_markers_are_read_by_name_and_a_malformed_one_is_named() -> None:
         P.marker(bad)
 
 
+def test_collectives_are_read_by_schema_name_whether_passed_by_position_or_keyword() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    gather = g.call_function(P.ALL_GATHER, (x, 4, "pg"))
+    scatter = g.call_function(P.REDUCE_SCATTER, (x, "sum"), {"group_size": 4, "group_name": "pg"})
+    reduce = g.call_function(P.ALL_REDUCE, (x, "sum", "pg"))
+    swap = g.call_function(P.ALL_TO_ALL, (x, [2, 2], [2, 2], "pg"))
+    read = [P.collective_args(n) for n in (gather, scatter, reduce, swap)]
+    assert [(a.kind, a.input, a.group_name, a.group_size, a.reduce_op) for a in read] == [
+        ("all_gather", x, "pg", 4, None), ("reduce_scatter", x, "pg", 4, "sum"),
+        ("all_reduce", x, "pg", None, "sum"), ("all_to_all", x, "pg", 2, None)]
+    P.set_group_name(gather, "s1")
+    P.set_group_name(scatter, "s1")
+    assert gather.args == (x, 4, "s1") and scatter.kwargs == {"group_size": 4, "group_name": "s1"}
+    assert P.group_name(scatter) == "s1"
+    with pytest.raises(ValueError, match="is not a lowered collective"):
+        P.collective_args(x)
+
+
 def test_insert_all_gather_lowers_each_marker_to_gather_and_wait() -> None:
     gm = two_unit_forward()
     assert normalised_ops(gm).count("fxshard.unshard") == 2

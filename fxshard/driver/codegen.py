@@ -34,7 +34,6 @@ from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains, next_chain_id
 from fxshard.ir.checkpointing import Checkpointing
-from fxshard.ir.collectives import KINDS
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
@@ -313,7 +312,7 @@ def with_profiler_ranges(graph: fx.Graph) -> fx.Graph:
     ranged = copy.deepcopy(graph)
     for chain in chains(ranged):
         for collective in chain.collectives:
-            kind = KINDS[collective.target]  # type: ignore[index]
+            kind = P.collective_args(collective).kind
             (wait,) = collective.users  # invariant 3: a collective's one user is its wait
             for node, is_wait in ((collective, False), (wait, True)):
                 with ranged.inserting_before(node):

@@ -79,7 +79,7 @@ class Chain:
     @property
     def bytes(self) -> int:
         """Bytes of the collectives' inputs (what this rank hands the network)."""
-        return sum(_nbytes(c.args[0]) for c in self.collectives)
+        return sum(_nbytes(P.collective_args(c).input) for c in self.collectives)
 
     @property
     def device(self) -> torch.device | None:

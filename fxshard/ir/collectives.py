@@ -13,12 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains
 
-KINDS = {P.ALL_GATHER: "all_gather", P.REDUCE_SCATTER: "reduce_scatter", P.ALL_REDUCE: "all_reduce",
-         P.ALL_TO_ALL: "all_to_all"}
+KINDS = P.KINDS
 
 
 @dataclass(frozen=True)
@@ -88,26 +86,12 @@ def collective_nodes(graph_name: str, gm: fx.GraphModule,
                     key=lambda pair: order[pair[0]])
     result = []
     for node, chain in issued:
-        source = node.args[0]
-        assert isinstance(source, fx.Node)
-        val = source.meta["val"]
-        if P.is_all_gather(node):
-            _, size, name = node.args
-            op = None
-        elif P.is_all_reduce(node):
-            _, op, name = node.args
-            assert isinstance(name, str)
-            size = compat.resolve_process_group(name).size()
-        elif P.is_all_to_all(node):
-            _, splits, _, name = node.args
-            size, op = len(splits), None  # type: ignore[arg-type]
-        else:
-            _, op, size, name = node.args
-        assert isinstance(size, int) and isinstance(name, str)
-        dimension, slot = (dimensions or {}).get(name, ("", 0))
-        result.append((node, Collective(graph_name, KINDS[node.target], chain.unit,  # type: ignore[index]
-                                        tuple(val.shape), val.dtype, size, name,
-                                        op if isinstance(op, str) else None, dimension, slot,
+        args = P.collective_args(node)
+        assert isinstance(args.input, fx.Node)
+        val = args.input.meta["val"]
+        dimension, slot = (dimensions or {}).get(args.group_name, ("", 0))
+        result.append((node, Collective(graph_name, args.kind, chain.unit, tuple(val.shape), val.dtype,
+                                        args.ranks(), args.group_name, args.reduce_op, dimension, slot,
                                         chain.lowering, chain.direction.value)))
     return result
 

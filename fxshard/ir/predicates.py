@@ -2,14 +2,16 @@
 
 Passes call these instead of comparing targets or names themselves, so the
 answer to "is this a collective?" lives in one place. ``marker`` reads a
-trace-time marker's arguments, the one place that knows their positions.
+trace-time marker's arguments, the one place that knows their positions;
+``collective_args`` reads a lowered collective's, by the names in the
+operator's schema (``bind``), on a graph's node or on a call at run time.
 """
 
 from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,9 @@ ALL_TO_ALL = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
 
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
+# Each collective's kind, as reports, dumps and traces name it.
+KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+         ALL_TO_ALL: "all_to_all"}
 
 
 def is_call(node: fx.Node) -> bool:
@@ -147,27 +152,85 @@ def is_collective(node: fx.Node) -> bool:
     return is_call(node) and node.target in COLLECTIVES
 
 
-# Position of the group name among each collective's arguments.
-_GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_TO_ALL: 3}
+def bind(op: compat.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``op``'s arguments by the names in its schema: ``args`` in order, then ``kwargs``, then
+    the schema's defaults."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(compat.schema(op).arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
 
 
-def _group_arg(node: fx.Node) -> int:
-    target = node.target
-    if not isinstance(target, compat.OpOverload) or target not in _GROUP_ARG:
-        raise ValueError(f"{node.name} ({target}) is not a lowered collective")
-    return _GROUP_ARG[target]
+@dataclass(frozen=True)
+class CollectiveArgs:
+    """A functional collective's arguments, by their schema names.
+
+    ``input`` is what it sends (a node on a graph, a tensor at run time): all_gather's
+    shard, the others' full buffer. ``group_size`` is what the op was given (all_gather,
+    reduce_scatter) or counted from its splits (all_to_all); all_reduce names only its group.
+    """
+
+    op: compat.OpOverload
+    input: Any
+    group_name: str
+    group_size: int | None = None
+    reduce_op: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.op]
+
+    def ranks(self) -> int:
+        """The ranks of its group; all_reduce's from the process group its name resolves to."""
+        if self.group_size is not None:
+            return self.group_size
+        return int(compat.resolve_process_group(self.group_name).size())
+
+
+def collective_call(op: object, args: Sequence[Any], kwargs: Mapping[str, Any]) -> CollectiveArgs | None:
+    """The arguments of a call of functional collective ``op``; None for any other op."""
+    if not isinstance(op, compat.OpOverload) or op not in KINDS:
+        return None
+    a = bind(op, args, kwargs)
+    name = a["group_name"]
+    if not isinstance(name, str):  # a ProcessGroup, which later releases' schemas take as well
+        name = getattr(name, "group_name", name)
+    if not isinstance(name, str):
+        raise ValueError(f"{op}: group name {name!r}")
+    if op is ALL_TO_ALL:
+        size: int | None = len(a["output_split_sizes"])
+    else:
+        size = a.get("group_size")
+    return CollectiveArgs(op, a["input"], name, size, a.get("reduce_op"))
+
+
+def collective_args(node: fx.Node) -> CollectiveArgs:
+    """A lowered collective's arguments; raises ``ValueError`` on any other node."""
+    found = collective_call(node.target, node.args, node.kwargs) if is_call(node) else None
+    if found is None:
+        raise ValueError(f"{node.name} ({node.target}) is not a lowered collective")
+    return found
 
 
 def group_name(node: fx.Node) -> str:
     """The process group a lowered collective runs on."""
-    name = node.args[_group_arg(node)]
-    assert isinstance(name, str), f"{node.name}: group name {name!r}"
-    return name
+    return collective_args(node).group_name
 
 
 def set_group_name(node: fx.Node, name: str) -> None:
-    index = _group_arg(node)
-    node.args = (*node.args[:index], name, *node.args[index + 1:])
+    collective_args(node)  # raises on anything else
+    target = node.target
+    assert isinstance(target, compat.OpOverload)
+    index = [a.name for a in compat.schema(target).arguments].index("group_name")
+    if index < len(node.args):
+        node.args = (*node.args[:index], name, *node.args[index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, "group_name": name}
 
 
 def is_wait(node: fx.Node) -> bool:
