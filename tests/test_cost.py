@@ -122,6 +122,17 @@ def test_a_small_matmul_runs_at_the_measured_rate_for_its_size() -> None:
     assert node_cost(mm, device).seconds == pytest.approx(2e6 / device.flop_rate(torch.float32, 2e6))
 
 
+def test_an_operator_slower_than_its_bytes_costs_its_measured_seconds_per_element() -> None:
+    b = Builder()
+    x = b.input("x", 1000)
+    tanh, neg = b.op(torch.ops.aten.tanh.default, x), b.op(torch.ops.aten.neg.default, x)
+    device = DeviceRates("per element", {"float32": GFLOP}, 8e9, 1e-6, per_element={"tanh": 2e-9})
+    assert node_cost(tanh, device).seconds == pytest.approx(1000 * 2e-9 + 1e-6)  # 2 us > 8 kB at 8 GB/s
+    assert node_cost(neg, device).seconds == pytest.approx(8000 / 8e9 + 1e-6)  # not in the table: its bytes
+    fast = DeviceRates("fast tanh", {"float32": GFLOP}, 8e9, 1e-6, per_element={"tanh": 1e-12})
+    assert node_cost(tanh, fast).seconds == pytest.approx(8000 / 8e9 + 1e-6)  # the larger of the two
+
+
 def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> None:
     inside, between = Link(10e-6, 1e9, 1e-6), Link(50e-6, 1e8)
     net = Network("test", {"all_gather": inside, "reduce_scatter": inside, "all_reduce": inside},

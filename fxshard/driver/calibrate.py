@@ -37,7 +37,7 @@ import torch.distributed as dist
 from fxshard.driver.runtime import World, comm_device
 from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
-from fxshard.ir.cost import DeviceRates, Link, Network, Rates
+from fxshard.ir.cost import PER_ELEMENT, DeviceRates, Link, Network, Rates
 
 log = logging.getLogger("fxshard")
 
@@ -130,7 +130,7 @@ def matmul_sizes(device: torch.device) -> tuple[int, ...]:
 
 
 def measure_device(device: torch.device) -> DeviceRates:
-    """This device's rates, in about a quarter of a second (the CPU at its thread count)."""
+    """This device's rates, in about half a second (the CPU at its thread count)."""
     flops: dict[str, float] = {}
     curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
@@ -160,7 +160,53 @@ def measure_device(device: torch.device) -> DeviceRates:
             view(one, [1])
 
     overhead = _seconds(adds, device) / 100
-    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves)
+    per_element = {name: _seconds(run, device) / count
+                   for name, (run, count) in _per_element_ops(device).items()}
+    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
+                       per_element)
+
+
+def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
+    """Each of ``cost.PER_ELEMENT`` on about a million elements (16 million on an
+    accelerator), and the elements of its first operand, which the cost model charges by."""
+    aten = torch.ops.aten
+    numel = (1 << 24) if device.type != "cpu" else (1 << 20)
+    width = 1024
+    rows = numel // width
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
+    x, g, m, gm = randn(numel), randn(numel), randn(rows, width), randn(rows, width)
+    w, b = torch.ones(width, device=device), torch.zeros(width, device=device)
+    soft, log_soft = aten._softmax(m, -1, False), aten._log_softmax(m, -1, False)
+    _, mean, rstd = aten.native_layer_norm(m, [width], w, b, 1e-5)
+    image = randn(numel // (64 * 32 * 32), 64, 32, 32)
+    pooled, where = aten.max_pool2d_with_indices(image, [2, 2], [2, 2])
+    tokens = torch.randint(0, 8192, (rows,), device=device)
+    ops: dict[str, tuple[Callable[[], object], int]] = {
+        "tanh": (lambda: aten.tanh(x), numel),
+        "sigmoid": (lambda: aten.sigmoid(x), numel),
+        "exp": (lambda: aten.exp(x), numel),
+        "gelu": (lambda: aten.gelu(x), numel),
+        "gelu_backward": (lambda: aten.gelu_backward(g, x), numel),
+        "silu": (lambda: aten.silu(x), numel),
+        "silu_backward": (lambda: aten.silu_backward(g, x), numel),
+        "_softmax": (lambda: aten._softmax(m, -1, False), numel),
+        "_softmax_backward_data": (lambda: aten._softmax_backward_data(gm, soft, -1, m.dtype), numel),
+        "_log_softmax": (lambda: aten._log_softmax(m, -1, False), numel),
+        "_log_softmax_backward_data": (lambda: aten._log_softmax_backward_data(gm, log_soft, -1, m.dtype), numel),
+        "native_layer_norm": (lambda: aten.native_layer_norm(m, [width], w, b, 1e-5), numel),
+        "native_layer_norm_backward": (lambda: aten.native_layer_norm_backward(
+            gm, m, [width], mean, rstd, w, b, [True, True, True]), numel),
+        "max_pool2d_with_indices": (lambda: aten.max_pool2d_with_indices(image, [2, 2], [2, 2]), image.numel()),
+        "max_pool2d_with_indices_backward": (lambda: aten.max_pool2d_with_indices_backward(
+            pooled, image, [2, 2], [2, 2], [0, 0], [1, 1], False, where), pooled.numel()),
+        "native_dropout": (lambda: aten.native_dropout(x, 0.1, True), numel),
+        "embedding_dense_backward": (lambda: aten.embedding_dense_backward(gm, tokens, 8192, -1, False), numel),
+    }
+    assert tuple(ops) == PER_ELEMENT, "calibrate every operator the cost model charges per element"
+    return ops
 
 
 def device_rates(device: torch.device) -> DeviceRates:
@@ -181,7 +227,8 @@ def device_rates(device: torch.device) -> DeviceRates:
 def _device_entry(rates: DeviceRates) -> dict[str, Any]:
     return {"name": rates.name, "matmul_flops": dict(rates.matmul_flops), "bandwidth": rates.bandwidth,
             "overhead": rates.overhead, "view_overhead": rates.view_overhead,
-            "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()}}
+            "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()},
+            "per_element": dict(rates.per_element)}
 
 
 def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
@@ -189,7 +236,8 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
         return DeviceRates(entry["name"], {k: float(v) for k, v in entry["matmul_flops"].items()},
                            float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]),
                            {k: tuple((float(f), float(r)) for f, r in v)
-                            for k, v in entry["matmul_curve"].items()})
+                            for k, v in entry["matmul_curve"].items()},
+                           {k: float(v) for k, v in entry["per_element"].items()})
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry of an older fxshard: measured again
 
@@ -258,6 +306,7 @@ def _pack(device: DeviceRates, network: Network | None) -> list[float]:
         values += [link.latency, 1.0 / link.bandwidth] if link is not None else [0.0, 0.0]
     for d in DTYPES:
         values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
+    values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
     return values
 
 
@@ -269,8 +318,9 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
     rest, curves = iter(values[5 + 2 * len(KINDS):]), {}
     for d in DTYPES:
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
-    return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c}),
-            Network(network_name, links))
+    per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
+    return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
+                        per_element), Network(network_name, links))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:

@@ -61,6 +61,10 @@ class DeviceRates:
     ``matmul_curve``: per dtype, (FLOPs of one matmul, FLOP/s), smallest first: a small
     matmul runs below the peak, so an operator's rate is read off this curve by its FLOPs
     (interpolated in log-log, the ends held); a dtype without one runs at ``matmul_flops``.
+    ``per_element``: seconds per element of the first operand, by aten operator name, for
+    operators with no FLOP formula whose kernels are slower than streaming their bytes
+    (``tanh``, ``_softmax``, ``max_pool2d_with_indices``: ``PER_ELEMENT``); the node costs
+    the larger of that and its bytes over the bandwidth.
     """
 
     name: str
@@ -69,6 +73,7 @@ class DeviceRates:
     overhead: float
     view_overhead: float = 0.0
     matmul_curve: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    per_element: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
@@ -268,6 +273,24 @@ def flops(node: fx.Node) -> int:
         return 0
 
 
+# Operators without a FLOP formula whose CPU kernels run well below the streaming bandwidth
+# (transcendentals, normalisations, softmax, pooling, random masks): calibration times each on
+# about a million elements (fxshard/driver/calibrate.py); every other operator streams its bytes.
+PER_ELEMENT = (
+    "tanh", "sigmoid", "exp", "gelu", "gelu_backward", "silu", "silu_backward",
+    "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+    "native_layer_norm", "native_layer_norm_backward",
+    "max_pool2d_with_indices", "max_pool2d_with_indices_backward",
+    "native_dropout", "embedding_dense_backward",
+)
+
+
+def op_name(node: fx.Node) -> str:
+    """The aten operator's name without namespace and overload ("_softmax"); "" for others."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return str(getattr(packet, "__name__", "")) if packet is not None else ""
+
+
 def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     """What ``node`` costs on the compute stream (a collective: its issue; its wait: nothing)."""
     if node.op != "call_function" or P.is_getitem(node) or P.is_wait(node):
@@ -281,6 +304,10 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     count = flops(node)
     outs = _tensors(out)
     seconds = moved / device.bandwidth
+    per = device.per_element.get(op_name(node)) if device.per_element else None
+    if per:
+        first = _tensors(_val(node.args))
+        seconds = max(seconds, per * first[0].numel() if first else 0.0)
     if count:
         seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None, count))
     return NodeCost(count, moved, seconds + device.overhead)
