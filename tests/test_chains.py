@@ -20,6 +20,7 @@ import fxshard
 from fxshard.driver.codegen import layout_of
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.chains import Chain, chains
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.meta import Direction, Role
@@ -145,7 +146,7 @@ def test_a_lowering_with_a_node_more_is_one_row_and_every_pass_follows_its_chain
         scaled = _compiled(forward_prefetch=True)
     for kind in ("forward", "backward"):
         gm = scaled.graphs[kind]
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        order = order_of(gm.graph)
         gathered = [c for c in chains(gm.graph) if c.gathers]
         assert gathered and all(c.lowering == "gather_then_scale" for c in gathered)
         for c in gathered:

@@ -14,7 +14,7 @@ from torch.testing import FileCheck
 import fxshard
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import aliases, parameter_only
+from fxshard.ir.analysis import aliases, order_of, parameter_only
 from fxshard.passes import verify
 from fxshard.policies import by_class, by_size
 
@@ -77,7 +77,7 @@ def test_gather_sits_right_before_first_use_and_free_right_after_last() -> None:
         sm = fxshard.compile(TinyGPT(), policy=by_class(Block), example_inputs=torch.randint(0, 61, (2, 16)),
                              **JIT, **FULL)
     for gm in (sm.graphs["forward"], sm.graphs["backward"]):
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        order = order_of(gm.graph)
         param_only = parameter_only(gm.graph)
         for wait in nodes(gm, is_gather_wait):
             gather = wait.args[0]
@@ -162,7 +162,7 @@ def test_module_used_twice_is_gathered_once() -> None:
     assert sm.plan.group_of("a.weight") is sm.plan.group_of("b.weight")
     # addmm order: inp, twice, twice, ... The reused unit's buffer is freed
     # after its second use, not its first.
-    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    order = order_of(fw.graph)
     addmms = [n for n in fw.graph.nodes if "addmm" in str(n.target)]
     wait = next(n for n in nodes(fw, is_gather_wait) if meta.get_info(n).unit == "twice")
     free = next(u for u in wait.users if P.is_free(u))

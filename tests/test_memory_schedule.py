@@ -18,6 +18,7 @@ import torch.fx as fx
 import fxshard
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.options import ShardingOptions
 from fxshard.policies import by_class
 
@@ -76,7 +77,7 @@ def test_the_schedule_is_the_same_at_every_batch_size(shape: str) -> None:
 
 def _gathers_without_overlap(gm: fx.GraphModule) -> list[str]:
     nodes = list(gm.graph.nodes)
-    where = {n: i for i, n in enumerate(nodes)}
+    where = order_of(gm.graph)
     bare = []
     for wait in (n for n in nodes if P.is_wait(n) and P.is_all_gather(n.args[0])):
         gather = wait.args[0]

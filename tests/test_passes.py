@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.ir import ops
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.layout import Layout
@@ -545,7 +546,7 @@ def test_assign_groups_gives_collectives_in_flight_together_different_groups() -
     gm = assign_groups_pass(gm, slots)
     gm.graph.lint()
     assert [P.group_name(n) for n in gathers] == ["s0", "s1", "s0"]
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = order_of(gm.graph)
     (first_wait,) = gathers[0].users
     # Both slots busy at the third gather: the one issued first is waited right before it.
     assert order[first_wait] == order[gathers[2]] - 1

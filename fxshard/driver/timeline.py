@@ -18,7 +18,7 @@ import torch.fx as fx  # noqa: E402
 from fxshard.driver.report import Report  # noqa: E402
 from fxshard.ir import meta  # noqa: E402
 from fxshard.ir import predicates as P  # noqa: E402
-from fxshard.ir.analysis import aliases  # noqa: E402
+from fxshard.ir.analysis import aliases, order_of  # noqa: E402
 from fxshard.ir.chains import chains  # noqa: E402
 from fxshard.ir.plan import ShardPlan  # noqa: E402
 
@@ -26,7 +26,7 @@ from fxshard.ir.plan import ShardPlan  # noqa: E402
 def _spans(gm: fx.GraphModule, offset: int) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, int, int]], list[int]]:
     """(kind, unit, issue, wait) per collective, and (copy, unit, at, at) per offload copy;
     (unit, start, end) per gathered buffer's use; compute positions."""
-    order = {n: i + offset for i, n in enumerate(gm.graph.nodes)}
+    order = order_of(gm.graph, offset)
     comms, windows = [], []
     found = chains(gm.graph)
     in_chain = {n for c in found for n in c.nodes}

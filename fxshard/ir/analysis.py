@@ -14,8 +14,9 @@ from fxshard.ir.chains import Chain, gather_chains
 from fxshard.ir.meta import Direction
 
 
-def order_of(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
+def order_of(graph: fx.Graph, start: int = 0) -> dict[fx.Node, int]:
+    """Each node's index in graph order (from ``start``): the one graph-order map."""
+    return {n: i for i, n in enumerate(graph.nodes, start)}
 
 
 def aliases(root: fx.Node, order: dict[fx.Node, int] | None = None) -> list[fx.Node]:
@@ -201,7 +202,7 @@ def gathers_without_overlap(graph: fx.Graph) -> list[fx.Node]:
     issues a gather (its cast).
     """
     nodes = list(graph.nodes)
-    where = {n: i for i, n in enumerate(nodes)}
+    where = order_of(graph)
     gathering = [c for c in gather_chains(graph) if c.gathers]
     issuing = {n for c in gathering for n in c.issue}
 

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.chains import chains
 
 KINDS = P.KINDS
@@ -81,7 +82,7 @@ def collective_nodes(graph_name: str, gm: fx.GraphModule,
                      dimensions: Mapping[str, tuple[str, int]] | None = None,
                      ) -> list[tuple[fx.Node, Collective]]:
     """``collectives``, each with the node that issues it."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = order_of(gm.graph)
     issued = sorted(((c, chain) for chain in chains(gm.graph) for c in chain.collectives),
                     key=lambda pair: order[pair[0]])
     result = []

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 
 
 def storage_nbytes(val: object) -> int:
@@ -102,7 +103,7 @@ def simulate(
     """
     shared = shared or {}
     nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
+    order = order_of(gm.graph)
     by_name = {n.name: n for n in nodes}
     storage, size = storage_owners(nodes, {by_name[a]: by_name[b] for a, b in shared.items()})
     for placeholder in (n for n in nodes if n.op == "placeholder"):

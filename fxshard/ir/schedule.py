@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
+from fxshard.ir.analysis import order_of
 from fxshard.ir.errors import GraphInvariantError
 
 Position = tuple[int, ...]
@@ -50,7 +51,7 @@ class Schedule:
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self._index = {n: i for i, n in enumerate(graph.nodes)}
+        self._index = order_of(graph)
         self._position: dict[fx.Node, Position] = {}
         self._after: dict[fx.Node, dict[fx.Node, None]] = {}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.errors import GraphInvariantError
 
 from .context import PassContext
@@ -36,7 +37,7 @@ def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                                   "(ctx.layout.shard.slots); build_pipeline leaves it out otherwise")
     # Moving a wait earlier changes no other node's relative order: positions
     # stay valid with the moved wait given one just below the new collective's.
-    order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
+    order: dict[fx.Node, float] = dict(order_of(gm.graph))
     busy_of: dict[int, list[fx.Node | None]] = {id(d): [None] * len(d.slots) for d in dims}
     for node in collectives:
         dim = ctx.layout.dimension(P.group_name(node))

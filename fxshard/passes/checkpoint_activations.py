@@ -50,6 +50,7 @@ import torch.fx as fx
 
 from fxshard.ir import compat, meta, ops
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.compat import detect_fake_mode, pytree, rng_prims
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.nodes import fake_value
@@ -92,7 +93,7 @@ def checkpoint_activations_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
             return recomputed(source)
         return True
 
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    position = order_of(graph)
 
     def backward_value(node: fx.Node, before: fx.Node) -> fx.Node:
         if not recomputed(node):

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fxshard.ir import meta, ops
 from fxshard.ir import predicates as P
-from fxshard.ir.analysis import aliases
+from fxshard.ir.analysis import aliases, order_of
 from fxshard.ir.chains import gather_chains
 from fxshard.ir.meta import Role
 from fxshard.ir.nodes import call
@@ -49,7 +49,7 @@ def insert_free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gathers = [c for c in gather_chains(graph) if c.gathers]
     if not gathers:
         return gm
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = order_of(graph)
     plans = []
     for chain in gathers:
         buffer = chain.result

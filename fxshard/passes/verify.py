@@ -31,7 +31,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext | None = None, *, final: bool = 
         graph.lint()
     except Exception as e:  # lint raises plain RuntimeErrors
         raise GraphInvariantError(f"graph is malformed: {e}") from e
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = order_of(graph)
 
     for node in graph.nodes:
         if (P.is_call(node) or P.is_placeholder(node)) and "val" not in node.meta:
