@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,17 +14,15 @@ import torch.nn as nn
 
 from fxshard.driver import state
 from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
-from fxshard.driver.guards import Guards, guards_of
+from fxshard.driver.guards import Guards
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
-from fxshard.driver.trace import StepFunction
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
-from fxshard.passes.context import REDUCE
 
 log = logging.getLogger("fxshard")
 
@@ -175,26 +173,7 @@ class ShardedModule(nn.Module):
         return tuple(parts)
 
     def _trace(self, leaves: list[Any], spec: pytree.TreeSpec) -> tuple[Guards, CompiledStep]:
-        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-
-        def rebuild(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            it = iter(tensors)
-            args, kwargs = pytree.tree_unflatten(
-                [next(it) if t else x for t, x in zip(is_tensor, leaves)], spec
-            )
-            return args, kwargs
-
-        buffers = dict(self._skeleton.named_buffers(remove_duplicate=False))
-        step = StepFunction(self._skeleton, self._driver.plan, list(self.flat_params), buffers, rebuild,
-                            self._driver.config.mixed_precision, self._driver.offloaded_to)
-        buffer_bytes = sum(b.numel() * b.element_size()
-                           for b in self._skeleton.buffers())
-        compiled = self._driver.compile_step(step, [x for x in leaves if isinstance(x, torch.Tensor)],
-                                             model_name=type(self._skeleton).__name__,
-                                             buffer_bytes=buffer_bytes,
-                                             grad_sync=self._driver.state.grad_sync()
-                                             if torch.is_grad_enabled() else REDUCE)
-        return guards_of(self._skeleton, step.reads), compiled
+        return self._driver.trace_module(self._skeleton, list(self.flat_params), leaves, spec)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -371,7 +350,7 @@ def compile(
 def shard_module(model: nn.Module, driver: Driver, example_inputs: Any = None, *,
                  allow_meta: bool = False) -> ShardedModule:
     """``model`` sharded by ``driver``; traced now when ``example_inputs`` is given."""
-    driver.shard(model, allow_meta=allow_meta)
+    driver.shard(model, allow_meta=allow_meta, example_inputs=example_inputs)
     sharded = ShardedModule(model, driver)
     if example_inputs is not None:
         # Trace before stripping the model: if tracing fails, the model is untouched.

@@ -34,6 +34,8 @@ from fxshard.driver.report import Report
 from fxshard.ir import compat
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig, from_mesh
+from fxshard.ir.cost import Rates
+from fxshard.ir.cost import hardware as cost_profile
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.ir.policies import Policy
@@ -197,6 +199,7 @@ def explain(
     rank: int = 0,
     train: bool = True,
     device: str | torch.device | None = None,
+    hardware: str | Rates | None = None,
     **options: Any,
 ) -> Explanation:
     """Plan, emitted graphs and report of ``model`` sharded over ``world_size`` ranks, or
@@ -218,9 +221,13 @@ def explain(
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
     unit graph there), except ``process_group``, ``mesh`` and ``timeout``:
-    explain runs nothing, on a fake process group of its own.
+    explain runs nothing, on a fake process group of its own. ``hardware`` (a profile's
+    name, ``fxshard.ir.cost.PROFILES``, or ``Rates``) predicts the step's time on it:
+    the report's ``predicted_step_seconds``, exposed communication and MFU; ``policy=auto()``
+    needs it, to choose by time.
     """
     config = CompileConfig.build("explain", policy=policy, **options)
+    rates = hardware if isinstance(hardware, Rates) or hardware is None else cost_profile(hardware)
     if mesh_shape is not None:
         shape = tuple(mesh_shape)
         if not 1 <= len(shape) <= 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
@@ -266,6 +273,7 @@ def explain(
             process_group, no_shard, hsdp = from_mesh(init_device_mesh("cpu", tuple(mesh_shape)))
             config = replace(config, process_group=process_group, no_shard=no_shard, hsdp=hsdp)
         driver = Driver(config, runs=False)
+        driver.rates = rates
         with torch.set_grad_enabled(train), fake_mode or contextlib.nullcontext(), kernels:
             sharded = shard_module(meta_model, driver, meta_args, allow_meta=True)
         step = driver.steps[-1]

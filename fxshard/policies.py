@@ -8,17 +8,19 @@ The same values choose the regions of ``activation_checkpointing=``;
 from fxshard.ir.policies import (
     SAVE_BY_DEFAULT,
     AnyOf,
+    Auto,
     ByClass,
     ByPredicate,
     BySize,
     Policy,
     Selective,
     WrapQuery,
+    auto,
     by_class,
     by_predicate,
     by_size,
     selective,
 )
 
-__all__ = ["SAVE_BY_DEFAULT", "AnyOf", "ByClass", "ByPredicate", "BySize", "Policy", "Selective",
-           "WrapQuery", "by_class", "by_predicate", "by_size", "selective"]
+__all__ = ["SAVE_BY_DEFAULT", "AnyOf", "Auto", "ByClass", "ByPredicate", "BySize", "Policy", "Selective",
+           "WrapQuery", "auto", "by_class", "by_predicate", "by_size", "selective"]

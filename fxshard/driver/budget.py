@@ -71,7 +71,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
                               host_groups=trial_config.options.offloaded_groups(plan.groups),
                               optimizer=config.optimizer)
         prediction = _prediction(report, graphs, plan, unit_bytes, config)
-        peak, step = _largest_over_ranks(world, [prediction.peak, prediction.step_peak])
+        peak, step = largest_over_ranks(world, [prediction.peak, prediction.step_peak])
         return replace(prediction, peak=peak, step_peak=step)
 
     choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
@@ -153,7 +153,7 @@ def _prediction(report: Report, graphs: dict[str, fx.GraphModule], plan: ShardPl
     return Prediction(report.predicted_peak_bytes, report.peak_phase, parts, hints, step)
 
 
-def _largest_over_ranks(world: World, nbytes: list[int]) -> list[int]:
+def largest_over_ranks(world: World, nbytes: list[int]) -> list[int]:
     """Each of ``nbytes``' largest over the ranks (a MAX all_reduce on fxshard's group)."""
     if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         return nbytes

@@ -20,6 +20,7 @@ captured, ``explain`` a meta copy of the module on a fake process group (with
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,10 +31,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import budget, calibrate, grads, orig_params
-from fxshard.driver.codegen import GraphCompiler, layout_of
+from fxshard.driver import auto, budget, calibrate, grads, orig_params
+from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
+from fxshard.driver.guards import Guards, guards_of
 from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.orig_params import OrigParams
 from fxshard.driver.report import Report, build_report, describe_tensors, timed
@@ -51,18 +53,19 @@ from fxshard.driver.runtime import (
     with_comm_groups,
 )
 from fxshard.driver.steps import CompiledStep, Schedule, StepCache
-from fxshard.driver.trace import TracedStep, trace_step
+from fxshard.driver.trace import StepFunction, TracedStep, trace_step
 from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import bus_bytes, step_collectives
+from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.ir.policies import ByPredicate
+from fxshard.ir.policies import Auto, ByPredicate
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
@@ -88,8 +91,11 @@ class _Recorder:
 class Driver:
     """One sharded module's compile: its configuration, world, plan, shards and steps."""
 
-    def __init__(self, config: CompileConfig, *, runs: bool = True):
-        world = resolve_world(config.process_group)
+    def __init__(self, config: CompileConfig, *, runs: bool = True, world: World | None = None):
+        """``world``: another driver's (auto()'s trials, which run nothing), so that no
+        process group is made again."""
+        given = world
+        world = given or resolve_world(config.process_group)
         backend = dist.get_backend(world.group) if world.group is not None else None
         # Slots only where collectives really run concurrently: more than one
         # rank, and no fake group. By default on gloo only (its heap
@@ -105,10 +111,12 @@ class Driver:
         self.schedule = Schedule.of(config)
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
         hpz = config.options.hpz_size(world.size) if world.size > 1 and not config.no_shard else None
-        self.world: World = with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
+        self.world: World = given or with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
+        # auto()'s trials: the planner that chooses their schedule from the joint graph.
+        self.trial_planner: Planner | None = None
         self.device = torch.device("cpu")  # where compute runs
         self.shard_device = torch.device("cpu")  # where the shards live: the host under offload
         self.shards: list[nn.Parameter] = []
@@ -134,10 +142,12 @@ class Driver:
 
     # -- plan and shards ----------------------------------------------------------------------
 
-    def shard(self, module: nn.Module, *, allow_meta: bool = False) -> list[nn.Parameter]:
+    def shard(self, module: nn.Module, *, allow_meta: bool = False, example_inputs: Any = None) -> list[nn.Parameter]:
         """Plan ``module`` and make this rank's flat shards: copied out of it (the module is
         unchanged), initialised module by module if it is on the meta device
-        (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``)."""
+        (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``).
+        Under ``policy=auto()`` the plan and schedule are first chosen from traces of the
+        model on ``example_inputs`` (``fxshard.driver.auto``)."""
         refuse_sharded_again(module)
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
@@ -146,14 +156,30 @@ class Driver:
                 "move the whole model to this rank's device before sharding it"
             )
         on_meta = devices == {torch.device("meta")}
+        if on_meta and self.world.group is not None:  # becomes real where the group communicates
+            self.device = comm_device(self.world.group)
+        else:
+            self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
+        policy = self.config.policy
+        if isinstance(policy, Auto):
+            if example_inputs is None:
+                raise FxShardError(
+                    "policy=auto() chooses the units and the schedule from a trace of the model: pass "
+                    "example_inputs= (a batch of the shape training uses) to fxshard.compile")
+            self.schedule = auto.choose(self, module, example_inputs)
+            assert self.schedule.auto is not None
+            policy = self.schedule.config.policy
         sync = self.config.sync_module_states and self.world.job_size > 1 and self.runs
-        options = self.config.options
-        self._plan = make_plan(module, self.config.policy, self.world.size,
-                               bucket_bytes=options.bucket_bytes,
-                               replicate_below=options.replicate_below,
-                               mixed_precision=self.config.mixed_precision,
-                               replicate_all=self.config.no_shard,
-                               replicate=self.config.replicate)
+        options = self.schedule.config.options
+        with warnings.catch_warnings():
+            if self.schedule.auto is not None:  # a policy auto() chose: its units are what it saw
+                warnings.simplefilter("ignore")
+            self._plan = make_plan(module, policy, self.world.size,
+                                   bucket_bytes=options.bucket_bytes,
+                                   replicate_below=options.replicate_below,
+                                   mixed_precision=self.config.mixed_precision,
+                                   replicate_all=self.config.no_shard,
+                                   replicate=self.config.replicate)
         if self.world.replicas is not None:  # HSDP: the plan says how many ranks the job has
             self._plan = replace(self._plan, replicas=self.world.replicas.size)
         for name in ("reshard_units", "offload_units"):
@@ -176,10 +202,6 @@ class Driver:
         else:
             self.schedule = replace(self.schedule, checkpointing=plan_checkpointing(
                 module, self.config.activation_checkpointing))
-        if on_meta and self.world.group is not None:  # becomes real where the group communicates
-            self.device = comm_device(self.world.group)
-        else:
-            self.device = next(iter(devices)) if devices and not on_meta else torch.device("cpu")
         if self.runs:
             _check_compute_dtype(self.config, self.device)
             _check_cast_batch_norms(module, self.config, self.device)
@@ -299,6 +321,27 @@ class Driver:
                 "(world, 1) mesh (NO_SHARD) and wrap the optimizer in ZeroRedundancyOptimizer."
             )
 
+    def trace_module(self, module: nn.Module, shards: Sequence[nn.Parameter], leaves: list[Any],
+                     spec: pytree.TreeSpec) -> tuple[Guards, CompiledStep]:
+        """The step of ``module`` (the skeleton, or the model before it is stripped) on the
+        inputs ``leaves`` (flattened by ``spec``), traced and compiled over ``shards``, with
+        the guards of the attributes the trace read."""
+        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+
+        def rebuild(args: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            it = iter(args)
+            rebuilt, kwargs = pytree.tree_unflatten([next(it) if t else x for t, x in zip(is_tensor, leaves)], spec)
+            return rebuilt, kwargs
+
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        step = StepFunction(module, self.plan, list(shards), buffers, rebuild,
+                            self.config.mixed_precision, self.offloaded_to)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        compiled = self.compile_step(step, tensors, model_name=type(module).__name__, buffer_bytes=buffer_bytes,
+                                     grad_sync=self.state.grad_sync() if torch.is_grad_enabled() else REDUCE)
+        return guards_of(module, step.reads), compiled
+
     def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
                      buffer_bytes: int = 0, grad_sync: GradSync = REDUCE,
                      groups: Iterable[int] | None = None) -> CompiledStep:
@@ -306,8 +349,9 @@ class Driver:
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
         accumulators = self.state.accumulators_for(self.plan, self.device) if grad_sync != REDUCE else None
-        planner = None
-        if self.config.memory_budget is not None and self.schedule.budget is None:
+        planner = self.trial_planner
+        if planner is None and self.config.memory_budget is not None and self.schedule.budget is None \
+                and self.schedule.auto is None:
             def planner(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any]) -> Schedule:
                 # Inputs are real by then: the trace refuses symbolic sizes.
                 return self._plan_budget(joint, joint_inputs, n, kwargs, buffer_bytes,
@@ -339,7 +383,7 @@ class Driver:
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
             inputs=describe_tensors(inputs), schedule=compiler.schedule,
         )
-        if compiler.schedule.budget is not None and self.schedule.budget is None:
+        if compiler.schedule.budget is not None and self.schedule.budget is None and self.trial_planner is None:
             self.schedule = compiler.schedule  # the budget's plan, for every later step
         self.steps.append(compiled)
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
@@ -404,6 +448,8 @@ class Driver:
             report = timed(report, time, optimizer_seconds(
                 optimizer, [s.numel() * s.element_size() for s in self.shards if s.requires_grad],
                 rates.device) if optimizer is not None and step.trains else 0.0)
+        if schedule.auto is not None:
+            report = replace(report, auto=schedule.auto)
         if schedule.budget is None:
             return report
         return replace(report, budget=schedule.budget, budget_inputs=schedule.planned_on)

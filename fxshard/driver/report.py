@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
+from fxshard.ir.auto import AutoChoice
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
 from fxshard.ir.cost import StepTime
@@ -86,6 +87,9 @@ class Report:
     # step it planned on (the first training step; later ones keep its choice).
     budget: BudgetChoice | None = field(default=None, compare=False)
     budget_inputs: str = field(default="", compare=False)
+    # policy=auto(): the plan and schedule it chose, and every trial with its predicted time
+    # and peak (fxshard.ir.auto).
+    auto: AutoChoice | None = field(default=None, compare=False)
     step: str = field(default="", compare=False)  # which step this describes
     # Where this rank sits beyond its shard group: "rank 3 of 4 in the job; replica 1
     # of 2" under HSDP, hpZ's partition; "" on one flat group.
@@ -153,6 +157,8 @@ class Report:
         for r in [header, *rows]:
             lines.append("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
                                           for i, (c, w) in enumerate(zip(r, widths))))
+        if self.auto is not None:
+            lines += ["  " + line for line in self.auto.table().splitlines()]
         if self.budget is not None:
             lines += ["  " + line for line in self.budget.table().splitlines()]
             if self.budget_inputs:

@@ -13,6 +13,7 @@ import torch.fx as fx
 from fxshard.driver.dump import PassLog
 from fxshard.driver.guards import MAX_VARIANTS, Guards
 from fxshard.driver.trace import OutputSpec
+from fxshard.ir.auto import AutoChoice
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import Collective, fingerprint
@@ -36,6 +37,8 @@ class Schedule:
     checkpointing: Checkpointing | None = None
     budget: BudgetChoice | None = None
     planned_on: str = ""  # the inputs of the step a planner chose it on
+    # policy=auto(): its choice (``config.policy`` is then the policy it chose)
+    auto: AutoChoice | None = None
 
     @classmethod
     def of(cls, config: CompileConfig, checkpointing: Checkpointing | None = None,

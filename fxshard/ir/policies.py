@@ -105,6 +105,34 @@ class AnyOf(Policy):
         return " | ".join(repr(p) for p in self.policies)
 
 
+@dataclass(frozen=True)
+class Auto(Policy):
+    """``policy=auto()``: the units, buckets, prefetch depth and resharding that fxshard
+    predicts fastest within ``memory_budget``, chosen from a trace of the model
+    (``fxshard.driver.auto``). ``units`` pins the unit boundaries: then only buckets,
+    prefetch and resharding are chosen. Not a wrapping rule itself: the driver replaces it
+    with the policy it chose before anything is planned."""
+
+    units: Policy | None = None
+
+    def __post_init__(self) -> None:
+        if self.units is not None and (not isinstance(self.units, Policy) or isinstance(self.units, Auto)):
+            raise TypeError(f"auto(units=...) takes a wrapping policy (by_class(Block), by_size(n), ...), "
+                            f"got {self.units!r}")
+
+    def wraps(self, query: WrapQuery) -> bool:
+        raise TypeError("auto() chooses a policy from a trace; it cannot answer for one module "
+                        "(fxshard.compile and fxshard.explain resolve it), nor be combined with |")
+
+    def __repr__(self) -> str:
+        return "auto()" if self.units is None else f"auto(units={self.units!r})"
+
+
+def auto(units: Policy | None = None) -> Policy:
+    """The plan fxshard predicts fastest within ``memory_budget`` (see :class:`Auto`)."""
+    return Auto(units)
+
+
 _aten = torch.ops.aten
 
 # What selective activation checkpointing saves by default: the outputs of

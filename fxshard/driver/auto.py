@@ -1,0 +1,162 @@
+"""``policy=auto()``: trace each plan candidate, emit each schedule variant, keep the fastest.
+
+The candidates and variants are ``fxshard.ir.auto``'s. Each candidate is a trial driver
+of its own (``Driver(runs=False)``, sharing the real driver's world: no process group is
+made, nothing runs) whose one trace calls :func:`_planner` with the joint graph, as the
+memory budget's planner is called. That planner emits every variant from a copy of the
+joint graph (``GraphCompiler.emit``) and predicts it as ``report()`` would: the step's
+time from the cost model, on the driver's rates, and its peak from the liveness analysis.
+Every rank takes each prediction's largest over the ranks, so all choose alike. Where no
+variant fits ``memory_budget``, the budget's ladder (``driver.budget.choose``) lowers the
+candidate's cheapest variant until it fits, and that is its trial.
+
+The result is a ``Schedule``: the chosen policy and options in its configuration, with the
+``AutoChoice`` that says why. The driver then plans and shards with it and traces the
+model once more, with the chosen units.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fxshard.driver import budget
+from fxshard.driver.budget import largest_over_ranks
+from fxshard.driver.codegen import GraphCompiler, layout_of
+from fxshard.driver.report import Report
+from fxshard.driver.steps import CompiledStep, Schedule
+from fxshard.ir.auto import AutoChoice, Trial, candidates, fastest, variants
+from fxshard.ir.collectives import step_collectives
+from fxshard.ir.compat import pytree
+from fxshard.ir.config import CompileConfig
+from fxshard.ir.cost import PROFILES
+from fxshard.ir.errors import BudgetError, FxShardError
+from fxshard.ir.plan import make_plan
+from fxshard.ir.policies import Auto, Policy
+from fxshard.passes.context import REDUCE
+
+if TYPE_CHECKING:
+    from fxshard.driver.compiler import Driver
+
+
+def choose(driver: Driver, module: nn.Module, example_inputs: Any) -> Schedule:
+    """The schedule ``auto()`` predicts fastest for ``module`` on ``example_inputs``."""
+    from fxshard.driver.compiler import Driver
+
+    config = driver.config
+    spec = config.policy
+    assert isinstance(spec, Auto)
+    rates = driver.timing()
+    if rates is None:
+        raise FxShardError(
+            "policy=auto() chooses by predicted step time, and this explain has no rates to predict "
+            f"with: pass hardware= one of {', '.join(sorted(PROFILES))}")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    leaves, tree = pytree.tree_flatten((args, {}))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    input_bytes = sum(x.numel() * x.element_size() for x in tensors)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    def smallest_unit_bytes(policy: Policy) -> int:
+        plan = make_plan(module, policy, driver.world.size)
+        sizes = [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
+                 for u in plan.units if u.name]
+        return min(sizes, default=0)
+
+    with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
+        warnings.simplefilter("ignore")
+        plans = candidates(module, spec.units, smallest_unit_bytes)
+    found: list[tuple[Trial, Schedule]] = []
+    failures: list[BudgetError] = []
+    seen: set[tuple[str, ...]] = set()
+    for candidate in plans:
+        options = config.options
+        if candidate.bucket_bytes:
+            options = replace(options, bucket_bytes=candidate.bucket_bytes)
+        trial_config = replace(config, policy=candidate.policy, options=options, dump_dir=None,
+                               on_pass=None, verify=False)
+        trial = Driver(trial_config, runs=False, world=driver.world)
+        trial.rates = rates
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trial.shard(module, allow_meta=True)
+        units = tuple(u.name for u in trial.plan.units)
+        if units in seen:
+            continue
+        seen.add(units)
+        mine: list[tuple[Trial, Schedule]] = []
+
+        def planner(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any],
+                    trial: Driver = trial, trial_config: CompileConfig = trial_config,
+                    label: str = candidate.label, mine: list[tuple[Trial, Schedule]] = mine) -> Schedule:
+            for name, variant in variants(trial_config.options):
+                schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
+                mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
+                                    buffer_bytes, label, name, config.memory_budget), schedule))
+            if config.memory_budget is not None and not any(t.fits for t, _ in mine):
+                try:
+                    laddered = budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
+                                             trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
+                                             input_bytes)
+                except BudgetError as e:
+                    failures.append(e)
+                else:
+                    assert laddered.budget is not None
+                    mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, input_bytes,
+                                        buffer_bytes, label, "memory budget: " + laddered.budget.chosen.describe(),
+                                        config.memory_budget), laddered))
+            best = fastest([t for t, _ in mine])
+            return next(s for t, s in mine if t == best) if best is not None else mine[0][1]
+
+        trial.trial_planner = planner
+        with torch.enable_grad():
+            trial.trace_module(module, trial.shards, leaves, tree)
+        found += mine
+    best = fastest([t for t, _ in found])
+    if best is None:
+        if failures:
+            raise min(failures, key=_lowest)
+        raise BudgetError(f"memory_budget {config.memory_budget} bytes: no plan auto() tried fits")
+    chosen = next(s for t, s in found if t == best)
+    trials = tuple(sorted((t for t, _ in found), key=lambda t: (not t.fits, t.seconds, t.peak)))
+    choice = AutoChoice(best, trials, config.memory_budget, rates.name)
+    policy = next(c.policy for c in plans if c.label == best.plan)
+    return replace(chosen, config=replace(chosen.config, policy=policy), auto=choice)
+
+
+def _lowest(e: BudgetError) -> float:
+    """The lowest peak a BudgetError names (its first MiB figure), to raise the closest."""
+    for word in str(e).split():
+        try:
+            return float(word)
+        except ValueError:
+            continue
+    return math.inf
+
+
+def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_inputs: Any, n: int,
+           kwargs: dict[str, Any], input_bytes: int, buffer_bytes: int, plan: str, name: str,
+           memory_budget: int | None) -> Trial:
+    """``schedule``'s graphs emitted from ``joint`` and predicted as ``report()`` predicts a
+    step: the largest over the ranks."""
+    graphs = GraphCompiler(trial.plan, trial.world, schedule, grad_sync=REDUCE).emit(
+        joint, joint_inputs, n, kwargs)
+    dims = layout_of(trial.world, bool(trial.config.inflight_groups)).dimensions()
+    step = CompiledStep(_nothing, graphs, None, step_collectives(graphs, dims),  # type: ignore[arg-type]
+                        n, [], input_bytes, buffer_bytes, schedule=schedule)
+    report: Report = trial.report(step)
+    assert report.predicted_step_seconds is not None and report.exposed_comm_seconds is not None
+    ns, exposed, peak = largest_over_ranks(trial.world, [round(report.predicted_step_seconds * 1e9),
+                                                     round(report.exposed_comm_seconds * 1e9),
+                                                     report.predicted_peak_bytes])
+    return Trial(plan, name, ns / 1e9, exposed / 1e9, peak, len(trial.plan.units),
+                 memory_budget is None or peak <= memory_budget)
+
+
+def _nothing(*args: Any) -> Any:
+    raise AssertionError("a trial's step runs nothing")

@@ -1,0 +1,143 @@
+"""``policy=auto()``: the plans the planner compares, and what it chose (pure).
+
+The driver (``fxshard.driver.auto``) traces each plan candidate once and emits each
+schedule variant from that trace; the cost model (``fxshard.ir.cost``) predicts each
+variant's step time and the memory model its peak. The fastest whose peak is within
+``memory_budget`` wins; where none is, the memory budget's ladder (``fxshard.ir.budget``:
+resharding, prefetch limits, recompute, offload) lowers the candidate until it fits.
+
+Plan candidates, each a wrapping policy (units), and how units merge into buckets:
+
+=====================================  ==============================================
+candidate                              why
+=====================================  ==============================================
+``by_class(C)``                        a class repeated in the model (a transformer
+                                       block): FSDP2's one unit per block
+one unit                               the whole model in one collective each way
+``by_size(N/2)``, ``(N/8)``, ``(N/32)``  FSDP's size rule over the parameters' count N:
+                                       a module whose unclaimed parameters reach it
+``by_class(C)`` with ``bucket_bytes``   the first class's units merged into buckets of
+                                       about 4 and 16 units (one collective each)
+``units``, alone and bucketed          ``auto(units=...)``: the given units, and the
+                                       same buckets of them
+=====================================  ==============================================
+
+Candidates that make the same units are tried once. Schedule variants of each: resharded
+after forward or kept gathered (ZeRO-3 or ZeRO-2), and one or two gathers in flight
+(the prefetch depth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch.nn as nn
+
+from fxshard.ir.options import ShardingOptions
+from fxshard.ir.policies import Policy, by_class, by_size
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the planner traces: a wrapping policy and the bucket size that merges its units."""
+
+    label: str
+    policy: Policy | None
+    bucket_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One plan and schedule, as predicted (the largest over the ranks)."""
+
+    plan: str  # the candidate's label
+    schedule: str  # the variant's label
+    seconds: float
+    exposed_seconds: float
+    peak: int
+    units: int
+    fits: bool
+
+    def describe(self) -> str:
+        return f"{self.plan}, {self.schedule}"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``auto()`` chose, and every trial, fastest first."""
+
+    chosen: Trial
+    trials: tuple[Trial, ...]
+    budget: int | None
+    rates: str  # the rates the times were predicted with
+
+    def table(self) -> str:
+        within = f" within memory_budget {self.budget / MIB:.3f} MiB" if self.budget is not None else ""
+        lines = [f"auto(): {self.chosen.describe()} predicted fastest{within} "
+                 f"({self.chosen.seconds * 1e3:.3f} ms a step; rates {self.rates})",
+                 "  predicted ms  exposed ms    peak MiB  units  plan, schedule"]
+        for t in self.trials:
+            mark = "*" if t == self.chosen else " " if t.fits else "x"
+            lines.append(f"{mark} {t.seconds * 1e3:11.3f} {t.exposed_seconds * 1e3:11.3f} "
+                         f"{t.peak / MIB:11.3f} {t.units:6d}  {t.describe()}")
+        if any(not t.fits for t in self.trials):
+            lines.append("  (x: over the memory budget)")
+        return "\n".join(lines)
+
+
+def repeated_classes(module: nn.Module) -> list[type[nn.Module]]:
+    """The module classes that hold parameters and occur more than once below the root, most
+    frequent first (ties: the outermost first, then in registration order)."""
+    count: dict[type[nn.Module], int] = {}
+    depth: dict[type[nn.Module], int] = {}
+    for name, m in module.named_modules():
+        if name and any(True for _ in m.parameters()):
+            count[type(m)] = count.get(type(m), 0) + 1
+            depth.setdefault(type(m), name.count("."))
+    repeated = [c for c, n in count.items() if n > 1]
+    return sorted(repeated, key=lambda c: (-count[c], depth[c]))
+
+
+def candidates(module: nn.Module, pinned: Policy | None,
+               smallest_unit_bytes: Callable[[Policy], int]) -> list[Candidate]:
+    """The plans to trace, in a fixed order (every rank the same). ``smallest_unit_bytes``:
+    a policy's smallest unit but the root, in bytes (0: it makes none), which buckets are
+    sized by."""
+    numel = sum(p.numel() for p in module.parameters())
+    if pinned is not None:
+        found = [Candidate(repr(pinned), pinned)]
+        bucketed = [pinned]
+    else:
+        classes = [by_class(c) for c in repeated_classes(module)[:2]]
+        found = [Candidate(repr(p), p) for p in classes]
+        found.append(Candidate("one unit", None))
+        found += [Candidate(f"by_size(N/{k})", by_size(max(1, numel // k))) for k in (2, 8, 32)]
+        bucketed = classes[:1]
+    for policy in bucketed:
+        smallest = smallest_unit_bytes(policy)
+        if smallest > 0:
+            found += [Candidate(f"{policy!r}, buckets of {k} units", policy, k * smallest + 1) for k in (4, 16)]
+    return found
+
+
+def variants(options: ShardingOptions) -> list[tuple[str, ShardingOptions]]:
+    """The schedules tried for each plan: resharded after forward or not, one or two gathers
+    in flight (never more than ``options`` allow: its process groups are made for them)."""
+    depths = sorted({1, min(2, options.max_inflight_gathers)}, reverse=True)
+    found = []
+    for reshard in (True, False):
+        for depth in depths:
+            label = ("resharded after forward" if reshard else "kept gathered to backward") + \
+                f", {depth} gather{'s' if depth > 1 else ''} in flight"
+            found.append((label, replace(options, reshard_after_forward=reshard, reshard_units=None,
+                                         max_inflight_gathers=depth)))
+    return found
+
+
+def fastest(trials: Sequence[Trial]) -> Trial | None:
+    """The fastest trial that fits (ties: the lower peak, then the earlier)."""
+    fitting = [t for t in trials if t.fits]
+    return min(fitting, key=lambda t: (t.seconds, t.peak)) if fitting else None

@@ -1,0 +1,169 @@
+"""policy=auto(): toys whose best plan is known by construction, predicted on a named profile.
+
+The toys are in the slow tier (each explain traces every candidate); the refusals are fast.
+
+Every prediction here comes from the cost model on the fixed numbers of the "h100-nvlink" /
+"h100-ib" profiles (fxshard.ir.cost.PROFILES), so the choices are deterministic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard.ir.auto import Trial
+from fxshard.policies import auto, by_class
+from tests.dist_utils import run_ranks
+
+MIB = 1 << 20
+
+
+def _tiny_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(16)])
+
+
+class Huge(nn.Module):
+    """Small layers, then one layer holding nearly all the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(6)])
+        self.huge = nn.Linear(256, 16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.huge(self.small(x))
+
+
+@cache
+def _explain(model: str, **options: Any) -> fxshard.Explanation:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if model == "tiny":
+            return fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(),
+                                   hardware="h100-nvlink", **options)
+        return fxshard.explain(Huge(), torch.randn(256, 256), world_size=8, policy=auto(),
+                               hardware="h100-ib", **options)
+
+
+def _trials(e: fxshard.Explanation) -> tuple[Trial, ...]:
+    assert e.report.auto is not None
+    return e.report.auto.trials
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_many_tiny_layers_are_bucketed() -> None:
+    """16 layers of 32x32: a collective's latency dwarfs its bytes, so fewer, larger collectives
+    win: the chosen plan has far fewer units than layers, and beats one unit per layer."""
+    e = _explain("tiny")
+    assert e.report.auto is not None
+    chosen = e.report.auto.chosen
+    per_layer = [t for t in _trials(e) if t.units == 16]
+    assert per_layer and chosen.units <= 4
+    assert chosen.seconds < min(t.seconds for t in per_layer)
+    assert len(e.plan.units) == chosen.units  # the plan compiled is the one chosen
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_one_huge_layer_is_its_own_unit() -> None:
+    """One layer holds 91% of the parameters, after the small ones: in a unit of its own its
+    gather overlaps their compute; in one unit with them, nothing overlaps it."""
+    e = _explain("huge")
+    assert "huge" in [u.name for u in e.plan.units]
+    one_unit = [t for t in _trials(e) if t.units == 1]
+    assert one_unit and e.report.auto is not None
+    assert e.report.auto.chosen.seconds < min(t.seconds for t in one_unit)
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_under_a_tight_budget_auto_takes_the_fastest_plan_that_fits() -> None:
+    free = _explain("tiny")
+    assert free.report.auto is not None
+    fastest = free.report.auto.chosen
+    budget = fastest.peak - 1  # the unconstrained choice no longer fits
+    e = _explain("tiny", memory_budget=budget)
+    assert e.report.auto is not None
+    chosen = e.report.auto.chosen
+    assert chosen.peak <= budget and chosen.fits
+    assert e.report.predicted_peak_bytes <= budget  # the compiled plan's own prediction agrees
+    assert all(t.peak > budget for t in _trials(e) if t.seconds < chosen.seconds)
+    assert chosen.seconds >= fastest.seconds
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_a_budget_nothing_meets_is_a_budget_error() -> None:
+    with pytest.raises(fxshard.BudgetError, match="cannot be met"):
+        _explain("tiny", memory_budget=1024, optimizer=torch.optim.SGD)
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_report_and_explain_say_what_auto_chose_and_the_runners_up() -> None:
+    text = str(_explain("tiny").report)
+    assert "auto(): " in text and "predicted fastest" in text
+    assert "by_class(Sequential), resharded after forward, 2 gathers in flight" in text  # a runner-up
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
+def test_pinned_units_choose_only_buckets_and_the_schedule() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8,
+                            policy=auto(units=by_class(nn.Linear)), hardware="h100-nvlink")
+    assert {t.plan.split(",")[0] for t in _trials(e)} == {"by_class(Linear)"}
+    assert any("buckets" in t.plan for t in _trials(e))
+
+
+def test_auto_without_example_inputs_or_rates_is_refused_naming_what_to_pass() -> None:
+    with pytest.raises(fxshard.FxShardError, match="example_inputs="):
+        fxshard.compile(_tiny_layers(), policy=auto())
+    with pytest.raises(fxshard.FxShardError, match="hardware= one of h100-ib, h100-nvlink"):
+        fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto())
+
+
+def test_an_unknown_hardware_name_lists_the_known_ones() -> None:
+    with pytest.raises(fxshard.FxShardError, match="known are h100-ib, h100-nvlink"):
+        fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, hardware="x100")
+
+
+def _compiled_auto(rank: int, world_size: int) -> dict[str, Any]:
+    """auto() on 2 gloo ranks: every rank chooses the same plan, which trains like DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _tiny_layers()
+    reference = DDP(_tiny_layers())
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 32, generator=gen) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sharded = fxshard.compile(model, policy=auto(), example_inputs=batches[0])
+    losses = []
+    for net in (sharded, reference):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        mine = []
+        for x in batches:
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mine.append(float(loss))
+        losses.append(mine)
+    report = sharded.report()
+    assert report.auto is not None
+    return {"chosen": report.auto.chosen.describe(), "losses": losses,
+            "params": sharded.full_state_dict(), "ddp": reference.module.state_dict()}
+
+
+@pytest.mark.slow
+def test_auto_through_compile_chooses_alike_on_every_rank_and_trains_like_ddp() -> None:
+    r0, r1 = run_ranks(_compiled_auto, 2)
+    assert r0["chosen"] == r1["chosen"]
+    for r in (r0, r1):
+        assert r["losses"][0] == r["losses"][1]
+        for name, value in r["ddp"].items():
+            assert torch.equal(r["params"][name], value), name
