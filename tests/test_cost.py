@@ -151,6 +151,24 @@ def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> 
     assert Network.free().seconds("all_reduce", 1 << 30, 8) == 0.0
 
 
+def test_calibration_fits_latency_and_bandwidth_by_least_squares() -> None:
+    from fxshard.driver.calibrate import fit
+
+    on_a_line = [(b, 3e-4 + b / 2e9) for b in (1e4, 1e6, 4e6)]
+    link = fit(on_a_line)
+    assert (link.latency, link.bandwidth) == pytest.approx((3e-4, 2e9))
+    noisy = [(1e4, 1e-3), (1e6, 1.4e-3), (4e6, 3.1e-3)]  # least squares, not the two ends
+    link = fit(noisy)
+    xs, ys = [p[0] for p in noisy], [p[1] for p in noisy]
+    residuals = [y - link.seconds(x, 2) for x, y in noisy]
+    assert sum(residuals) == pytest.approx(0.0, abs=1e-12)
+    assert sum(r * x for r, x in zip(residuals, xs)) == pytest.approx(0.0, abs=1e-6)
+    assert 0 < link.latency < min(ys)
+    # A fit that would need a negative latency goes through the origin instead.
+    through_zero = fit([(1e6, 1e-4), (2e6, 3e-4), (4e6, 7e-4)])
+    assert through_zero.latency == 0.0 and through_zero.bandwidth > 0
+
+
 def test_hardware_profiles_by_name_and_an_unknown_name_lists_them() -> None:
     h100 = hardware("h100-ib")
     assert h100.device.matmul_flops["bfloat16"] > 1e14 and any("datasheet" in s for s in h100.sources)

@@ -255,7 +255,8 @@ def fit(points: list[tuple[float, float]]) -> Link:
     latency = my - slope * mx
     if latency < 0 or slope <= 0:
         latency = max(0.0, min(ys)) if slope <= 0 else 0.0
-        slope = max(sum(x * (y - latency) for x, y in points) / sum(x * x for x in xs), 1e-15)
+        square = sum(x * x for x in xs)
+        slope = max(sum(x * (y - latency) for x, y in points) / square if square else 0.0, 1e-15)
     return Link(latency, 1.0 / slope)
 
 
@@ -333,9 +334,17 @@ def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
+def measured_group(world: World) -> dist.ProcessGroup:
+    """The group the network is measured on: the shard group's first slot, or where the shard
+    group is one rank (a NO_SHARD mesh), the replicas' (every rank has one of each)."""
+    if world.size == 1 and world.replicas is not None:
+        return world.replicas.comm[0]
+    return world.comm_group
+
+
 def network_key(world: World) -> str:
-    group = world.comm_group
-    return (f"network | {dist.get_backend(group)} | {world.size} ranks | {socket.gethostname()} | "
+    group = measured_group(world)
+    return (f"network | {dist.get_backend(group)} | {group.size()} ranks | {socket.gethostname()} | "
             f"torch {torch.__version__} | {torch.get_num_threads()} threads")
 
 
@@ -358,7 +367,7 @@ def calibrate(world: World, device: torch.device) -> Rates:
     name = f"{backend} over {world.size} ranks"
     if agreed[0] > 0:  # some rank has no entry: every rank measures, now
         start = time.perf_counter()
-        measured = measure_network(world.comm_group)
+        measured = measure_network(measured_group(world))
         _NETWORKS[key] = _network_entry(measured)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
