@@ -145,12 +145,12 @@ class FxShardBackend:
 
     # -- sharding (fxshard.parameters) ----------------------------------------------------
 
-    def shard(self, module: nn.Module) -> list[nn.Parameter]:
+    def shard(self, module: nn.Module, example_inputs: Any = None) -> list[nn.Parameter]:
         for sharding in self._modules:
             if any(id(p) in sharding.slots for p in module.parameters()):
                 return sharding.driver.parameters  # already sharded: the same shards again
         driver = Driver(self.config)
-        driver.shard(module)
+        driver.shard(module, example_inputs=example_inputs)
         shards = driver.parameters  # the flat shards, or with use_orig_params their views
         plan = driver.plan
         # Stand-ins on the parameters' device: Dynamo bakes the device of
@@ -274,12 +274,13 @@ def _find_backend(model: nn.Module) -> tuple[FxShardBackend, nn.Module]:
     return fn, compat.original_module(model)
 
 
-def parameters(model: nn.Module) -> list[nn.Parameter]:
+def parameters(model: nn.Module, example_inputs: Any = None) -> list[nn.Parameter]:
     """Shard a ``torch.compile``-d model now; returns this rank's flat shards for the optimizer
     (with ``use_orig_params=True``: the original parameters, as views of them, in the model's
-    ``named_parameters()`` order)."""
+    ``named_parameters()`` order). ``example_inputs``: what ``policy=auto()`` chooses the plan
+    on, as for ``fxshard.compile``."""
     found, module = _find_backend(model)
-    return found.shard(module)
+    return found.shard(module, example_inputs)
 
 
 def sharding_of(model: nn.Module) -> tuple[nn.Module, Driver]:

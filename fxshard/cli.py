@@ -4,7 +4,10 @@
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
         [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW] \\
         [--device cuda]
+        [--hardware h100-ib]  # predict the step's time there; --policy "auto()" chooses by it
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
+    fxshard calibrate [--hardware NAME]   # the rates fxshard predicts time with (this machine's;
+                                          # under torchrun, the live group's network too)
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
 it that returns the model. The model is built on the meta device (no memory),
@@ -87,9 +90,14 @@ def _required_parameters(factory: Callable[..., Any]) -> list[str]:
 
 def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
     """``by_size(N)`` and ``by_class(Name, ...)`` terms joined by ``|``; names from the
-    factory's module, then torch.nn."""
+    factory's module, then torch.nn. ``auto()``, or ``auto(units=<such a policy>)``."""
     if not text:
         return None
+    automatic = re.match(r"^\s*auto\((?:\s*units\s*=\s*(.*))?\)\s*$", text)
+    if automatic is not None:
+        from fxshard.ir.policies import auto
+
+        return auto(parse_policy(automatic.group(1), namespace) if automatic.group(1) else None)
     import torch.nn as nn
 
     from fxshard.ir.policies import by_class, by_size
@@ -285,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the predicted step as a Chrome trace (JSON; Perfetto, chrome://tracing); "
                          "its time axis is node order")
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
+    ex.add_argument("--hardware", default=None, metavar="NAME",
+                    help="predict the step's time on a named profile (fxshard calibrate --list)")
+    ca = sub.add_parser("calibrate", help="the rates fxshard predicts time with: this machine's, or a profile's")
+    ca.add_argument("--hardware", default=None, metavar="NAME", help="print a named profile instead")
+    ca.add_argument("--list", action="store_true", help="list the named profiles")
     ps = sub.add_parser("passes", help="the pass list of every graph, and why each pass is where it is")
     ps.add_argument("--option", action="append", default=[], help="option key=value, as for explain")
     co = sub.add_parser("consolidate", help="a sharded checkpoint to one file of full weights")
@@ -301,7 +314,49 @@ def main(argv: list[str] | None = None) -> int:
         return _passes(args.option)
     if args.command == "consolidate":
         return _consolidate(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     return _explain(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """This machine's device rates (measured once, cached per device, torch release and thread
+    count); under torchrun also the live group's network, agreed over the ranks; or a profile."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from fxshard.driver import calibrate
+    from fxshard.ir.cost import PROFILES, hardware
+
+    if args.list:
+        for name, rates in sorted(PROFILES.items()):
+            print(f"{name}: {rates.device.name}; {rates.network.name}")
+        return 0
+    if args.hardware:
+        try:
+            print(hardware(args.hardware))
+        except FxShardError as e:
+            print(f"fxshard calibrate: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from fxshard.driver.runtime import comm_device, resolve_world, with_comm_groups
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            world = with_comm_groups(resolve_world(None), 1, None)
+            rates = calibrate.calibrate(world, comm_device(world.comm_group))
+        finally:
+            dist.destroy_process_group()
+        if world.rank == 0:
+            print(rates)
+        return 0
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    print(calibrate.local_rates(device))
+    print(f"(cached in {calibrate.cache_path()}; run under torchrun to measure the network too)")
+    return 0
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -343,7 +398,7 @@ def _explain(args: argparse.Namespace) -> int:
             inputs = _token_ids_as_int64(model, inputs)
         result = explain(model, inputs, parse_policy(args.policy, module), args.world_size,
                          mesh_shape=args.mesh, rank=args.rank, train=not args.eval, dump_dir=args.dump,
-                         device=args.device, **options)
+                         device=args.device, hardware=args.hardware, **options)
     except (FxShardError, TypeError, ValueError) as e:
         note = ""
         if isinstance(e, TraceError) and e.kind in ("index-dtype", "dtype") and not args.input_dtype:
@@ -359,8 +414,10 @@ def _explain(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"fxshard explain: error: cannot write the trace to {args.trace}: {e}", file=sys.stderr)
             return 2
+        axis = ("predicted microseconds" if result.report.predicted_step_seconds is not None
+                else "node order, 1 node = 1 us (--hardware predicts microseconds)")
         print(f"\nwrote {path}: the predicted step as a Chrome trace (open in ui.perfetto.dev); its time "
-              "axis is node order, 1 node = 1 us")
+              f"axis is {axis}")
     if args.graphs:
         for name, gm in result.graphs.items():
             print(f"\n--- {name} graph ---\n{gm.code}")

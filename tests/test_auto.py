@@ -167,3 +167,42 @@ def test_auto_through_compile_chooses_alike_on_every_rank_and_trains_like_ddp() 
         assert r["losses"][0] == r["losses"][1]
         for name, value in r["ddp"].items():
             assert torch.equal(r["params"][name], value), name
+
+
+@pytest.mark.slow
+def test_auto_through_the_torch_compile_backend_chooses_on_the_example_inputs() -> None:
+    import sys
+
+    model = _tiny_layers()
+    x = torch.randn(8, 32)
+    compiled = torch.compile(model, backend=fxshard.backend(policy=auto()), dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        params = fxshard.parameters(compiled, example_inputs=x)
+    opt = torch.optim.SGD(params, lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    _, driver = sys.modules["fxshard.backend"].sharding_of(compiled)
+    assert driver.schedule.auto is not None
+    assert len(driver.plan.units) == driver.schedule.auto.chosen.units
+    assert losses[1] < losses[0]
+
+
+def test_cli_parses_auto_and_lists_the_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    import types
+
+    from fxshard.cli import main, parse_policy
+
+    assert repr(parse_policy("auto()", types.ModuleType("m"))) == "auto()"
+    assert repr(parse_policy("auto(units=by_class(Linear))", types.ModuleType("m"))) == \
+        "auto(units=by_class(Linear))"
+    assert main(["calibrate", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "h100-ib" in out and "h100-nvlink" in out
+    assert main(["calibrate", "--hardware", "x100"]) == 2
+    assert "known are h100-ib, h100-nvlink" in capsys.readouterr().err
