@@ -25,7 +25,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "scheduling.md", ROOT / "docs" / "memory.md")
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "scheduling.md", ROOT / "docs" / "memory.md",
+             ROOT / "docs" / "time.md")
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402  (benchmarks/run.py: the one place that formats a run's tables)
@@ -80,8 +81,21 @@ def sweep() -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_prediction() -> str:
+    """benchmarks/time.py: the predicted step and large collectives against the measured."""
+    import importlib.util
+
+    # By path: "time" is the standard library's module.
+    spec = importlib.util.spec_from_file_location("time_benchmark", HERE / "time.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = _load(RESULTS / "time.json")
+    return str(module.markdown(report["results"], report["meta"]))
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"benchmark": benchmark, "scaling": scaling, "sweep": sweep,
-                                        "checkpointing": checkpointing}
+                                        "checkpointing": checkpointing, "time": time_prediction}
 _BLOCK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 

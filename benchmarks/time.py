@@ -1,0 +1,251 @@
+"""Predicted against measured: fxshard's time model (fxshard/ir/cost.py) on 2 gloo ranks.
+
+    python benchmarks/time.py                 # net, gpt and a deep narrow MLP (results/time.{json,md})
+    python benchmarks/time.py --models mlp --steps 5
+
+For each model, on 2 spawned gloo ranks with one intra-op thread each (as
+benchmarks/run.py), fxshard.compile with ``optimizer=torch.optim.AdamW`` (so the
+prediction includes the optimizer step), a fresh calibration (a cache folder of
+its own: the first measurement, what a user's first run gets), then:
+
+- the step: forward, the loss, backward, AdamW's step and zero_grad, timed on
+  rank 0; the median of the measured steps, against ``report().predicted_step_seconds``;
+  forward + loss + backward alone, against the prediction's graphs, and the
+  optimizer step alone, against its prediction;
+- every distinct collective of more than 1 MB the step issues (kind, input size):
+  measured alone on the group the step runs it on (the median of 5, after one
+  to warm up), against the model's time for it alone, and beside the time the
+  prediction gives it inside the step (where collectives in flight together
+  share the wires).
+
+Then the same model in one process (no collectives: the compute model alone).
+Nothing is fitted to these numbers: the prediction uses what calibration measured
+when the model was compiled. The machine is shared: its load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+MB = 1_000_000
+DEEP = dict(width=256, depth=48, batch=64)  # the deep narrow MLP: 48 units of 66k parameters
+
+
+def spec(name: str) -> dict[str, Any]:
+    from run import model_spec
+
+    if name != "mlp":
+        return model_spec(name, quick=False)
+    from models import MLP
+
+    width, depth, batch = DEEP["width"], DEEP["depth"], DEEP["batch"]
+    return dict(make=lambda: MLP(d_in=width, hidden=width, depth=depth, d_out=10), block=nn.Linear,
+                loss=lambda o, y: F.cross_entropy(o, y), label=f"MLP {depth}x{width}",
+                inputs=lambda g: (torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)))
+
+
+def _collective_alone(driver: Any, c: Any, reps: int = 5) -> float:
+    """The median seconds of collective ``c`` alone, on the process group the step runs it on."""
+    from fxshard.ir import compat
+
+    ops = compat.c10d_functional
+    x = torch.ones(c.shape, dtype=c.dtype)
+    n, name = c.group_size, c.group_name
+    run = {"all_gather": lambda: ops.all_gather_into_tensor(x, n, name),
+           "reduce_scatter": lambda: ops.reduce_scatter_tensor(x, c.reduce_op or "sum", n, name),
+           "all_reduce": lambda: ops.all_reduce(x, c.reduce_op or "sum", name)}[c.kind]
+    times = []
+    for i in range(reps + 1):
+        start = time.perf_counter()
+        ops.wait_tensor(run())
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str) -> None:
+    import fxshard
+    from fxshard.policies import by_class, by_size
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # A fresh calibration: a cache of its own.
+    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{world_size}-{rank}")
+    load_before = os.getloadavg()[0]
+    if world_size > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    def barrier() -> None:
+        if world_size > 1:
+            dist.barrier()
+
+    s = spec(name)
+    torch.manual_seed(0)
+    policy = by_class(s["block"]) if s["block"] is not None else by_size(s["min_params"])
+    start = time.perf_counter()
+    sharded = fxshard.compile(s["make"](), policy=policy, optimizer=torch.optim.AdamW)
+    calibrated = time.perf_counter() - start  # the driver calibrates when it is built
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [s["inputs"](gen) for _ in range(warmup + steps)]
+    step_s, fb_s, opt_s = [], [], []
+    for i, (x, y) in enumerate(batches):
+        barrier()
+        t0 = time.perf_counter()
+        loss = s["loss"](sharded(x), y)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            step_s.append(t2 - t0)
+            fb_s.append(t1 - t0)
+            opt_s.append(t2 - t1)
+    report = sharded.report()
+    t = report.time
+    assert t is not None
+    driver = sharded._driver
+    rates = driver.rates
+    big: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    spans = {(c.graph, c.node): c for c in t.collectives}
+    from fxshard.ir.collectives import collective_nodes
+
+    for graph in ("forward", "backward") if world_size > 1 else ():
+        for node, c in collective_nodes(graph, sharded.graphs[graph], None):
+            if c.input_bytes <= MB or (c.kind, c.shape) in big:
+                continue
+            barrier()
+            span = spans[(graph, node.name)]
+            big[(c.kind, c.shape)] = {
+                "kind": c.kind, "unit": c.unit, "graph": graph, "input_bytes": c.input_bytes,
+                "group_size": c.group_size,
+                "measured_alone_s": _collective_alone(driver, c),
+                "predicted_alone_s": rates.network.seconds(c.kind, c.input_bytes, c.group_size),
+                "predicted_in_step_s": span.seconds}
+    result = {
+        "model": name, "label": s.get("label", name), "rank": rank, "world_size": world_size,
+        "params": sum(g.numel for g in sharded.plan.groups), "units": len(sharded.plan.units),
+        "steps": steps, "measured_step_s": statistics.median(step_s),
+        "measured_forward_backward_s": statistics.median(fb_s),
+        "measured_optimizer_s": statistics.median(opt_s),
+        "predicted_step_s": report.predicted_step_seconds,
+        "predicted_forward_backward_s": t.seconds,
+        "predicted_optimizer_s": report.predicted_optimizer_seconds,
+        "predicted_compute_s": t.compute_seconds, "predicted_exposed_comm_s": t.exposed_comm_seconds,
+        "predicted_comm_s": t.comm_seconds, "collectives": len(t.collectives),
+        "big_collectives": list(big.values()), "compile_and_calibrate_s": calibrated,
+        "rates": str(rates), "load_1min": os.getloadavg()[0], "load_1min_before": load_before,
+    }
+    torch.save(result, os.path.join(out, f"{name}-{world_size}-{rank}.pt"))
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    ms = 1e3
+    lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, one thread per rank; "
+             f"fxshard {meta['fxshard']}. Predicted: `report().predicted_step_seconds` with the rates "
+             "calibration measured when the model was compiled (a fresh cache); measured: the median "
+             f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step). One rank: the "
+             "same model in one process, no collectives: the compute model alone.", "",
+             "| model | ranks | params | units | measured step ms | predicted ms | error | fwd+bwd measured / "
+             "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | load |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r.get('world_size', 2)} | {r['params'] / 1e6:.2f}M | {r['units']} | "
+            f"{r['measured_step_s'] * ms:.1f} | "
+            f"{r['predicted_step_s'] * ms:.1f} | {error(r['predicted_step_s'], r['measured_step_s']):+.0%} | "
+            f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
+            f"{r['measured_optimizer_s'] * ms:.1f} / {r['predicted_optimizer_s'] * ms:.1f} | "
+            f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
+            f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} |")
+    lines += ["", "Collectives of more than 1 MB, each distinct kind and size once: measured alone on the "
+              "step's process group (median of 5), the model's time for it alone, and its predicted span "
+              "inside the step (collectives in flight together share the wires).", "",
+              "| model | kind | unit | input MB | measured alone ms | predicted alone ms | error | "
+              "predicted in the step ms |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for c in r["big_collectives"]:
+            lines.append(f"| {r['label']} | {c['kind']} | {c['unit'] or '<root>'} | {c['input_bytes'] / MB:.1f} | "
+                         f"{c['measured_alone_s'] * ms:.2f} | {c['predicted_alone_s'] * ms:.2f} | "
+                         f"{error(c['predicted_alone_s'], c['measured_alone_s']):+.0%} | "
+                         f"{c['predicted_in_step_s'] * ms:.2f} |")
+    lines += ["", "Load: the 1-minute load average before and after each row, on a machine with "
+              f"{meta['machine'].split(', ')[-1]}; above the row's own ranks, other work took CPU time "
+              "from them, during the calibration or the steps. The rates each row predicted with are "
+              "in time.json."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import platform
+
+    from run import fxshard_version
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="net,gpt,mlp")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--world-sizes", default="2,1",
+                   help="2: the issue's runs; 1: the same model in one process, no collectives (the "
+                        "compute model alone)")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fxshard-time-") as scratch:
+        for name in filter(None, args.models.split(",")):
+            for n in map(int, args.world_sizes.split(",")):
+                print(f"{name} on {n} rank{'s' if n > 1 else ''} ...", flush=True)
+                mp.spawn(rank_main, args=(n, _port(), name, args.steps, args.warmup, scratch), nprocs=n)
+                rows.append(torch.load(os.path.join(scratch, f"{name}-{n}-0.pt"), weights_only=False))
+                r = rows[-1]
+                print(f"  measured {r['measured_step_s'] * 1e3:.1f} ms, predicted "
+                      f"{r['predicted_step_s'] * 1e3:.1f} ms "
+                      f"({error(r['predicted_step_s'], r['measured_step_s']):+.0%})", flush=True)
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "fxshard": fxshard_version(), "steps": args.steps, "warmup": args.warmup}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "time.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str) + "\n")
+    table = markdown(rows, meta)
+    (out / "time.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
