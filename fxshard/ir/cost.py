@@ -42,7 +42,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.collectives import bus_bytes, collective_nodes
+from fxshard.ir.collectives import Collective, bus_bytes, collective_nodes
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.optimizer import OptimizerState
 
@@ -406,7 +406,7 @@ class _Flight:
         return self.start + self.latency <= now + 1e-15
 
 
-class _Network:
+class _Streams:
     """The communication streams: one FIFO per process group; collectives in flight at once
     on one link share its bandwidth equally (processor sharing)."""
 
@@ -503,7 +503,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     """
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
-    net = _Network()
+    net = _Streams()
     now = 0.0
     compute = exposed = agreed = 0.0
     per_unit: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
@@ -519,7 +519,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             now += waited
             agreed += waited
             exposed += waited
-        issued: dict[fx.Node, tuple[_Flight, Any]] = {}
+        issued: dict[fx.Node, tuple[_Flight, Collective]] = {}
         info = {node: c for node, c in collective_nodes(name, gm, dimensions)}
         for node in gm.graph.nodes:
             cost = node_cost(node, device)
