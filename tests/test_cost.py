@@ -212,6 +212,8 @@ def test_a_gather_in_flight_while_compute_uses_the_previous_one_against_a_hand_s
     assert t.exposed_comm_seconds == pytest.approx(a + bb - m1)
     assert t.compute_seconds == pytest.approx(m1 + m2)
     assert t.seconds == pytest.approx(t.compute_seconds + t.exposed_comm_seconds)
+    assert t.flops == 2 * 100 * 200 * 300 + 2 * 100 * 300 * 300  # the two matmuls
+    assert t.peak_seconds == pytest.approx(m1 + m2)  # no overhead here: they run at the peak
     (span_a, span_b) = t.collectives
     assert (span_a.start, span_a.end, span_a.exposed) == pytest.approx((0.0, a, a))
     assert (span_b.issued, span_b.start, span_b.end) == pytest.approx((a, a, a + bb))
@@ -331,6 +333,7 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     assert r0.predicted_step_seconds == pytest.approx(
         r0.predicted_compute_seconds + r0.exposed_comm_seconds + r0.predicted_optimizer_seconds)
     assert r0.predicted_optimizer_seconds > 0  # optimizer=AdamW
+    assert r0.mfu == pytest.approx(t.peak_seconds / r0.predicted_step_seconds) and 0 < r0.mfu < 1
     by_unit = {u.name: u for u in t.units}
     assert sum(u.compute_seconds for u in t.units) == pytest.approx(t.compute_seconds)
     assert sum(u.exposed_comm_seconds for u in t.units) == pytest.approx(t.exposed_comm_seconds)

@@ -108,6 +108,14 @@ class Report:
     time: StepTime | None = field(default=None, repr=False, compare=False)
 
     @property
+    def mfu(self) -> float | None:
+        """The step's FLOPs utilisation: the seconds its graphs' FLOPs take at the device's peak
+        rate (recomputation included), over the predicted step. None: no time."""
+        if self.time is None or not self.predicted_step_seconds:
+            return None
+        return self.time.peak_seconds / self.predicted_step_seconds
+
+    @property
     def within_budget(self) -> bool | None:
         """Whether this step's predicted peak is within ``memory_budget`` (None: no budget)."""
         return None if self.budget is None else self.predicted_peak_bytes <= self.budget.budget
@@ -188,6 +196,8 @@ class Report:
         return [f"  predicted step      {self.predicted_step_seconds * ms:10.3f} ms   ({'; '.join(parts)})",
                 f"  communication       {t.comm_seconds * ms:10.3f} ms   (the collectives start to end, "
                 "overlapped or not)",
+                *([f"  FLOPs utilisation   {self.mfu:10.1%}      ({t.flops / 1e12:.4g} TFLOP per step at the "
+                   "device's peak rate, recomputation included)"] if self.mfu is not None and t.flops else []),
                 *([f"  compute outside the units' modules {outside * ms:.3f} ms"] if outside else []),
                 f"  rates               {t.rates}"]
 

@@ -387,6 +387,11 @@ class StepTime:
     units: tuple[UnitTime, ...]
     collectives: tuple[CollectiveSpan, ...]
     agreement_seconds: float = 0.0  # the ranks' agreement before each graph (exposed)
+    # The graphs' FLOPs (torch's formulas; recomputation included), and the seconds the
+    # device would take for them at its peak rate per dtype: ``peak_seconds / seconds`` is
+    # the step's FLOPs utilisation.
+    flops: int = 0
+    peak_seconds: float = 0.0
     nodes: tuple[NodeSpan, ...] = field(default=(), repr=False, compare=False)
 
 
@@ -505,7 +510,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
     net = _Streams()
     now = 0.0
-    compute = exposed = agreed = 0.0
+    compute = exposed = agreed = peak = 0.0
+    total_flops = 0
     per_unit: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
     spans: list[CollectiveSpan] = []
     node_spans: list[NodeSpan] = []
@@ -529,6 +535,10 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 now += cost.seconds
                 compute += cost.seconds
                 per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += cost.seconds
+            if cost.flops:
+                total_flops += cost.flops
+                outs = _tensors(node.meta.get("val"))
+                peak += cost.flops / device.flop_rate(outs[0].dtype if outs else None)
             if node in info:
                 c = info[node]
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
@@ -559,5 +569,5 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     unit_times = tuple(UnitTime(u, *v) for u, v in per_unit.items())
     return StepTime(rates.name, now, compute, exposed, sum(s.seconds for s in spans), tuple(windows),
                     unit_times, tuple(sorted(spans, key=lambda s: (s.issued, s.start))), agreed,
-                    tuple(node_spans))
+                    total_flops, peak, tuple(node_spans))
 
