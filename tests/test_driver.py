@@ -240,7 +240,10 @@ def test_pipeline_is_built_from_the_configuration() -> None:
     assert names("inference") == names("forward")
     # Every position has its reason, printable.
     text = describe(CompileConfig())
-    assert "7. schedule_reduce_scatter_pass: after the gathers are positioned" in text
+    assert "6. schedule_reduce_scatter_pass: after the gathers are positioned" in text
+    # Rewrites in place come right after the sort.
+    assert names("backward")[-4:] == ["topological_sort_pass", "accumulate_in_place_pass",
+                                      "scale_in_place_pass", "insert_free_pass"]
     assert all(s.why for g in ("joint", "forward", "backward") for s in build_pipeline(g, CompileConfig()))
 
 

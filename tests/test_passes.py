@@ -405,6 +405,48 @@ def test_accumulate_in_place_leaves_inputs_views_and_broadcasts_alone() -> None:
     assert "aten.add_" not in normalised_ops(gm)
 
 
+def test_accumulate_in_place_leaves_a_sum_a_lowering_made() -> None:
+    from fxshard.ir import meta
+
+    b = Builder()
+    x = b.input("x", 4, 4)
+    total = b.op(aten.add.Tensor, b.op(aten.mm.default, x, x), x)  # would qualify
+    tag = meta.ChainTag(0, meta.Direction.REDUCE, "all_to_all_sum")
+    meta.set_info(total, meta.NodeInfo(meta.Role.SUM, 0, "", tag))  # reduce_in_rank_order's
+    gm = accumulate_in_place_pass(b.done(total), ctx("backward"))
+    assert "aten.add_" not in normalised_ops(gm)
+
+
+def test_scale_in_place_divides_a_fresh_gradient_in_its_place_and_chain() -> None:
+    from fxshard.ir import meta
+    from fxshard.passes import scale_in_place_pass
+
+    b = Builder()
+    g0, g1 = b.input("g0", 4, 4, tag="is_backward"), b.input("g1", 4, 4, tag="is_backward")
+    flat0 = b.op(aten.view.default, g0, [16], tag="is_backward")
+    fresh = b.graph.call_function(aten.cat.default, ([flat0],))  # AOTAutograd's flat gradient
+    with b.mode:
+        fresh.meta["val"] = torch.cat([flat0.meta["val"]])
+    fresh.meta["partitioner_tag"] = "is_backward"
+    viewed = b.op(aten.view.default, g1, [16], tag="is_backward")  # a view of an input: not fresh
+    gm = b.done(b.op(ops.REDUCE_GRAD, fresh, 0, 2, tag="is_backward"),
+                b.op(ops.REDUCE_GRAD, viewed, 1, 2, tag="is_backward"))
+    gm = insert_reduce_scatter_pass(gm, ctx("backward"))
+    assert normalised_ops(gm).count("aten.div") == 2  # the lowerings divide out of place
+    where = [n.args[0] for n in gm.graph.nodes if n.target is aten.div.Tensor].index(fresh)
+    place = [i for i, n in enumerate(gm.graph.nodes) if n.target is aten.div.Tensor][where]
+    gm = scale_in_place_pass(gm, ctx("backward"))
+    gm.graph.lint()
+    (scaled,) = [n for n in gm.graph.nodes if n.target is aten.div_.Tensor]
+    assert list(gm.graph.nodes).index(scaled) == place  # in the division's place
+    assert scaled.args == (fresh, 2) and meta.role_of(scaled) is meta.Role.SCALE
+    assert P.is_reduce_scatter(next(iter(scaled.users)))
+    info = meta.get_info(scaled)
+    assert info is not None and info.chain is not None and info.chain.direction is meta.Direction.REDUCE
+    assert normalised_ops(gm).count("aten.div") == 1
+    verify(gm)
+
+
 def _names(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes]
 

@@ -18,6 +18,7 @@ from .pipeline import (
     run_passes,
 )
 from .rematerialize_params import rematerialize_params_pass
+from .scale_in_place import scale_in_place_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
@@ -44,6 +45,7 @@ __all__ = [
     "rematerialize_params_pass",
     "checkpoint_activations_pass",
     "run_passes",
+    "scale_in_place_pass",
     "schedule_reduce_scatter_pass",
     "sink_allocations_pass",
     "topological_sort_pass",

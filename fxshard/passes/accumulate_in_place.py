@@ -15,6 +15,10 @@ exists and the graph does not return it), it owns its storage (a fresh
 result, not a view, not a graph input), and it has the result's shape,
 dtype and strides. Floating-point addition is commutative, so adding into
 either operand computes the same bits.
+
+It runs after the sort, with ``scale_in_place_pass``: no pass before these two
+sees a write, and the new node takes the sum's place. The sums a lowering made
+(``reduce_in_rank_order``'s, ``no_sync``'s flush) are the lowering's to decide.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.meta import Role
 from fxshard.ir.nodes import call
 
 from .context import PassContext
@@ -48,10 +54,19 @@ def _target(add: fx.Node) -> tuple[fx.Node, fx.node.Argument] | None:
     return None
 
 
+def _lowered(add: fx.Node) -> bool:
+    """A sum a lowering made (reduce_in_rank_order's, no_sync's flush): the lowering decides
+    how it adds."""
+    info = meta.get_info(add)
+    return info is not None and (info.chain is not None or info.role is Role.ACCUMULATE)
+
+
 def accumulate_in_place_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     changed = False
     for add in [n for n in graph.nodes if P.is_call(n) and n.target is aten.add.Tensor]:
+        if _lowered(add):
+            continue
         found = _target(add)
         if found is None:
             continue

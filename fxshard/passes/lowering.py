@@ -173,12 +173,9 @@ def keep_local(site: Site, ctx: PassContext) -> fx.Node:
 
 def _scaled(b: ChainBuilder, site: Site, ctx: PassContext) -> fx.Node:
     """The gradient in its reduce dtype, divided by the ranks it is averaged over (DDP's order:
-    divide, then sum). A fresh ``cat`` or cast read only here is divided in place, rather than
-    held twice until the reduction is issued."""
+    divide, then sum). ``scale_in_place_pass`` divides a fresh one in place, last."""
     grad = b.cast(site.value, site.marker.reduce_dtype)
-    fresh = grad.target in (aten.cat.default, CONVERT) and set(grad.users) <= {site.marker.node}
-    return b.add(aten.div_.Tensor if fresh else aten.div.Tensor, (grad, ctx.layout.grad_divisor),
-                 Role.SCALE)
+    return b.add(aten.div.Tensor, (grad, ctx.layout.grad_divisor), Role.SCALE)
 
 
 def _reduction(name: str, first: str) -> Lowering:

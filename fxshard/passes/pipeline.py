@@ -34,6 +34,7 @@ from .insert_free import insert_free_pass
 from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
 from .reshard_within import reshard_within_pass
+from .scale_in_place import scale_in_place_pass
 from .schedule import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
@@ -125,12 +126,14 @@ def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                      needs=("place_gathers_pass",))]
 
 
-def _finish(config: CompileConfig) -> list[PassSpec]:
-    """The one sort, then what reads the final order: frees and in-flight group slots."""
+def _finish(config: CompileConfig, in_place: Sequence[PassSpec] = ()) -> list[PassSpec]:
+    """The one sort, the in-place rewrites, then what reads the final order: frees and
+    in-flight group slots."""
     specs = [PassSpec(topological_sort_pass,
                       "after every scheduling constraint: places all the nodes they positioned "
                       "in one stable sort",
                       needs=("place_gathers_pass",), required=_SORTS)]
+    specs += in_place
     if config.compute == "eager":
         specs.append(PassSpec(insert_free_pass,
                               "after the sort: frees follow the final position of every use",
@@ -152,9 +155,6 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
         PassSpec(eliminate_dead_code_pass,
                  "first: the partitioner copies dead forward nodes (dropout, and the gathers "
                  "feeding them) into backward"),
-        PassSpec(accumulate_in_place_pass,
-                 "gradient sums only: touches no parameter buffer, so it can run anywhere; "
-                 "early, so later passes see the final readers of every tensor"),
         PassSpec(insert_all_gather_pass,
                  "lower markers early: every later pass reasons about real collectives",
                  required=_LOWERS_GATHERS),
@@ -176,7 +176,14 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                           "last constraint: reads the positions every collective was given and "
                           "moves only compute that reads no gathered buffer and no collective "
                           "result"))
-    specs += _finish(config)
+    specs += _finish(config, in_place=[
+        PassSpec(accumulate_in_place_pass,
+                 "after the sort: rewrites in place come last, so no pass before reasons "
+                 "about writes; gradient sums only, so no gather, free or reduction moves"),
+        PassSpec(scale_in_place_pass,
+                 "after the sort, with the other rewrite in place: the division keeps its "
+                 "place in its reduction's chain"),
+    ])
     return specs
 
 
