@@ -97,6 +97,26 @@ def test_under_a_tight_budget_auto_takes_the_fastest_plan_that_fits() -> None:
 
 
 @pytest.mark.slow  # explain traces every candidate: seconds each
+def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units() -> None:
+    """A budget just under the 4 buckets kept gathered: resharding all of them fits, and so
+    does resharding fewer (the budget ladder's choice, tried though a variant fits), which
+    re-gathers less in backward and is predicted faster."""
+    free = _explain("tiny")
+    kept = next(t for t in _trials(free) if t.plan == "by_class(Sequential), buckets of 4 units"
+                and t.schedule == "kept gathered to backward, 2 gathers in flight")
+    budget = kept.peak - 1
+    e = _explain("tiny", memory_budget=budget)
+    mine = [t for t in _trials(e) if t.plan == kept.plan]
+    zero3 = next(t for t in mine if t.schedule == "resharded after forward, 2 gathers in flight")
+    laddered = next(t for t in mine if t.schedule.startswith("memory budget: "))
+    assert zero3.fits and laddered.fits and laddered.peak <= budget
+    resharded = int(laddered.schedule.removeprefix("memory budget: ").split()[0])
+    assert 0 < resharded < laddered.units
+    assert laddered.seconds < zero3.seconds
+    assert e.report.auto is not None and e.report.auto.chosen == laddered
+
+
+@pytest.mark.slow  # explain traces every candidate: seconds each
 def test_a_budget_nothing_meets_is_a_budget_error() -> None:
     with pytest.raises(fxshard.BudgetError, match="cannot be met"):
         _explain("tiny", memory_budget=1024, optimizer=torch.optim.SGD)
@@ -117,6 +137,34 @@ def test_pinned_units_choose_only_buckets_and_the_schedule() -> None:
                             policy=auto(units=by_class(nn.Linear)), hardware="h100-nvlink")
     assert {t.plan.split(",")[0] for t in _trials(e)} == {"by_class(Linear)"}
     assert any("buckets" in t.plan for t in _trials(e))
+
+
+def test_a_transformer_block_is_a_candidate_though_its_layers_outnumber_it() -> None:
+    """A GPT's most frequent classes are its Linear and LayerNorm layers; its Block, FSDP2's
+    unit, is tried too."""
+    from fxshard.ir.auto import block_class, candidates
+    from tests.models import Block, TinyGPT
+
+    model = TinyGPT(vocab=64, dim=16, heads=2, layers=3, seq=8)
+    assert block_class(model) is Block
+    labels = [c.label for c in candidates(model, None, lambda policy: [1])]
+    assert labels[:3] == ["by_class(Linear)", "by_class(LayerNorm)", "by_class(Block)"]
+    # Where the most frequent class is the block (a stack of layers), it is not tried twice.
+    assert [c.label for c in candidates(_tiny_layers(), None, lambda policy: [1])].count("by_class(Sequential)") == 1
+
+
+def test_buckets_are_sized_by_the_typical_unit_not_a_small_head() -> None:
+    """An MLP of 256-wide layers with a 10-wide head: buckets of 4 and 16 of its layers, where
+    sizing by the smallest unit (the head) made buckets smaller than one layer (no bucket)."""
+    from fxshard.ir.auto import candidates
+    from tests.models import MLP
+
+    layer, head = 256 * 257 * 4, 10 * 257 * 4
+    sizes = [layer] * 7 + [head]
+    buckets = [c for c in candidates(MLP(d_in=256, hidden=256, depth=8, d_out=10), None, lambda policy: sizes)
+               if c.bucket_bytes]
+    assert [(c.label, c.bucket_bytes) for c in buckets] == [
+        ("by_class(Linear), buckets of 4 units", 4 * layer + 1), ("by_class(Linear), buckets of 16 units", 16 * layer + 1)]
 
 
 def test_auto_without_example_inputs_or_rates_is_refused_naming_what_to_pass() -> None:

@@ -6,9 +6,10 @@ made, nothing runs) whose one trace calls :func:`_planner` with the joint graph,
 memory budget's planner is called. That planner emits every variant from a copy of the
 joint graph (``GraphCompiler.emit``) and predicts it as ``report()`` would: the step's
 time from the cost model, on the driver's rates, and its peak from the liveness analysis.
-Every rank takes each prediction's largest over the ranks, so all choose alike. Where no
-variant fits ``memory_budget``, the budget's ladder (``driver.budget.choose``) lowers the
-candidate's cheapest variant until it fits, and that is its trial.
+Every rank takes each prediction's largest over the ranks, so all choose alike. Where some
+variant is over ``memory_budget``, the budget's ladder (``driver.budget.choose``) lowers the
+candidate from every unit kept gathered until it fits (the first units resharded; where even
+resharding all does not fit, prefetch limits, recompute, offload), and that is one more trial.
 
 The result is a ``Schedule``: the chosen policy and options in its configuration, with the
 ``AutoChoice`` that says why. The driver then plans and shards with it and traces the
@@ -62,15 +63,14 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any) -> Schedule:
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     input_bytes = sum(x.numel() * x.element_size() for x in tensors)
     buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-    def smallest_unit_bytes(policy: Policy) -> int:
+    def unit_bytes(policy: Policy) -> list[int]:
         plan = make_plan(module, policy, driver.world.size)
-        sizes = [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
-                 for u in plan.units if u.name]
-        return min(sizes, default=0)
+        return [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
+                for u in plan.units if u.name]
 
     with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
         warnings.simplefilter("ignore")
-        plans = candidates(module, spec.units, smallest_unit_bytes)
+        plans = candidates(module, spec.units, unit_bytes)
     found: list[tuple[Trial, Schedule]] = []
     failures: list[BudgetError] = []
     seen: set[tuple[str, ...]] = set()
@@ -98,13 +98,18 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any) -> Schedule:
                 schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
                 mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
                                     buffer_bytes, label, name, config.memory_budget), schedule))
-            if config.memory_budget is not None and not any(t.fits for t, _ in mine):
+            if config.memory_budget is not None and not all(t.fits for t, _ in mine):
+                # Some variant is over the budget (keeping every unit gathered, at least): the
+                # budget's ladder finds the fewest changes from it that fit (the first units
+                # resharded, the rest kept), between the variants above; where none of them
+                # fits, it is the only way in.
                 try:
                     laddered = budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
                                              trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
                                              input_bytes)
                 except BudgetError as e:
-                    failures.append(e)
+                    if not any(t.fits for t, _ in mine):
+                        failures.append(e)
                 else:
                     assert laddered.budget is not None
                     mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, input_bytes,

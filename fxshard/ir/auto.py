@@ -11,24 +11,29 @@ Plan candidates, each a wrapping policy (units), and how units merge into bucket
 =====================================  ==============================================
 candidate                              why
 =====================================  ==============================================
-``by_class(C)``                        a class repeated in the model (a transformer
-                                       block): FSDP2's one unit per block
+``by_class(C)``                        the two classes repeated most often in the model
+                                       (a layer), and the outermost repeated class that
+                                       holds others (a transformer block): FSDP2's one
+                                       unit per block
 one unit                               the whole model in one collective each way
 ``by_size(N/2)``, ``(N/8)``, ``(N/32)``  FSDP's size rule over the parameters' count N:
                                        a module whose unclaimed parameters reach it
 ``by_class(C)`` with ``bucket_bytes``   the first class's units merged into buckets of
-                                       about 4 and 16 units (one collective each)
+                                       about 4 and 16 of its typical (median) unit
+                                       (one collective each)
 ``units``, alone and bucketed          ``auto(units=...)``: the given units, and the
                                        same buckets of them
 =====================================  ==============================================
 
 Candidates that make the same units are tried once. Schedule variants of each: resharded
 after forward or kept gathered (ZeRO-3 or ZeRO-2), and one or two gathers in flight
-(the prefetch depth).
+(the prefetch depth); under a ``memory_budget`` that one of them exceeds, also the budget
+ladder's choice (the first units resharded, the rest kept gathered, as few as fit).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -101,25 +106,40 @@ def repeated_classes(module: nn.Module) -> list[type[nn.Module]]:
     return sorted(repeated, key=lambda c: (-count[c], depth[c]))
 
 
+def block_class(module: nn.Module) -> type[nn.Module] | None:
+    """The outermost repeated class whose instances hold other modules with parameters (a
+    transformer block, which the most frequent classes, its layers and norms, outnumber), or
+    None (ties: the first registered)."""
+    repeated = repeated_classes(module)
+    found = [(name.count("."), i, type(m)) for i, (name, m) in enumerate(module.named_modules())
+             if name and type(m) in repeated
+             and any(any(True for _ in c.parameters(recurse=False)) for c in m.modules() if c is not m)]
+    return min(found, key=lambda f: f[:2])[2] if found else None
+
+
 def candidates(module: nn.Module, pinned: Policy | None,
-               smallest_unit_bytes: Callable[[Policy], int]) -> list[Candidate]:
-    """The plans to trace, in a fixed order (every rank the same). ``smallest_unit_bytes``:
-    a policy's smallest unit but the root, in bytes (0: it makes none), which buckets are
-    sized by."""
+               unit_bytes: Callable[[Policy], list[int]]) -> list[Candidate]:
+    """The plans to trace, in a fixed order (every rank the same). ``unit_bytes``: the bytes of
+    each of a policy's units but the root (none: it makes none); buckets are sized by their
+    median, so that one small unit (an MLP's narrow head) does not make buckets smaller than
+    the units they should merge."""
     numel = sum(p.numel() for p in module.parameters())
     if pinned is not None:
         found = [Candidate(repr(pinned), pinned)]
         bucketed = [pinned]
     else:
-        classes = [by_class(c) for c in repeated_classes(module)[:2]]
+        repeated = repeated_classes(module)[:2]
+        block = block_class(module)
+        classes = [by_class(c) for c in repeated + ([block] if block is not None and block not in repeated else [])]
         found = [Candidate(repr(p), p) for p in classes]
         found.append(Candidate("one unit", None))
         found += [Candidate(f"by_size(N/{k})", by_size(max(1, numel // k))) for k in (2, 8, 32)]
         bucketed = classes[:1]
     for policy in bucketed:
-        smallest = smallest_unit_bytes(policy)
-        if smallest > 0:
-            found += [Candidate(f"{policy!r}, buckets of {k} units", policy, k * smallest + 1) for k in (4, 16)]
+        sizes = unit_bytes(policy)
+        typical = statistics.median_low(sizes) if sizes else 0
+        if typical > 0:
+            found += [Candidate(f"{policy!r}, buckets of {k} units", policy, k * typical + 1) for k in (4, 16)]
     return found
 
 
