@@ -262,7 +262,7 @@ def fit(points: list[tuple[float, float]]) -> Link:
 
 def _sizes(device: torch.device) -> tuple[int, ...]:
     """Full-buffer bytes measured: up to where bandwidth, not latency, decides."""
-    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 22)
+    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 23)
 
 
 def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
