@@ -16,7 +16,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 #   test_checkpoint (1 and 3 ranks), test_plan and test_local_ranks (3, 5, 7 ranks, no spawn).
 # - tests marked ``@pytest.mark.slow`` in their file: the quick benchmark, the Llama-scale explains,
 #   the gloo stress loop, the GPT example script (its resume at another world size is also
-#   test_checkpoint's, in the fast tier), and Lightning's precision flags (test_lightning);
+#   test_checkpoint's, in the fast tier), Lightning's precision flags (test_lightning), every
+#   doc page's examples (test_doc_examples), auto()'s toys (test_auto: each traces every
+#   candidate) and no_sync under Inductor (test_recipe);
 #   and variants of fast-tier checks marked there with ``pytest.param(..., marks=slow)``:
 #   timeouts that wait out their seconds, world size 1 parity, simulated world sizes 4 and 8,
 #   Lightning's validate load, the CLI's HF explain, the 4-rank HSDP error messages.

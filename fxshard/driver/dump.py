@@ -91,7 +91,8 @@ def write_dump(directory: Path, *, plan: ShardPlan, graphs: dict[str, fx.GraphMo
     try:
         from fxshard.driver.timeline import draw_timeline
     except ImportError as e:  # matplotlib is an optional extra
-        log.warning("fxshard: no timeline picture (%s); pip install 'fxshard[viz]'", e)
+        log.warning("fxshard: no timeline picture (%s); install matplotlib (from a clone: "
+                    "pip install -e \".[viz]\")", e)
         return written
     for suffix in ("png", "svg"):
         path = directory / f"timeline.{suffix}"
