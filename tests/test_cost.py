@@ -262,6 +262,18 @@ def test_collectives_in_flight_together_share_their_wires_or_queue_on_their_grou
     assert t.exposed_comm_seconds == pytest.approx(end_a + max(0.0, end_b - end_a - m))
 
 
+def test_a_step_of_hours_is_simulated_as_exactly_as_one_of_milliseconds() -> None:
+    """Times add up in floating point: a slow link (1 B/s: the 20 kB gathers take hours) must
+    still end each collective once, where the hand schedule says."""
+    link = Link(ALPHA, 1.0)
+    rates = Rates("slow", _device(), Network("slow", {"all_gather": link}))
+    t = predict_step({"forward": _two_in_flight("g1")}, rates,
+                     dimensions={"g0": ("shard", 0), "g1": ("shard", 1)})
+    w = 5000 * 4 / 1.0
+    assert [c.end for c in t.collectives] == pytest.approx([ALPHA + 2 * w] * 2)
+    assert t.seconds == pytest.approx(ALPHA + 2 * w + 2 * 2 * 100 ** 3 / GFLOP)
+
+
 def test_the_agreement_before_each_graph_is_waited_for() -> None:
     gm = _two_in_flight("g1")
     dims = {"g0": ("shard", 0), "g1": ("shard", 1)}

@@ -395,6 +395,9 @@ class StepTime:
     nodes: tuple[NodeSpan, ...] = field(default=(), repr=False, compare=False)
 
 
+_EPS = 1e-12  # relative: times compare equal this close (seconds that add up stay exact enough)
+
+
 @dataclass
 class _Flight:
     key: int
@@ -408,7 +411,7 @@ class _Flight:
     left: float = 0.0  # work left
 
     def in_data(self, now: float) -> bool:
-        return self.start + self.latency <= now + 1e-15
+        return self.start + self.latency <= now + _EPS * max(1.0, now)
 
 
 class _Streams:
@@ -450,11 +453,14 @@ class _Streams:
         for f in active:
             if f.in_data(self.now):
                 f.left -= (target - self.now) / sharing[f.link]
+        finishing = who is not None and at <= until and who.in_data(self.now)
         self.now = max(self.now, target)
         if who is None or at > until:
             return False
+        if finishing:  # exactly: rounding must not leave a sliver of work that never ends
+            who.left = 0.0
         for q in self.queues.values():  # everything done by now leaves its queue
-            while q and q[0].in_data(self.now) and q[0].left <= 1e-15:
+            while q and q[0].in_data(self.now) and q[0].left <= _EPS * max(q[0].work, 1e-9):
                 done = q.popleft()
                 done.end = self.now
                 if q:
