@@ -262,6 +262,21 @@ def test_collectives_in_flight_together_share_their_wires_or_queue_on_their_grou
     assert t.exposed_comm_seconds == pytest.approx(end_a + max(0.0, end_b - end_a - m))
 
 
+def test_the_timeline_picture_places_each_collective_at_its_predicted_milliseconds(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    from fxshard.driver.timeline import _spans
+
+    gm = _two_in_flight("g0")
+    t = predict_step({"forward": gm}, _rates(), dimensions={"g0": ("shard", 0)}, units=["a", "b"])
+    comms, windows, compute = _spans(gm, 0, t, "forward")
+    assert [(c[2], c[3]) for c in comms] == pytest.approx([(s.start * 1e3, s.end * 1e3) for s in t.collectives])
+    # Each unit's window opens at its wait, where the compute stream got past it.
+    assert [w[1] for w in windows] == pytest.approx([s.waited * 1e3 + s.exposed * 1e3 for s in t.collectives])
+    assert compute == sorted(compute) and compute[-1] < t.seconds * 1e3
+    by_order = _spans(gm, 0)  # without a time: node order
+    assert [c[2] for c in by_order[0]] == [2.0, 4.0]
+
+
 def test_a_step_of_hours_is_simulated_as_exactly_as_one_of_milliseconds() -> None:
     """Times add up in floating point: a slow link (1 B/s: the 20 kB gathers take hours) must
     still end each collective once, where the hand schedule says."""

@@ -38,7 +38,7 @@ from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains
 from fxshard.ir.collectives import KINDS
-from fxshard.ir.cost import StepTime
+from fxshard.ir.cost import StepTime, node_times
 
 TIME_AXIS = ("node order, not time: each node of the emitted graphs takes 1 us, the forward "
              "graph's nodes first, then the backward graph's; a collective spans its issue to its wait")
@@ -78,12 +78,7 @@ def _clock(name: str, gm: fx.GraphModule, offset: float,
     predicted microseconds (a node that costs nothing sits where the previous one ended)."""
     if time is None:
         return {n: (offset + i, offset + i + 1.0) for i, n in enumerate(gm.graph.nodes)}
-    predicted = {s.node: (s.start * 1e6, s.end * 1e6) for s in time.nodes if s.graph == name}
-    clock, now = {}, next(a * 1e6 for g, a, _ in time.graphs if g == name)
-    for n in gm.graph.nodes:
-        clock[n] = predicted.get(n.name, (now, now))
-        now = clock[n][1]
-    return clock
+    return {n: (start * 1e6, end * 1e6) for n, (start, end) in node_times(time, name, gm).items()}
 
 
 def chrome_trace(graphs: dict[str, fx.GraphModule], report: Report) -> dict[str, Any]:

@@ -398,6 +398,18 @@ class StepTime:
 _EPS = 1e-12  # relative: times compare equal this close (seconds that add up stay exact enough)
 
 
+def node_times(time: StepTime, graph: str, gm: fx.GraphModule) -> dict[fx.Node, tuple[float, float]]:
+    """Each node of ``gm`` (``time``'s ``graph``) with its predicted start and end in seconds;
+    a node that costs nothing sits where the one before it ended."""
+    predicted = {s.node: (s.start, s.end) for s in time.nodes if s.graph == graph}
+    now = next(start for name, start, _ in time.graphs if name == graph)
+    clock: dict[fx.Node, tuple[float, float]] = {}
+    for node in gm.graph.nodes:
+        clock[node] = predicted.get(node.name, (now, now))
+        now = clock[node][1]
+    return clock
+
+
 @dataclass
 class _Flight:
     key: int
@@ -564,6 +576,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 entry = per_unit.setdefault(c.unit, [0.0, 0.0, 0.0])
                 entry[1] += end - flight.start
                 entry[2] += wait
+                if wait:  # the wait node spans the compute stream's wait
+                    node_spans.append(NodeSpan(name, node.name, c.unit, now, now + wait))
                 exposed += wait
                 now += wait
         for flight, _ in issued.values():  # not waited in this graph (never, once verified)
