@@ -77,7 +77,13 @@ class ShardedModule(nn.Module):
                     child = owner._modules[part] = nn.Module()
                 assert child is not None
                 owner = child
-            owner._parameters[leaf] = view
+            try:
+                owner.register_parameter(leaf, view)
+            except KeyError as e:  # a root parameter named like an attribute of this class
+                raise FxShardError(
+                    f"use_orig_params=True cannot give parameter {name!r} its name here: "
+                    f"ShardedModule has an attribute {leaf!r}. Rename the parameter, or compile "
+                    "without use_orig_params (the optimizer then steps the flat shards)") from e
 
     # -- inspection -------------------------------------------------------------------------
 

@@ -239,11 +239,11 @@ def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_th
 def _largest_worker(rank: int, world_size: int) -> list[int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxshard.driver.budget import _largest_over_ranks
+    from fxshard.driver.budget import largest_over_ranks
 
     sharded = fxshard.compile(TinyGPT(vocab=61, dim=32, heads=2, layers=1, seq=8), by_class(Block))
     with FakeTensorMode():  # where the planner runs: inside the trace's fake mode
-        return _largest_over_ranks(sharded._driver.world, [rank, 10 - rank])
+        return largest_over_ranks(sharded._driver.world, [rank, 10 - rank])
 
 
 def test_every_rank_plans_on_the_largest_peak_over_the_ranks() -> None:

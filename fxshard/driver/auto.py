@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -29,27 +30,52 @@ import torch.nn as nn
 
 from fxshard.driver import budget
 from fxshard.driver.budget import largest_over_ranks
-from fxshard.driver.codegen import GraphCompiler, layout_of
+from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
 from fxshard.driver.report import Report
+from fxshard.driver.runtime import World
 from fxshard.driver.steps import CompiledStep, Schedule
 from fxshard.ir.auto import AutoChoice, Trial, candidates, fastest, variants
+from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import step_collectives
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
-from fxshard.ir.cost import PROFILES
+from fxshard.ir.cost import PROFILES, Rates
 from fxshard.ir.errors import BudgetError, FxShardError
-from fxshard.ir.plan import make_plan
+from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.policies import Auto, Policy
 from fxshard.passes.context import REDUCE
 
-if TYPE_CHECKING:
-    from fxshard.driver.compiler import Driver
+
+class Driver(Protocol):
+    """What this module uses of ``fxshard.driver.compiler.Driver`` (which imports this
+    module, so it is not imported here)."""
+
+    config: CompileConfig
+    world: World
+    rates: Rates | None
+    schedule: Schedule
+    shards: list[nn.Parameter]
+    budget_regions: Checkpointing | None
+    trial_planner: Planner | None
+
+    @property
+    def plan(self) -> ShardPlan: ...
+
+    def timing(self) -> Rates | None: ...
+
+    def shard(self, module: nn.Module, *, allow_meta: bool = False,
+              example_inputs: Any = None) -> list[nn.Parameter]: ...
+
+    def trace_module(self, module: nn.Module, shards: Sequence[nn.Parameter], leaves: list[Any],
+                     spec: pytree.TreeSpec) -> tuple[Any, CompiledStep]: ...
+
+    def report(self, step: CompiledStep) -> Report: ...
 
 
-def choose(driver: Driver, module: nn.Module, example_inputs: Any) -> Schedule:
-    """The schedule ``auto()`` predicts fastest for ``module`` on ``example_inputs``."""
-    from fxshard.driver.compiler import Driver
-
+def choose(driver: Driver, module: nn.Module, example_inputs: Any,
+           make: Callable[..., Driver]) -> Schedule:
+    """The schedule ``auto()`` predicts fastest for ``module`` on ``example_inputs``. ``make``
+    builds a trial driver: ``make(config, runs=False, world=driver.world)``."""
     config = driver.config
     spec = config.policy
     assert isinstance(spec, Auto)
@@ -80,7 +106,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any) -> Schedule:
             options = replace(options, bucket_bytes=candidate.bucket_bytes)
         trial_config = replace(config, policy=candidate.policy, options=options, dump_dir=None,
                                on_pass=None, verify=False)
-        trial = Driver(trial_config, runs=False, world=driver.world)
+        trial = make(trial_config, runs=False, world=driver.world)
         trial.rates = rates
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

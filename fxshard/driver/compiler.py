@@ -36,6 +36,7 @@ from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
 from fxshard.driver.guards import Guards, guards_of
+from fxshard.driver.inductor import compile_graph
 from fxshard.driver.init import broadcast_shards, materialise_shards
 from fxshard.driver.orig_params import OrigParams
 from fxshard.driver.report import Report, build_report, describe_tensors, timed
@@ -166,7 +167,7 @@ class Driver:
                 raise FxShardError(
                     "policy=auto() chooses the units and the schedule from a trace of the model: pass "
                     "example_inputs= (a batch of the shape training uses) to fxshard.compile")
-            self.schedule = auto.choose(self, module, example_inputs)
+            self.schedule = auto.choose(self, module, example_inputs, Driver)
             assert self.schedule.auto is not None
             policy = self.schedule.config.policy
         sync = self.config.sync_module_states and self.world.job_size > 1 and self.runs
@@ -608,7 +609,7 @@ def _with_inductor_joint_passes(partition: Callable[..., Any]) -> Callable[..., 
 
 
 def _inductor_finish(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-    return compat.inductor_compile_fx_inner(gm, example_inputs)
+    return compile_graph(gm, example_inputs)  # through torch's FX graph cache
 
 
 def _unit_modules(plan: ShardPlan) -> ByPredicate:
