@@ -4,7 +4,7 @@
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
         [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW] \\
         [--device cuda]
-        [--hardware h100-ib]  # predict the step's time there; --policy "auto()" chooses by it
+        [--mixed-precision bf16] [--hardware h100-ib]  # predict the step's time there; --policy "auto()" chooses by it
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
     fxshard calibrate [--hardware NAME]   # the rates fxshard predicts time with (this machine's;
                                           # under torchrun, the live group's network too)
@@ -293,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the predicted step as a Chrome trace (JSON; Perfetto, chrome://tracing); "
                          "its time axis is node order")
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
+    ex.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                    help="param_dtype bf16/fp16, reduce_dtype fp32 (fxshard.MixedPrecision)")
     ex.add_argument("--hardware", default=None, metavar="NAME",
                     help="predict the step's time on a named profile (fxshard calibrate --list)")
     ca = sub.add_parser("calibrate", help="the rates fxshard predicts time with: this machine's, or a profile's")
@@ -393,6 +395,12 @@ def _explain(args: argparse.Namespace) -> int:
             options["memory_budget"] = parse_bytes(args.memory_budget)
         if args.optimizer:
             options["optimizer"] = parse_optimizer(args.optimizer)
+        if args.mixed_precision:
+            from fxshard.ir.precision import MixedPrecision
+
+            options["mixed_precision"] = MixedPrecision(
+                param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16,
+                reduce_dtype=torch.float32)
         inputs = _inputs(args.input_shape, args.input_dtype)
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)
