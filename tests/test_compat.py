@@ -55,6 +55,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     "the decoder layer classes, which Accelerate's FSDP plugin also wraps by default",
     ("fxshard/hf.py", "_save"): "transformers' Trainer._save, not torch's: writes the model with "
     "save_pretrained from a given state dict, as Trainer.save_model does",
+    ("fxshard/driver/inductor.py", "_guards"): "TracingContext and tracing, the same on 2.11, 2.13 "
+    "and 2.15: the context in which Inductor's FX graph cache finds a shape environment, without "
+    "which it bypasses every graph fxshard hands it; compat's row when fxshard/ir/compat.py next changes",
+    ("fxshard/driver/inductor.py", "_dynamo"): "torch._dynamo.utils.counters, the same on 2.11, 2.13 "
+    "and 2.15: the FX graph cache's hit, miss and bypass counts, which the compile logs",
 }
 
 
