@@ -103,10 +103,18 @@ def test_explain_plans_llama3_70b_on_a_128_by_8_mesh() -> None:
     with torch.device("meta"):
         model = Llama(LLAMA3_70B)
     e = fxshard.explain(model, torch.zeros(1, 2048, dtype=torch.long), policy=by_class(TransformerBlock),
-                        mesh_shape=(128, 8), rank=1001)
+                        mesh_shape=(128, 8), rank=1001, hardware="h100-ib")
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     assert e.report.shard_bytes * 8 == psi  # every unit's numel divides by 8: no padding
     assert set(e.report.comm_bytes_per_dimension) == {"shard", "replicate"}
+    # The time at scale: a predicted step, its exposed communication and MFU, on a
+    # profile whose replicas talk over InfiniBand (time.md, "At scale", for the numbers).
+    r = e.report
+    assert r.predicted_step_seconds is not None and r.exposed_comm_seconds is not None and r.mfu is not None
+    assert 0 < r.exposed_comm_seconds < r.predicted_step_seconds
+    # Against the datasheet's peak: no step beats the matmul fraction the profile assumes.
+    assert 0 < r.mfu <= 0.7
+    assert r.time is not None and {c.dimension for c in r.time.collectives} >= {"shard", "replicate"}
 
 
 def _llama3_8b(layers: int) -> Any:

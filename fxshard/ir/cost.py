@@ -74,6 +74,10 @@ class DeviceRates:
     view_overhead: float = 0.0
     matmul_curve: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     per_element: Mapping[str, float] = field(default_factory=dict)
+    # The datasheet's dense peak by dtype, which FLOPs utilisation is measured against (a
+    # profile's ``matmul_flops`` are what large matmuls reach, below it); none given: the
+    # highest rate the device was measured at.
+    peak_flops: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
@@ -88,6 +92,14 @@ class DeviceRates:
                 curve = self.matmul_curve.get(candidate)
                 return _interpolate(curve, flops) if curve and flops else self.matmul_flops[candidate]
         return min(self.matmul_flops.values())
+
+    def peak_rate(self, dtype: torch.dtype | None) -> float:
+        """The peak FLOP/s for ``dtype`` that utilisation is measured against."""
+        name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+        for candidate in (name, "bfloat16" if name == "float16" else name, "float32"):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate]
+        return self.flop_rate(dtype)
 
 
 def _interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:
@@ -199,6 +211,7 @@ _H100_SXM = DeviceRates(
     0.85 * 3.35e12,  # HBM3 3.35 TB/s; STREAM-like kernels reach about 85%
     5e-6,  # an eager operator: dispatch and launch, about 5 us
     2e-6,
+    peak_flops={"bfloat16": 989e12, "float32": 67e12},  # the datasheet's dense peaks (MFU's base)
 )
 # NVLink 4: 900 GB/s per GPU both ways together, 450 GB/s each way; NCCL's ring reaches
 # about 80% of it in bus bandwidth (nccl-tests' busbw) for large messages.
@@ -556,7 +569,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             if cost.flops:
                 total_flops += cost.flops
                 outs = _tensors(node.meta.get("val"))
-                peak += cost.flops / device.flop_rate(outs[0].dtype if outs else None)
+                peak += cost.flops / device.peak_rate(outs[0].dtype if outs else None)
             if node in info:
                 c = info[node]
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
