@@ -18,7 +18,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 #   the gloo stress loop, the GPT example script (its resume at another world size is also
 #   test_checkpoint's, in the fast tier), Lightning's precision flags (test_lightning), every
 #   doc page's examples (test_doc_examples), auto()'s toys (test_auto: each traces every
-#   candidate) and no_sync under Inductor (test_recipe);
+#   candidate), no_sync under Inductor (test_recipe) and a second job loading the first's
+#   Inductor graphs from torch's cache (test_compile_cache);
 #   and variants of fast-tier checks marked there with ``pytest.param(..., marks=slow)``:
 #   timeouts that wait out their seconds, world size 1 parity, simulated world sizes 4 and 8,
 #   Lightning's validate load, the CLI's HF explain, the 4-rank HSDP error messages.
