@@ -94,8 +94,17 @@ def time_prediction() -> str:
     return str(module.markdown(report["results"], report["meta"]))
 
 
+def auto_choice() -> str:
+    """benchmarks/auto.py: auto()'s measured step against the fastest alternative within FSDP2's peak."""
+    import auto
+
+    report = _load(RESULTS / "auto.json")
+    return str(auto.markdown(report["results"], report["meta"]))
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"benchmark": benchmark, "scaling": scaling, "sweep": sweep,
-                                        "checkpointing": checkpointing, "time": time_prediction}
+                                        "checkpointing": checkpointing, "time": time_prediction,
+                                        "auto": auto_choice}
 _BLOCK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 

@@ -107,3 +107,35 @@ def test_append_keeps_and_marks_the_earlier_runs_rows() -> None:
     table = run.markdown(results, {"machine": "m", "torch": "t", "world_size": 2})
     assert "| large† | fsdp2 | 2000 | 1.00 |" in table and "| net | fsdp2 | 1000 | 1.00 |" in table
     assert "†: large measured in a separate run of this benchmark" in table
+
+
+def test_auto_benchmark_compares_with_the_fastest_that_fits_and_marks_the_same_program() -> None:
+    """benchmarks/auto.py's summary on made-up rows: a faster system over the budget is not the
+    yardstick; a system with auto()'s graphs is marked; a budget no schedule meets is a row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import auto
+
+    mib = 1 << 20
+
+    def row(system: str, step: float, peak: int, graphs: str | None) -> dict:
+        return {"system": system, "units": 3, "schedule": "defaults", "step_s": step,
+                "step_spread_s": [step * 0.9, step * 1.5], "peak_bytes": peak * mib,
+                "predicted_step_s": step, "predicted_peak_bytes": peak * mib, "graphs": graphs,
+                "compile_s": 1.0}
+
+    result = {"model": "gpt", "label": "GPT", "budget_bytes": 100 * mib, "load_1min_before": 1.0,
+              "load_1min": 2.0,
+              "rows": [row("fsdp2", 1.2, 100, None), row("by_class(Block)", 1.0, 90, "a"),
+                       row("by_size(2 block = 8)", 0.5, 140, "b"),
+                       {"system": "by_size(2 block = 8), budget", "failed": "memory_budget 100 MiB cannot be met"},
+                       {**row("auto()", 1.02, 99, "a"), "chosen": "by_class(Block), resharded"}]}
+    result["summary"] = auto.summarize(result)
+    s = result["summary"]
+    assert s["fastest_that_fits"] == "by_class(Block)" and s["fastest_is_auto_graphs"]
+    assert s["auto_over_fastest"] == 1.02 / 1.0 and s["auto_peak_over_budget"] == 0.99 and s["met"]
+    table = auto.markdown([result], {"machine": "x86_64, 2 cores", "torch": "t", "fxshard": "f",
+                                     "rounds": 2, "per_round": 1})
+    assert "| GPT | 100.0 | by_class(Block) (auto()'s graphs) | 1000.0 | by_class(Block), resharded | 1020.0 | 1.02 |" in table
+    assert "| GPT | by_size(2 block = 8) | 3 | defaults | 500.0 (450-750) | 140.0 | no |" in table
+    assert "| GPT | by_class(Block) | 3 | defaults | 1000.0 (900-1500) | 90.0 | yes | 1000.0 | 90.0 | = |" in table
+    assert "failed: memory_budget 100 MiB cannot be met" in table
