@@ -193,6 +193,7 @@ def refusal_results(tmp_path_factory: Any) -> list[dict[str, Any]]:
     return run_ranks(_refusals_and_checkpoint, 2, str(tmp_path_factory.mktemp("ckpt") / "step"))
 
 
+@pytest.mark.slow  # the fast tier keeps the DDP parity above
 def test_groups_by_p_dim_are_refused_before_the_first_step_naming_the_way(
         refusal_results: list[dict[str, Any]]) -> None:
     for r in refusal_results:
@@ -203,11 +204,13 @@ def test_groups_by_p_dim_are_refused_before_the_first_step_naming_the_way(
         assert r["unchanged"]  # refused before anything changed
 
 
+@pytest.mark.slow  # the fast tier keeps the DDP parity above
 def test_groups_by_full_shape_are_nanogpts_groups(refusal_results: list[dict[str, Any]]) -> None:
     for r in refusal_results:
         assert r["by_shape"] == r["ddp_by_dim"]
 
 
+@pytest.mark.slow  # the fast tier keeps the DDP parity above
 def test_a_checkpoint_of_grouped_views_resumes_where_the_run_goes_on(
         refusal_results: list[dict[str, Any]]) -> None:
     for r in refusal_results:
