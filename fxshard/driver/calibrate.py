@@ -246,17 +246,24 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
 
 
 def fit(points: list[tuple[float, float]]) -> Link:
-    """Least squares ``seconds = latency + bus_bytes / bandwidth`` over (bus bytes, seconds);
-    a negative latency is taken as 0 (and the bandwidth refitted through the origin)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    """Least squares ``seconds = latency + bus_bytes / bandwidth`` over (bus bytes, seconds),
+    each point weighted by 1/seconds^2: relative residuals, as a timing's noise grows with
+    it, so the small sizes decide the latency and the large ones the bandwidth (unweighted,
+    a few percent off at the largest size moved the latency by a millisecond). A negative
+    latency is taken as 0 (and the bandwidth refitted through the origin)."""
+    weights = [1.0 / (y * y) if y > 0 else 1.0 for _, y in points]
+    total = sum(weights)
+    mx = sum(w * x for w, (x, _) in zip(weights, points)) / total
+    my = sum(w * y for w, (_, y) in zip(weights, points)) / total
+    var = sum(w * (x - mx) ** 2 for w, (x, _) in zip(weights, points))
+    slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(weights, points)) / var if var else 0.0
     latency = my - slope * mx
     if latency < 0 or slope <= 0:
+        ys = [y for _, y in points]
         latency = max(0.0, min(ys)) if slope <= 0 else 0.0
-        square = sum(x * x for x in xs)
-        slope = max(sum(x * (y - latency) for x, y in points) / square if square else 0.0, 1e-15)
+        square = sum(w * x * x for w, (x, _) in zip(weights, points))
+        slope = max(sum(w * x * (y - latency) for w, (x, y) in zip(weights, points)) / square
+                    if square else 0.0, 1e-15)
     return Link(latency, 1.0 / slope)
 
 
