@@ -299,7 +299,9 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             run, given = _collective(kind, full, shard, n, name)
             # The same number of calls on every rank: a rank never waits on a call others skip.
             # The median: a collective waits on its peers, whose own delays are part of its time.
-            seconds = _seconds(run, device, least=0.0, calls=CALLS, best=False)
+            # Twice the calls at the smallest size, which decides the latency and costs least.
+            calls = 2 * CALLS if size == _sizes(device)[0] else CALLS
+            seconds = _seconds(run, device, least=0.0, calls=calls, best=False)
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
