@@ -275,7 +275,8 @@ def test_the_timeline_picture_places_each_collective_at_its_predicted_millisecon
     gm = _two_in_flight("g0")
     t = predict_step({"forward": gm}, _rates(), dimensions={"g0": ("shard", 0)}, units=["a", "b"])
     comms, windows, compute = _spans(gm, 0, t, "forward")
-    assert [(c[2], c[3]) for c in comms] == pytest.approx([(s.start * 1e3, s.end * 1e3) for s in t.collectives])
+    assert [x for c in comms for x in (c[2], c[3])] == \
+        pytest.approx([x for s in t.collectives for x in (s.start * 1e3, s.end * 1e3)])
     # Each unit's window opens at its wait, where the compute stream got past it.
     assert [w[1] for w in windows] == pytest.approx([s.waited * 1e3 + s.exposed * 1e3 for s in t.collectives])
     assert compute == sorted(compute) and compute[-1] < t.seconds * 1e3
