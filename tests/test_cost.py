@@ -296,6 +296,30 @@ def test_a_step_of_hours_is_simulated_as_exactly_as_one_of_milliseconds() -> Non
     assert t.seconds == pytest.approx(ALPHA + 2 * w + 2 * 2 * 100 ** 3 / GFLOP)
 
 
+@pytest.mark.parametrize("fp32", [GFLOP, GFLOP / 100])
+def test_a_collective_that_takes_its_time_from_compute_slows_what_overlaps_it(fp32: float) -> None:
+    """contention=1 (gloo on the compute's cores): compute runs at half speed while the
+    gather is in flight. gather A, a matmul that does not need it, wait A."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    gather = b.gather(b.input("a", 5000), "a", "g0")
+    y = b.op(torch.ops.aten.mm.default, x, x)
+    b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
+    gm = b.done(y)
+    link = Link(ALPHA, BETA)
+    rates = Rates("contended", _device(fp32=fp32), Network("test", {"all_gather": link}), contention=1.0)
+    a, m = ALPHA + 5000 * 4 / BETA, 2 * 100 ** 3 / fp32  # 21 ms of gather; 2 ms or 200 ms of matmul
+    t = predict_step({"forward": gm}, rates, dimensions={"g0": ("shard", 0)})
+    if 2 * m <= a:  # all of the matmul at half speed, then the rest of the gather waited
+        assert (t.seconds, t.compute_seconds) == pytest.approx((a, 2 * m))
+    else:  # half speed for the gather's time, then full speed
+        assert (t.seconds, t.compute_seconds) == pytest.approx((a / 2 + m, a / 2 + m))
+    assert t.seconds == pytest.approx(t.compute_seconds + t.exposed_comm_seconds)
+    free = predict_step({"forward": gm}, Rates("free overlap", rates.device, rates.network),
+                        dimensions={"g0": ("shard", 0)})
+    assert free.seconds == pytest.approx(max(a, m)) and free.compute_seconds == pytest.approx(m)
+
+
 def test_the_agreement_before_each_graph_is_waited_for() -> None:
     gm = _two_in_flight("g1")
     dims = {"g0": ("shard", 0), "g1": ("shard", 1)}
@@ -337,7 +361,12 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
         link = Link(LINK.latency * (1 + rank), LINK.bandwidth / (1 + rank))
         return Network("injected", {k: link for k in calibrate.KINDS})
 
+    def contention(group: Any) -> float:
+        measured.append("contention")
+        return 0.25 * (1 + rank)
+
     calibrate.measure_device, calibrate.measure_network = device, network  # type: ignore[assignment]
+    calibrate.measure_contention = contention  # type: ignore[assignment]
     torch.manual_seed(0)
     sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear),
                               optimizer=torch.optim.AdamW)
@@ -348,6 +377,7 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     assert again == driver.rates
     report = sharded.report()
     return dict(report=report, measured=first, again=measured[len(first):], text=str(report),
+                contention=driver.rates.contention,
                 collectives=len(step_collectives(sharded.graphs)),
                 trace=chrome_trace(sharded.graphs, report))
 
@@ -356,7 +386,8 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     ranks = run_ranks(_report_worker, 2, str(tmp_path))
     for out in ranks:
         # Measured once (injected here), then from the process's memo: one all_reduce per driver.
-        assert out["measured"] == ["device", "network"] and out["again"] == []
+        assert out["measured"] == ["device", "network", "contention"] and out["again"] == []
+        assert out["contention"] == 0.5  # rank 1's, the larger
     r0, r1 = ranks[0]["report"], ranks[1]["report"]
     t = r0.time
     assert t is not None and r0.predicted_step_seconds > 0 and r0.exposed_comm_seconds > 0

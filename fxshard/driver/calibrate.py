@@ -307,10 +307,44 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
+def measure_contention(group: dist.ProcessGroup) -> float:
+    """How much of a collective's time in flight compute loses to it (``Rates.contention``):
+    matmuls for about twice an all_gather's time (8 MiB on the CPU, 128 MiB on a GPU), alone
+    and with the all_gather in flight; the slowdown over the all_gather's time, between 0
+    and 1. On the CPU gloo's threads take it from cores that compute."""
+    device = comm_device(group)
+    n, name = group.size(), group.group_name
+    ops = compat.c10d_functional
+    numel = ((1 << 27) if device.type != "cpu" else (1 << 23)) // 4 // n * n
+    shard = torch.ones(numel // n, device=device)
+    size = 4096 if device.type != "cpu" else 256
+    a = torch.randn(size, size, device=device)
+    # The same collectives on every rank, in the same order; the loops are each rank's own.
+    comm = _seconds(lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, n, name)), device,
+                    least=0.0, calls=3, best=False)
+    repeats = max(1, math.ceil(2 * comm / _seconds(lambda: torch.mm(a, a), device)))
+
+    def loop() -> None:
+        for _ in range(repeats):
+            torch.mm(a, a)
+
+    alone = _seconds(loop, device, least=0.0, calls=3, best=False)
+    overlapped = []
+    for _ in range(3):
+        dist.barrier(group=group)
+        issued = ops.all_gather_into_tensor(shard, n, name)
+        start = time.perf_counter()
+        loop()
+        _sync(device)
+        overlapped.append(time.perf_counter() - start)
+        ops.wait_tensor(issued)
+    return min(1.0, max(0.0, (statistics.median(overlapped) - alone) / comm)) if comm > 0 else 0.0
+
+
 # -- agreeing ---------------------------------------------------------------------------------
 
 
-def _pack(device: DeviceRates, network: Network | None) -> list[float]:
+def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0) -> list[float]:
     """Seconds per unit of work, so that the MAX over ranks is the slowest rank's. Every rank
     measures the same sizes (its device type's), so the vectors line up."""
     values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
@@ -321,11 +355,11 @@ def _pack(device: DeviceRates, network: Network | None) -> list[float]:
     for d in DTYPES:
         values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
     values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
-    return values
+    return [*values, contention]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
-            network_name: str) -> tuple[DeviceRates, Network]:
+            network_name: str) -> tuple[DeviceRates, Network, float]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     links = {kind: Link(values[5 + 2 * i], 1.0 / values[6 + 2 * i]) for i, kind in enumerate(KINDS)}
@@ -334,7 +368,7 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
     return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
-                        per_element), Network(network_name, links))
+                        per_element), Network(network_name, links), next(rest))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -372,33 +406,37 @@ def calibrate(world: World, device: torch.device) -> Rates:
     key = network_key(world)
     entry = _NETWORKS.get(key) or _load(key)
     cached = _network_from(entry) if entry is not None else None
-    agreed = _max_over(world.job_group, [float(cached is None), *_pack(local, cached)])
+    agreed = _max_over(world.job_group, [float(cached is None),
+                                         *_pack(local, *(cached if cached is not None else (None,)))])
     name = f"{backend} over {world.size} ranks"
     if agreed[0] > 0:  # some rank has no entry: every rank measures, now
         start = time.perf_counter()
-        measured = measure_network(measured_group(world))
-        _NETWORKS[key] = _network_entry(measured)
+        group = measured_group(world)
+        measured, contention = measure_network(group), measure_contention(group)
+        _NETWORKS[key] = _network_entry(measured, contention)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
-        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured))]
+        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention))]
     elif entry is not None:
         _NETWORKS[key] = entry
-    device_rates_, network = _unpack(agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
-                                     f"{name}, measured (the slowest rank's)")
+    device_rates_, network, contention = _unpack(
+        agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
+        f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
-                 (f"measured on this job's ranks; cached in {cache_path()}",))
+                 (f"measured on this job's ranks; cached in {cache_path()}",), contention)
 
 
-def _network_entry(network: Network) -> dict[str, Any]:
-    return {kind: {"latency": link.latency, "bandwidth": link.bandwidth} for kind, link in network.links.items()}
+def _network_entry(network: Network, contention: float) -> dict[str, Any]:
+    return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth}
+               for kind, link in network.links.items()}, "contention": contention}
 
 
-def _network_from(entry: dict[str, Any]) -> Network | None:
+def _network_from(entry: dict[str, Any]) -> tuple[Network, float] | None:
     try:
-        return Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]))
-                                  for kind in KINDS})
+        return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]))
+                                   for kind in KINDS}), float(entry["contention"]))
     except (KeyError, TypeError, ValueError):
-        return None
+        return None  # an entry of an older fxshard: measured again
 
 
 def local_rates(device: torch.device) -> Rates:

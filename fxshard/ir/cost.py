@@ -177,6 +177,12 @@ class Rates:
     device: DeviceRates
     network: Network
     sources: tuple[str, ...] = ()
+    # How much of a collective's time in flight the compute stream loses to it: 0, compute
+    # and communication overlap for free (the profiles: NCCL's SMs are not modelled); 1, a
+    # collective takes its whole time from compute (gloo's threads on cores that compute,
+    # as calibration measures on the CPU). Compute runs at 1 / (1 + contention) of its speed
+    # while any collective is in flight.
+    contention: float = 0.0
 
     def __str__(self) -> str:
         d, lines = self.device, [f"rates {self.name}"]
@@ -197,6 +203,9 @@ class Rates:
                 hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""
                 lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + bus bytes / "
                              f"{link.bandwidth / 1e9:.3g} GB/s")
+        if self.contention:
+            lines.append(f"  contention {self.contention:.2f}: compute runs at 1/{1 + self.contention:.2f} of "
+                         "its speed while a collective is in flight")
         lines += [f"  source: {s}" for s in self.sources]
         return "\n".join(lines)
 
@@ -505,6 +514,22 @@ class _Streams:
         f.left = f.work
         q.append(f)
 
+    def compute(self, now: float, seconds: float, contention: float) -> float:
+        """When ``seconds`` of compute that start at ``now`` end: slowed by ``1 + contention``
+        while any collective is in flight (those already issued: nothing is issued meanwhile)."""
+        self.advance(now)
+        while seconds > 0:
+            if not contention or not self._active():
+                return now + seconds
+            at, _ = self._next_event()
+            slow = seconds * (1 + contention)
+            if now + slow <= at:
+                return now + slow
+            seconds -= (at - now) / (1 + contention)
+            self.advance(at)
+            now = at
+        return now
+
     def finish(self, f: _Flight) -> float:
         while math.isnan(f.end):
             if not self._step(math.inf):
@@ -562,10 +587,11 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             cost = node_cost(node, device)
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
-                node_spans.append(NodeSpan(name, node.name, unit, now, now + cost.seconds))
-                now += cost.seconds
-                compute += cost.seconds
-                per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += cost.seconds
+                end = net.compute(now, cost.seconds, rates.contention)
+                node_spans.append(NodeSpan(name, node.name, unit, now, end))
+                compute += end - now
+                per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += end - now
+                now = end
             if cost.flops:
                 total_flops += cost.flops
                 outs = _tensors(node.meta.get("val"))
