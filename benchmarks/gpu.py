@@ -68,6 +68,7 @@ from llama import LLAMA3_8B, Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 SPEED_SYSTEMS = ("fxshard", "fxshard_inductor", "fsdp2", "fsdp2_compile")
 OFFLOAD_SYSTEMS = ("fxshard", "fxshard_offload", "fsdp2_offload")
+TIME_SYSTEMS = ("fxshard", "fsdp2")
 GIB = 1 << 30
 
 
@@ -115,6 +116,12 @@ def matmul_rate(device: torch.device) -> float:
 
 
 def _init_group(world: str, device: torch.device) -> int:
+    if world.startswith("rehearse"):  # "rehearse8:h100-nvlink": fxshard.rehearse's process group
+        import fxshard
+
+        size, hardware = world[len("rehearse"):].split(":")
+        fxshard.rehearse(int(size), hardware, device=device)
+        return int(size)
     if world.startswith("fake"):
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -128,6 +135,11 @@ def _init_group(world: str, device: torch.device) -> int:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
     return 1
+
+
+def _world_size(world: str) -> int:
+    """fake8, rehearse8:h100-nvlink, nccl1: the ranks the world stands for."""
+    return int("".join(c for c in world.split(":")[0] if c.isdigit()))
 
 
 def _build(config: LlamaConfig, device: torch.device) -> LlamaLM:
@@ -238,6 +250,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
             result["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         if report is not None:
+            result["predicted_step_s"] = report.predicted_step_seconds
+            result["predicted_exposed_s"] = report.exposed_comm_seconds
+            result["rates"] = report.time.rates if report.time is not None else None
             result["predicted_peak_gib"] = report.predicted_peak_bytes / GIB
             result["predicted_phase"] = report.peak_phase
             result["host_gib"] = report.host_bytes / GIB
@@ -298,6 +313,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--time-worlds", default="fake8,rehearse8:h100-nvlink,fake16,rehearse16:h100-ib,nccl1",
+                    help="the time part's worlds: fakeN (torch's fake group), rehearseN:PROFILE "
+                         "(fxshard.rehearse), nccl1")
     ap.add_argument("--systems", default=None, help="comma-separated subset of the part's systems")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu"))
@@ -350,6 +368,45 @@ def main() -> None:
                 lines.append(f"numerics, world size 1: fxshard vs FSDP2 losses, max |diff| "
                              f"{max(abs(x - y) for x, y in zip(a, b)):.3g} over {len(a)} steps "
                              f"(fxshard {a[-1]:.6f}, FSDP2 {b[-1]:.6f} at the last)")
+        lines.append("")
+    if "time" in parts:
+        # Time: each system on torch's fake process group (collectives free), under a rehearsal
+        # of the named networks (collectives as long as the profile predicts, on the GPU's
+        # streams), and on one real nccl rank; fxshard's predicted step beside each.
+        layers = config.layers if args.quick else args.layers
+        lines += [f"time: Llama-3-8B shape, {layers} layers, seq {seq}, batch {args.batch} per rank; "
+                  "exposed = the step under the rehearsal - the step on the fake group of the same size",
+                  "| system | world | step ms | × FSDP2 | predicted ms | error | exposed ms | predicted exposed ms "
+                  "| peak GiB | × FSDP2 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        free: dict[tuple[str, int], float] = {}
+        for world in args.time_worlds.split(","):
+            rows = run_systems(TIME_SYSTEMS, world, layers, args.warmup, args.steps)
+            by = {r["system"]: r for r in rows}
+            size = _world_size(world)
+            for r in rows:
+                base = by.get("fsdp2")
+                if not r.get("ok"):
+                    lines.append(f"| {r['system']} | {world} | failed: {r.get('error', '?').splitlines()[0][:120]} "
+                                 "| | | | | | | |")
+                    continue
+                step = r["step_s"]
+                if world.startswith("fake"):
+                    free[(r["system"], size)] = step
+                exposed = step - free[(r["system"], size)] if world.startswith("rehearse") and \
+                    (r["system"], size) in free else None
+                pred, pexp = r.get("predicted_step_s"), r.get("predicted_exposed_s")
+                ratio = f"{step / base['step_s']:.2f}" if base and base.get("ok") else ""
+                peak = r.get("peak_gib")
+                pratio = f"{peak / base['peak_gib']:.2f}" if peak and base and base.get("ok") else ""
+                lines.append(
+                    f"| {r['system']} | {world} | {step * 1e3:.1f} | {ratio} | "
+                    f"{pred * 1e3:.1f} | {pred / step - 1:+.1%} | " if pred else
+                    f"| {r['system']} | {world} | {step * 1e3:.1f} | {ratio} | | | ")
+                lines[-1] += (f"{exposed * 1e3:.1f} | " if exposed is not None else "| ") + \
+                    (f"{pexp * 1e3:.1f} | " if pexp is not None else "| ") + \
+                    (f"{peak:.2f} | {pratio} |" if peak else "| |")
+            results += rows
         lines.append("")
     if "offload" in parts:
         layers = config.layers if args.quick else args.offload_layers

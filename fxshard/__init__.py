@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         set_optimizer_state_dict,
         set_state_dict,
     )
+    from fxshard.driver.rehearsal import rehearse
     from fxshard.driver.report import Report
     from fxshard.explain import Explanation, explain
     from fxshard.ir import meta as meta
@@ -83,6 +84,7 @@ _SOURCES: dict[str, str] = {
     **dict.fromkeys(["CPUOffloadPolicy", "ShardingOptions"], "fxshard.ir.options"),
     **dict.fromkeys(["FlatGroup", "FSDPUnit", "ShardPlan", "make_plan"], "fxshard.ir.plan"),
     "MixedPrecision": "fxshard.ir.precision",
+    "rehearse": "fxshard.driver.rehearsal",
     "verify": "fxshard.passes",
 }
 
@@ -149,6 +151,7 @@ __all__ = [
     "no_sync",
     "parameters",
     "policies",
+    "rehearse",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_requires_gradient_sync",

@@ -333,6 +333,36 @@ def test_the_agreement_before_each_graph_is_waited_for() -> None:
     assert agreed.graphs[1][1] == pytest.approx(agreed.graphs[0][2])  # backward starts where forward ends
 
 
+
+def test_an_asynchronous_device_runs_behind_the_host_that_launches_its_kernels() -> None:
+    """CUDA's model: the host pays each node's launch, the device its kernel, in order."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    y = x
+    for _ in range(3):
+        y = b.op(torch.ops.aten.mm.default, y, x)  # 2 MFLOP each
+    gm = b.done(y)
+    launch = 1e-4
+    kernel = 2 * 100 ** 3 / GFLOP  # 2 ms each
+
+    def rates(asynchronous: bool, fp32: float = GFLOP) -> Rates:
+        device = DeviceRates("d", {"float32": fp32}, 1e18, launch, asynchronous=asynchronous)
+        return Rates("r", device, Network.free())
+
+    # Kernels longer than launches: the device runs back to back after the first launch.
+    assert predict_step({"forward": gm}, rates(True)).seconds == pytest.approx(launch + 3 * kernel)
+    assert predict_step({"forward": gm}, rates(False)).seconds == pytest.approx(3 * (launch + kernel))
+    # Launches longer than kernels: the host decides; the device idles between them.
+    fast = rates(True, fp32=1000 * GFLOP)
+    t = predict_step({"forward": gm}, fast)
+    assert t.seconds == pytest.approx(3 * launch + kernel / 1000)
+    assert t.seconds == pytest.approx(t.compute_seconds + t.exposed_comm_seconds)
+    # The agreement makes the host wait for the device: what it ran ahead is lost.
+    agreement = Rates("r", rates(True).device, Network("n", {"all_gather": Link(1e-3, math.inf)}))
+    agreed = predict_step({"forward": gm, "backward": gm}, agreement, agreement=(8, 2))
+    assert agreed.seconds == pytest.approx(2 * (1e-3 + launch + 3 * kernel))
+
+
 # -- a real step --------------------------------------------------------------------------------------
 
 LINK = Link(2e-4, 2e8)  # injected: what the ranks "measure"

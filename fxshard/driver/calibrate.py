@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxshard.driver import rehearsal
 from fxshard.driver.runtime import World, comm_device
 from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
@@ -166,7 +167,7 @@ def measure_device(device: torch.device) -> DeviceRates:
     per_element = {name: _seconds(run, device) / count
                    for name, (run, count) in _per_element_ops(device).items()}
     return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
-                       per_element)
+                       per_element, asynchronous=device.type != "cpu")
 
 
 def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
@@ -231,7 +232,7 @@ def _device_entry(rates: DeviceRates) -> dict[str, Any]:
     return {"name": rates.name, "matmul_flops": dict(rates.matmul_flops), "bandwidth": rates.bandwidth,
             "overhead": rates.overhead, "view_overhead": rates.view_overhead,
             "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()},
-            "per_element": dict(rates.per_element)}
+            "per_element": dict(rates.per_element), "asynchronous": rates.asynchronous}
 
 
 def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
@@ -240,7 +241,8 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
                            float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]),
                            {k: tuple((float(f), float(r)) for f, r in v)
                             for k, v in entry["matmul_curve"].items()},
-                           {k: float(v) for k, v in entry["per_element"].items()})
+                           {k: float(v) for k, v in entry["per_element"].items()},
+                           asynchronous=bool(entry["asynchronous"]))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry of an older fxshard: measured again
 
@@ -368,7 +370,7 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
     return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
-                        per_element), Network(network_name, links), next(rest))
+                        per_element, asynchronous=like.asynchronous), Network(network_name, links), next(rest))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -400,6 +402,10 @@ def calibrate(world: World, device: torch.device) -> Rates:
     if world.group is None or world.job_size == 1:
         return Rates(f"{local.name}, one rank", local, Network.free("one rank: no collectives"))
     backend = dist.get_backend(world.group)
+    rehearsed = rehearsal.of(world.group)
+    if rehearsed is not None:  # what its collectives are made to last
+        return Rates(f"{local.name}; {rehearsed.network.name}, rehearsed", local, rehearsed.network,
+                     ("this device, calibrated", *rehearsed.rates.sources))
     if backend == "fake":
         return Rates(f"{local.name}, fake process group", local,
                      Network.free("torch's fake process group: collectives move nothing"))

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxshard.driver import rehearsal
 from fxshard.ir import compat
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ShardPlan
@@ -213,6 +214,9 @@ def resolve_world(process_group: dist.ProcessGroup | None) -> World:
 def comm_device(group: dist.ProcessGroup) -> torch.device:
     """Where ``group``'s backend takes its tensors: the current accelerator's device when the
     backend is torch's for it (nccl for CUDA, xccl for XPU), else the CPU (gloo)."""
+    rehearsed = rehearsal.of(group)
+    if rehearsed is not None:  # a rehearsal's groups take the tensors of the device it runs on
+        return rehearsed.device
     backend = dist.get_backend(group)
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     if accelerator is not None and backend == dist.get_default_backend_for_device(accelerator):
@@ -600,7 +604,7 @@ def wait_within(work: dist.Work | None, timeout: float | None, error: Callable[[
     assert work is not None
     start = time.monotonic()
     try:
-        if timeout is None:
+        if timeout is None or rehearsal.of(group) is not None:  # a rehearsal has no peers to wait for
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))

@@ -61,6 +61,10 @@ class DeviceRates:
     ``matmul_curve``: per dtype, (FLOPs of one matmul, FLOP/s), smallest first: a small
     matmul runs below the peak, so an operator's rate is read off this curve by its FLOPs
     (interpolated in log-log, the ends held); a dtype without one runs at ``matmul_flops``.
+    ``asynchronous``: the host only launches kernels, which the device runs in order while
+    the host goes on (CUDA): a node costs the host its overhead and the device its
+    roofline, and the device idles only where the host falls behind. Otherwise (the CPU)
+    the host computes: a node costs its roofline plus its overhead.
     ``per_element``: seconds per element of the first operand, by aten operator name, for
     operators with no FLOP formula whose kernels are slower than streaming their bytes
     (``tanh``, ``_softmax``, ``max_pool2d_with_indices``: ``PER_ELEMENT``); the node costs
@@ -78,6 +82,7 @@ class DeviceRates:
     # profile's ``matmul_flops`` are what large matmuls reach, below it); none given: the
     # highest rate the device was measured at.
     peak_flops: Mapping[str, float] = field(default_factory=dict)
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
@@ -221,6 +226,7 @@ _H100_SXM = DeviceRates(
     5e-6,  # an eager operator: dispatch and launch, about 5 us
     2e-6,
     peak_flops={"bfloat16": 989e12, "float32": 67e12},  # the datasheet's dense peaks (MFU's base)
+    asynchronous=True,
 )
 # NVLink 4: 900 GB/s per GPU both ways together, 450 GB/s each way; NCCL's ring reaches
 # about 80% of it in bus bandwidth (nccl-tests' busbw) for large messages.
@@ -260,7 +266,8 @@ def hardware(name: str) -> Rates:
 class NodeCost:
     flops: int
     bytes: int
-    seconds: float
+    seconds: float  # the whole node: its kernel's roofline and its launch
+    launch: float = 0.0  # of which the host's dispatch and launch (the device's overhead)
 
 
 _FREE = NodeCost(0, 0, 0.0)
@@ -318,9 +325,9 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     if node.op != "call_function" or P.is_getitem(node) or P.is_wait(node):
         return _FREE
     if P.is_collective(node):
-        return NodeCost(0, 0, device.overhead)
+        return NodeCost(0, 0, device.overhead, device.overhead)
     if P.is_view(node) or P.is_free(node):
-        return NodeCost(0, 0, device.view_overhead)
+        return NodeCost(0, 0, device.view_overhead, device.view_overhead)
     out = node.meta.get("val")
     moved = _nbytes(out) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))  # each operand read
     count = flops(node)
@@ -332,7 +339,7 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
         seconds = max(seconds, per * first[0].numel() if first else 0.0)
     if count:
         seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None, count))
-    return NodeCost(count, moved, seconds + device.overhead)
+    return NodeCost(count, moved, seconds + device.overhead, device.overhead)
 
 
 def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device: DeviceRates) -> float:
@@ -344,6 +351,8 @@ def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device:
     read and written (3 + 2 per state)."""
     passes = 21 if state.adam_temporaries else 3 + 2 * state.states
     ops = (8 if state.adam_temporaries else 1 + state.states) * len(shard_bytes)
+    if device.asynchronous:  # the host launches while the device streams
+        return max(passes * sum(shard_bytes) / device.bandwidth, ops * device.overhead)
     return passes * sum(shard_bytes) / device.bandwidth + ops * device.overhead
 
 
@@ -565,7 +574,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
     net = _Streams()
-    now = 0.0
+    now = 0.0  # the compute stream's clock
+    host = 0.0  # where the host has launched up to (an asynchronous device's; else ``now``)
     compute = exposed = agreed = peak = 0.0
     total_flops = 0
     per_unit: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
@@ -577,8 +587,10 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
         gm = graphs[name]
         begin = now
         if agreement is not None and agreement[1] > 1:
+            # The host reads the agreement's result: it waits for the device to get there.
             waited = network.seconds("agreement", agreement[0], agreement[1])
-            now += waited
+            compute += max(0.0, host - now)  # the device idle until the host got here
+            now = host = max(now, host) + waited
             agreed += waited
             exposed += waited
         issued: dict[fx.Node, tuple[_Flight, Collective]] = {}
@@ -587,7 +599,12 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             cost = node_cost(node, device)
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
-                end = net.compute(now, cost.seconds, rates.contention)
+                if device.asynchronous:  # launched by the host, then run when the stream is free
+                    host += cost.launch
+                    start, kernel = max(now, host), cost.seconds - cost.launch
+                    end = net.compute(start, kernel, rates.contention) if kernel > 0 else start
+                else:
+                    end = net.compute(now, cost.seconds, rates.contention)
                 node_spans.append(NodeSpan(name, node.name, unit, now, end))
                 compute += end - now
                 per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += end - now
@@ -623,6 +640,9 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             end = net.finish(flight)
             now = max(now, end)
         windows.append((name, begin, now))
+    if host > now:  # the host launched the last node after the device had finished the rest
+        compute += host - now
+        now = host
     if agreed:
         per_unit["agreement"] = [0.0, 0.0, agreed]
     unit_times = tuple(UnitTime(u, *v) for u, v in per_unit.items())
