@@ -68,7 +68,7 @@ from llama import LLAMA3_8B, Llama, LlamaConfig, TransformerBlock  # noqa: E402
 
 SPEED_SYSTEMS = ("fxshard", "fxshard_inductor", "fsdp2", "fsdp2_compile")
 OFFLOAD_SYSTEMS = ("fxshard", "fxshard_offload", "fsdp2_offload")
-TIME_SYSTEMS = ("fxshard", "fsdp2")
+TIME_SYSTEMS = ("fxshard", "fsdp2", "fxshard_auto")
 GIB = 1 << 30
 
 
@@ -162,9 +162,10 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
-def _fxshard(model: nn.Module, system: str, device: torch.device) -> tuple[nn.Module, Any]:
+def _fxshard(model: nn.Module, system: str, device: torch.device, example: Any = None,
+             budget_gib: float | None = None) -> tuple[nn.Module, Any]:
     import fxshard
-    from fxshard.policies import by_class
+    from fxshard.policies import auto, by_class
 
     options: dict[str, Any] = {
         "mixed_precision": fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -174,7 +175,12 @@ def _fxshard(model: nn.Module, system: str, device: torch.device) -> tuple[nn.Mo
         options["compute"] = "inductor"
     if system == "fxshard_offload":
         options["offload_policy"] = fxshard.CPUOffloadPolicy(pin_memory=True)
-    sharded = fxshard.compile(model, by_class(TransformerBlock), **options)
+    policy: Any = by_class(TransformerBlock)
+    if system == "fxshard_auto":  # the plan fxshard predicts fastest within the budget (FSDP2's peak)
+        policy, options["example_inputs"] = auto(), example
+        if budget_gib is not None:
+            options["memory_budget"] = int(budget_gib * GIB)
+    sharded = fxshard.compile(model, policy, **options)
     return sharded, sharded
 
 
@@ -211,7 +217,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         result["params"] = sum(p.numel() for p in model.parameters())
         report = None
         if system.startswith("fxshard"):
-            model, sharded = _fxshard(model, system, device)
+            first = _batches(config, spec["batch"], spec["seq"], 1, device)[0]
+            model, sharded = _fxshard(model, system, device, first, spec.get("budget_gib"))
         else:
             model = _fsdp2(model, system, device, world_size)
         optimizer = _optimizer(model.parameters())
@@ -250,6 +257,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
             result["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         if report is not None:
+            if report.auto is not None:
+                result["auto"] = report.auto.table()
             result["predicted_step_s"] = report.predicted_step_seconds
             result["predicted_exposed_s"] = report.exposed_comm_seconds
             result["rates"] = report.time.rates if report.time is not None else None
@@ -316,6 +325,8 @@ def main() -> None:
     ap.add_argument("--time-worlds", default="fake8,rehearse8:h100-nvlink,fake16,rehearse16:h100-ib,nccl1",
                     help="the time part's worlds: fakeN (torch's fake group), rehearseN:PROFILE "
                          "(fxshard.rehearse), nccl1")
+    ap.add_argument("--budgets", default="", help="fxshard_auto's memory_budget in GiB per world, "
+                    "e.g. rehearse8:h100-nvlink=9.60 (FSDP2's measured peak there)")
     ap.add_argument("--systems", default=None, help="comma-separated subset of the part's systems")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu"))
@@ -337,6 +348,7 @@ def main() -> None:
     header = ("| system | world | layers | step ms | × FSDP2 | peak GiB | × FSDP2 | predicted GiB | MFU |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     parts = args.parts.split(",")
+    budgets = {w: float(g) for w, g in (item.split("=") for item in args.budgets.split(",") if item)}
 
     def run_systems(systems: tuple[str, ...], world: str, layers: int, warmup: int,
                     steps: int) -> list[dict[str, Any]]:
@@ -346,7 +358,7 @@ def main() -> None:
             if chosen and system not in chosen:
                 continue
             spec = {"system": system, "world": world, "device": args.device, "seq": seq, "batch": args.batch,
-                    "warmup": warmup, "steps": steps,
+                    "warmup": warmup, "steps": steps, "budget_gib": budgets.get(world),
                     "config": dataclasses.asdict(dataclasses.replace(config, layers=layers))}
             r = _in_process(spec, args.timeout)
             print(json.dumps({k: v for k, v in r.items() if k not in ("report", "traceback")}), flush=True)
@@ -407,6 +419,7 @@ def main() -> None:
                     (f"{pexp * 1e3:.1f} | " if pexp is not None else "| ") + \
                     (f"{peak:.2f} | {pratio} |" if peak else "| |")
             results += rows
+            lines += [f"auto() at {world}:\n```\n{r['auto']}\n```" for r in rows if r.get("auto")]
         lines.append("")
     if "offload" in parts:
         layers = config.layers if args.quick else args.offload_layers

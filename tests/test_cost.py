@@ -184,6 +184,20 @@ def test_hardware_profiles_by_name_and_an_unknown_name_lists_them() -> None:
         hardware("h100")
 
 
+
+def test_a_fused_adam_step_streams_its_state_once_where_the_for_each_step_makes_temporaries() -> None:
+    from fxshard.ir.cost import optimizer_seconds
+    from fxshard.ir.optimizer import OptimizerState
+
+    device = _device(bandwidth=1e9, overhead=1e-6)
+    shards = [4_000_000, 2_000_000]
+    fused = OptimizerState("AdamW", 2, "fused", adam_temporaries=True)
+    foreach = OptimizerState("AdamW", 2, "foreach", adam_temporaries=True)
+    # fused: the shard, its gradient and both moments read, the three written; one launch
+    assert optimizer_seconds(fused, shards, device) == pytest.approx(7 * 6e6 / 1e9 + 1e-6)
+    assert optimizer_seconds(foreach, shards, device) == pytest.approx(21 * 6e6 / 1e9 + 16 * 1e-6)
+
+
 # -- the streams ------------------------------------------------------------------------------------
 
 ALPHA, BETA = 1e-3, 1e6  # 1 ms per collective, 1 MB/s: a 2-rank gather of an S-byte shard takes 1 ms + S us

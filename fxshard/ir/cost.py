@@ -347,10 +347,12 @@ def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device:
     the passes over a shard's size its operators make, one operator each. torch's Adam and
     AdamW (for-loop or foreach) make 21: the weight decay (2), the first moment's lerp (3),
     the second moment's mul and addcmul (2 + 4), the denominator's sqrt, div and add (2 each)
-    and the update's addcdiv (4); another optimizer, the shard, its gradient and each state
-    read and written (3 + 2 per state)."""
-    passes = 21 if state.adam_temporaries else 3 + 2 * state.states
-    ops = (8 if state.adam_temporaries else 1 + state.states) * len(shard_bytes)
+    and the update's addcdiv (4); a fused step (``fused=True``: one kernel over every
+    shard) and another optimizer, the shard, its gradient and each state read and written
+    (3 + 2 per state)."""
+    fused = state.implementation == "fused"
+    passes = 21 if state.adam_temporaries and not fused else 3 + 2 * state.states
+    ops = 1 if fused else (8 if state.adam_temporaries else 1 + state.states) * len(shard_bytes)
     if device.asynchronous:  # the host launches while the device streams
         return max(passes * sum(shard_bytes) / device.bandwidth, ops * device.overhead)
     return passes * sum(shard_bytes) / device.bandwidth + ops * device.overhead
