@@ -65,3 +65,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
                            nprocs=world_size, start_method=start_method(fn))
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]
+
+
+def _alone(index: int, out_dir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+    torch.save(fn(*args), os.path.join(out_dir, "result.pt"))
+
+
+def run_alone(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a process of its own with no process group (one that makes its own,
+    such as a rehearsal, leaves nothing behind in the test's); its result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_alone, args=(out_dir, fn, args, dict(os.environ)), nprocs=1,
+                           start_method=start_method(fn))
+        return torch.load(os.path.join(out_dir, "result.pt"), weights_only=False)

@@ -147,6 +147,8 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         trial.trial_planner = planner
         with torch.enable_grad():
             trial.trace_module(module, trial.shards, leaves, tree)
+        trial.trial_planner = None  # the planner holds the trial: its shards go with it, now
+        del trial, planner
         found += mine
     best = fastest([t for t, _ in found])
     if best is None:

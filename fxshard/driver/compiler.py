@@ -219,8 +219,9 @@ class Driver:
                                       torch.device("meta") if on_meta else self.shard_device)
         self.place_shards(self.schedule.config.options)
         self.state.shards = self.shards
-        check_steps(self.shards, self._check_step)
-        if self.world.comm and self.world.size > 1:  # a real group, more than one rank
+        if self.runs:  # a trial (auto()) or explain steps nothing: nothing global may keep it alive
+            check_steps(self.shards, self._check_step)
+        if self.runs and self.world.comm and self.world.size > 1:  # a real group, more than one rank
             grads.install(self.shards, [not g.replicated for g in self._plan.groups], self.world.comm[0])
         if self.config.use_orig_params:  # after grads.install: the views' gradients follow its
             self.orig = OrigParams(self._plan, self.shards, self.world.rank,
