@@ -114,7 +114,7 @@ def _train(system: str) -> dict[str, Any]:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = fxshard.compile(model, auto(), example_inputs=x)
+                model = fxshard.compile(model, auto(units=by_class(Block)), example_inputs=x)
             gc.collect()
             out["drivers"] = sum(isinstance(o, Driver) for o in gc.get_objects())
             out["checked"] = len(runtime._STEP_CHECKS)
@@ -158,6 +158,41 @@ def test_auto_keeps_none_of_its_trials_alive() -> None:
     r = run_alone(_train, "auto")
     assert r["drivers"] == 1  # the model's own: every trial's driver and its shards are gone
     assert r["checked"] == r["shards"]  # no trial's shards wait for an optimizer step
+
+
+def _hsdp() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rehearsal = fxshard.rehearse(16, "h100-ib")
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
+        sharded = fxshard.compile(TinyGPT(), by_class(Block), mesh=mesh)
+        optimizer = torch.optim.AdamW(sharded.parameters())
+        x = torch.randint(0, 61, (2, 16))
+        for _ in range(2):
+            start = len(rehearsal.log)
+            sharded(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        step = rehearsal.log[start:]
+        time = sharded.report().time
+        return {"step": sorted((e.kind, e.input_bytes, e.group_size, e.between_nodes) for e in step),
+                "predicted": sorted((c.kind, c.bytes, c.dimension) for c in time.collectives)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_across_two_rehearsed_nodes_reduces_its_replicas_over_the_links_between_them() -> None:
+    r = run_alone(_hsdp)
+    ran = [(kind, size, group, between) for kind, size, group, between in r["step"] if size != 8 or group != 16]
+    # Shards of 8 inside a node, replicas of 2 across nodes; the agreement over all 16 (8 bytes).
+    assert {(k, g, b) for k, _, g, b in ran} == {("all_gather", 8, False), ("reduce_scatter", 8, False),
+                                                 ("all_reduce", 2, True)}
+    assert [(k, n) for k, n, _, _ in ran] == [(k, n) for k, n, _ in r["predicted"]]
+    assert {(k, d) for k, _, d in r["predicted"]} == {
+        ("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")}
+    assert sum(1 for k, n, g, b in r["step"] if (k, n, g, b) == ("all_gather", 8, 16, True)) == 2
 
 
 def _refused(what: str) -> str:
