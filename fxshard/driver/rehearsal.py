@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxshard.ir import compat
 from fxshard.ir.cost import Network, Rates
 from fxshard.ir.cost import hardware as profile
 from fxshard.ir.errors import FxShardError
@@ -117,9 +118,8 @@ def rehearse(world_size: int, hardware: str | Rates, *, device: torch.device | s
     _register()
     rehearsal = Rehearsal(world_size, rates, device)
     _ACTIVE[:] = [rehearsal]
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group(BACKEND, store=FakeStore(), rank=0, world_size=world_size)
+    # The store is never read: every rank of the rehearsal is this process.
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
     return rehearsal
 
 
@@ -131,12 +131,12 @@ def of(group: dist.ProcessGroup | None) -> Rehearsal | None:
 def _sleep_rate(device: torch.device) -> float:
     """Cycles per second of ``torch.cuda._sleep`` on ``device`` (its clock), timed with events."""
     with torch.cuda.device(device):
-        torch.cuda._sleep(1_000_000)  # warm: the clock rises under load
+        compat.cuda_sleep(1_000_000)  # warm: the clock rises under load
         rates = []
         for _ in range(3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            torch.cuda._sleep(10_000_000)
+            compat.cuda_sleep(10_000_000)
             end.record()
             end.synchronize()
             rates.append(10_000_000 / (start.elapsed_time(end) / 1e3))
@@ -160,16 +160,10 @@ def _create(store: Any, rank: int, world_size: int, timeout: Any) -> RehearsalGr
     return RehearsalGroup(_ACTIVE[0], rank, world_size)
 
 
-def _work(future: torch.futures.Future[Any]) -> dist.Work:
-    """A ``Work`` that completes with ``future`` (c10d's own wrapper; what torch's threaded
-    test group returns too)."""
-    return getattr(torch._C._distributed_c10d, "_create_work_from_future")(future)  # noqa: B009
-
-
 def _done(result: Any) -> dist.Work:
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(result)
-    return _work(future)
+    return compat.work_from_future(future)
 
 
 def _reduction(op: Any) -> str:
@@ -201,7 +195,7 @@ class RehearsalGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
-        return dist.distributed_c10d._world.pg_names[self]
+        return compat.registered_group_name(self)
 
     @property
     def pg_name(self) -> str:
@@ -250,11 +244,11 @@ class RehearsalGroup(dist.ProcessGroup):
             moved = 2 * sum(t.numel() * t.element_size() for t in tensors)
             rest = seconds - moved / _bandwidth(self.rehearsal)
             if rest > 0:
-                torch.cuda._sleep(self.rehearsal.cycles(rest))
+                compat.cuda_sleep(self.rehearsal.cycles(rest))
             for t in tensors:  # the caching allocator must not reuse them before the stream is done
                 t.record_stream(stream)
             future.set_result(result)  # records an event on this stream; wait() joins it
-        return _work(future)
+        return compat.work_from_future(future)
 
     def _on_thread(self, seconds: float, data: Callable[[], None], result: Any) -> dist.Work:
         if self._jobs is None:
@@ -277,9 +271,12 @@ class RehearsalGroup(dist.ProcessGroup):
             future.set_result(result)
 
         self._jobs.put(job)
-        return _work(future)
+        return compat.work_from_future(future)
 
     # -- the collectives, under each name c10d calls them by ---------------------------------
+    # The C++ names (allgather_into_tensor_coalesced, _allgather_base, ...: functional
+    # collectives and torch 2.11's Python API) and the Python API's own (all_gather_single,
+    # reduce_scatter_single from 2.13; their _coalesced forms in 2.15's coalescing manager).
 
     def _all_gather(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> dist.Work:
         n = self._size
@@ -320,6 +317,10 @@ class RehearsalGroup(dist.ProcessGroup):
                                         opts: Any = None) -> dist.Work:
         return self._all_gather(outs, ins)
 
+    def all_gather_single_coalesced(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                                    opts: Any = None) -> dist.Work:  # torch 2.15's coalescing manager
+        return self._all_gather(outs, ins)
+
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> dist.Work:
         return self._all_gather([out], [inp])
 
@@ -337,6 +338,10 @@ class RehearsalGroup(dist.ProcessGroup):
         return self._run("all_gather", sum(_nbytes(t) for t in ins), data, outs, [*flat, *ins])
 
     def reduce_scatter_tensor_coalesced(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        return self._reduce_scatter(outs, ins, _op(opts))
+
+    def reduce_scatter_single_coalesced(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         return self._reduce_scatter(outs, ins, _op(opts))
 

@@ -28,6 +28,10 @@ session_context``)                 itself
 ``no_python_context``              nothing to do: no Context    takes the backward's   as 2.13
 (``torch._C._is_key_in_tls``       in the thread-local state    Context out around
 and its siblings)                  (and no such functions)      the collectives
+``rehearsal_group_methods``        ``_allgather_base``,         ``all_gather_single``, as 2.13, and their
+(what c10d calls a Python          ``_reduce_scatter_base``     ``reduce_scatter_      ``_coalesced`` forms
+``dist.ProcessGroup``'s                                         single``               (coalescing manager)
+collectives by)
 =================================  ===========================  =====================  =====================
 
 Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table says otherwise):
@@ -65,6 +69,11 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   status at once; see the function.
 - ``use_count`` (``Tensor._use_count``): how many C++ references hold a tensor; ``runtime.quiesce``
   waits until a gloo worker thread has let go of a collective's tensor.
+- ``rehearsal_group_methods``, ``work_from_future``, ``cuda_sleep``, ``registered_group_name``:
+  ``fxshard.rehearse``'s process group, a Python ``dist.ProcessGroup`` (as torch's threaded
+  test group is): the names c10d calls its collectives by (the table), a ``Work`` that
+  completes with a ``torch.futures.Future`` (c10d's own wrapper), the GPU's spin kernel that
+  holds its stream for a collective's time, and the name c10d registered the group under.
 - ``group_timeout``, ``default_timeout``: the timeout a process group was made with; torch has no
   public getter. ``group_store``: the store a group was made with (``_world.pg_map``), where
   checkpoint agreements mark each rank's arrival.
@@ -269,6 +278,22 @@ def no_python_context() -> Iterator[None]:
         yield
     finally:
         torch._C._stash_obj_in_tls(key, saved)
+
+
+def work_from_future(future: torch.futures.Future[Any]) -> dist.Work:
+    """A ``Work`` that completes with ``future`` (and, for a CUDA-aware future, makes its waiter's
+    stream wait for the stream that set it)."""
+    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+
+
+def cuda_sleep(cycles: int) -> None:
+    """A kernel that spins ``cycles`` GPU clock cycles on the current stream (one block)."""
+    torch.cuda._sleep(cycles)
+
+
+def registered_group_name(group: dist.ProcessGroup) -> str:
+    """The name c10d registered ``group`` under (a Python group has none of its own)."""
+    return dist.distributed_c10d._world.pg_names[group]
 
 
 def group_store(group: dist.ProcessGroup) -> dist.Store | None:
