@@ -6,6 +6,7 @@ of a real 2-rank step under injected rates (nothing here times anything).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -196,6 +197,57 @@ def test_a_fused_adam_step_streams_its_state_once_where_the_for_each_step_makes_
     # fused: the shard, its gradient and both moments read, the three written; one launch
     assert optimizer_seconds(fused, shards, device) == pytest.approx(7 * 6e6 / 1e9 + 1e-6)
     assert optimizer_seconds(foreach, shards, device) == pytest.approx(21 * 6e6 / 1e9 + 16 * 1e-6)
+
+
+
+def test_a_timed_matmul_costs_what_it_took_here_each_layout_its_own() -> None:
+    from fxshard.ir.cost import node_key
+
+    b = Builder()
+    x, w = b.input("x", 64, 128), b.input("w", 32, 128)
+    wt = b.op(torch.ops.aten.t.default, w)  # 128 x 32, transposed strides
+    with b.mode:
+        wt.meta["val"] = torch.empty(32, 128).t()
+    transposed = b.op(torch.ops.aten.mm.default, x, wt)
+    plain = b.op(torch.ops.aten.mm.default, x, b.input("v", 128, 32))
+    key = node_key(transposed)
+    assert key is not None and key != node_key(plain) and node_key(wt) is None
+    device = replace(_device(fp32=GFLOP, overhead=1e-6), node_seconds={key: 0.25})
+    assert node_cost(transposed, device).seconds == pytest.approx(0.25 + 1e-6)  # timed: what it took
+    assert node_cost(plain, device).seconds == pytest.approx(2 * 64 * 128 * 32 / GFLOP + 1e-6)  # roofline
+
+
+def test_calibration_times_each_distinct_matmul_once_and_keeps_it(tmp_path: Any, monkeypatch: Any) -> None:
+    from fxshard.driver import calibrate
+
+    monkeypatch.setenv("FXSHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_NODES", {})
+    b = Builder()
+    x = b.input("x", 256, 256)
+    mm = b.op(torch.ops.aten.mm.default, x, x)
+    again = b.op(torch.ops.aten.mm.default, mm, x)  # the same shapes: one timing
+    gm = b.done(again)
+    cpu = torch.device("cpu")
+    measured = Rates("r", replace(_device(), measured=True), Network.free())
+    timed = calibrate.with_node_times(measured, {"forward": gm}, cpu)
+    assert list(timed.device.node_seconds) == [cost_key(mm)] and timed.device.node_seconds[cost_key(mm)] > 0
+    # Kept on disk: another process reads it and times nothing.
+    monkeypatch.setattr(calibrate, "_NODES", {})
+    monkeypatch.setattr(calibrate, "_time_node", lambda *a: pytest.fail("timed again"))
+    assert calibrate.with_node_times(measured, {"forward": gm}, cpu).device.node_seconds == \
+        timed.device.node_seconds
+    # A profile's figures are not this machine's, and a GPU's matmuls keep the curve.
+    profile = Rates("p", _device(), Network.free())
+    assert calibrate.with_node_times(profile, {"forward": gm}, cpu) is profile
+    assert calibrate.with_node_times(measured, {"forward": gm}, torch.device("cuda")) is measured
+
+
+def cost_key(node: fx.Node) -> str:
+    from fxshard.ir.cost import node_key
+
+    key = node_key(node)
+    assert key is not None
+    return key
 
 
 # -- the streams ------------------------------------------------------------------------------------

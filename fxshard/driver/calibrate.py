@@ -27,18 +27,21 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from fxshard.driver import rehearsal
 from fxshard.driver.runtime import World, comm_device
 from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
-from fxshard.ir.cost import PER_ELEMENT, DeviceRates, Link, Network, Rates
+from fxshard.ir.compat import pytree
+from fxshard.ir.cost import PER_ELEMENT, DeviceRates, Link, Network, Rates, node_key
 
 log = logging.getLogger("fxshard")
 
@@ -49,6 +52,7 @@ CALLS = 7  # timed calls of each collective at each size (their median), after o
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
+_NODES: dict[str, dict[str, float]] = {}  # timed nodes' seconds, by device cache key
 _NETWORKS: dict[str, dict[str, Any]] = {}
 
 
@@ -167,7 +171,7 @@ def measure_device(device: torch.device) -> DeviceRates:
     per_element = {name: _seconds(run, device) / count
                    for name, (run, count) in _per_element_ops(device).items()}
     return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
-                       per_element, asynchronous=device.type != "cpu")
+                       per_element, asynchronous=device.type != "cpu", measured=True)
 
 
 def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
@@ -242,7 +246,7 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
                            {k: tuple((float(f), float(r)) for f, r in v)
                             for k, v in entry["matmul_curve"].items()},
                            {k: float(v) for k, v in entry["per_element"].items()},
-                           asynchronous=bool(entry["asynchronous"]))
+                           asynchronous=bool(entry["asynchronous"]), measured=True)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry of an older fxshard: measured again
 
@@ -370,7 +374,8 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
     return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
-                        per_element, asynchronous=like.asynchronous), Network(network_name, links), next(rest))
+                        per_element, asynchronous=like.asynchronous, measured=like.measured),
+            Network(network_name, links), next(rest))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -443,6 +448,60 @@ def _network_from(entry: dict[str, Any]) -> tuple[Network, float] | None:
                                    for kind in KINDS}), float(entry["contention"]))
     except (KeyError, TypeError, ValueError):
         return None  # an entry of an older fxshard: measured again
+
+
+def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: torch.device) -> Rates:
+    """``rates`` with each matmul and convolution of ``graphs`` (``cost.TIMED``) timed on
+    ``device``, once per distinct node (``cost.node_key``), cached beside the device's rates.
+    On the CPU only, and only for rates measured here (a profile's are its figures). Each rank
+    times its own: no collective (``report()`` may run on one rank alone)."""
+    if device.type != "cpu" or not rates.device.measured:
+        return rates
+    nodes: dict[str, fx.Node] = {}
+    for gm in graphs.values():
+        for node in gm.graph.nodes:
+            key = node_key(node)
+            if key is not None and key not in rates.device.node_seconds:
+                nodes.setdefault(key, node)
+    if not nodes:
+        return rates
+    where = f"nodes | {device_key(device)}"
+    if where not in _NODES:
+        _NODES[where] = {k: float(v) for k, v in (_load(where) or {}).items() if isinstance(v, (int, float))}
+    table = _NODES[where]
+    missing = [k for k in nodes if k not in table]
+    for key in missing:
+        seconds = _time_node(nodes[key], device)
+        if seconds is not None:
+            table[key] = seconds
+    if missing:
+        _save(where, table)
+    timed = {k: table[k] for k in nodes if k in table}
+    return replace(rates, device=replace(rates.device, node_seconds={**rates.device.node_seconds, **timed}))
+
+
+def _time_node(node: fx.Node, device: torch.device) -> float | None:
+    """One run of ``node`` on tensors of its arguments' shapes, strides and dtypes (random
+    values) on ``device``: the fastest of a few; None where it does not run on them."""
+
+    def real(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        span = 1 + sum((n - 1) * s for n, s in zip(v.shape, v.stride()) if n > 0) if v.numel() else 0
+        if v.dtype.is_floating_point:
+            base = torch.randn(span, device=device).to(v.dtype)
+        else:
+            base = torch.zeros(span, dtype=v.dtype, device=device)
+        return base.as_strided(tuple(v.shape), tuple(v.stride()))
+
+    try:
+        args = pytree.tree_map(real, fx.node.map_arg(node.args, lambda n: n.meta.get("val")))
+        kwargs = pytree.tree_map(real, fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val")))
+        target: Callable[..., Any] = node.target  # type: ignore[assignment]
+        return _seconds(lambda: target(*args, **kwargs), device)
+    except Exception as e:  # noqa: BLE001 - the roofline stands in for it
+        log.info("fxshard: could not time %s: %s", node.format_node(), e)
+        return None
 
 
 def local_rates(device: torch.device) -> Rates:

@@ -441,6 +441,8 @@ class Driver:
                          compute_device=self.device.type if self.runs else "")
         rates = self.timing()
         if rates is not None:
+            # On the CPU, each matmul and convolution timed here once (calibrate.with_node_times).
+            rates = self.rates = calibrate.with_node_times(rates, emitted_graphs(step.graphs), self.device)
             layout = layout_of(self.world, bool(self.config.inflight_groups))
             time = predict_step(emitted_graphs(step.graphs), rates, dimensions=layout.dimensions(),
                                 units=[u.name for u in self.plan.units],

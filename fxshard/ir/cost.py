@@ -65,6 +65,9 @@ class DeviceRates:
     the host goes on (CUDA): a node costs the host its overhead and the device its
     roofline, and the device idles only where the host falls behind. Otherwise (the CPU)
     the host computes: a node costs its roofline plus its overhead.
+    ``node_seconds``: on the CPU, each distinct matmul and convolution of the graphs timed
+    once here (``node_key``): a rectangular or transposed matmul runs far from the square
+    curve's rate for its FLOPs.
     ``per_element``: seconds per element of the first operand, by aten operator name, for
     operators with no FLOP formula whose kernels are slower than streaming their bytes
     (``tanh``, ``_softmax``, ``max_pool2d_with_indices``: ``PER_ELEMENT``); the node costs
@@ -83,6 +86,12 @@ class DeviceRates:
     # highest rate the device was measured at.
     peak_flops: Mapping[str, float] = field(default_factory=dict)
     asynchronous: bool = False
+    # Measured on this machine (calibration), not a profile's figures: what may be timed here.
+    measured: bool = False
+    # Seconds of one run of a node, by ``node_key``, timed on this device (``TIMED``: matmuls and
+    # convolutions, whose rate depends on their shapes and layouts more than on their FLOPs); the
+    # node costs that, plus its overhead, in place of its roofline.
+    node_seconds: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
@@ -314,6 +323,28 @@ PER_ELEMENT = (
 )
 
 
+# Operators whose time calibration measures per distinct node (shapes, strides, dtypes and
+# arguments) on the CPU, where their rate depends on more than their FLOPs.
+TIMED = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+
+
+def node_key(node: fx.Node) -> str | None:
+    """What one run of ``node`` takes depends on (a ``TIMED`` operator's): its overload, and each
+    argument's shape, strides and dtype, or value; None for other nodes."""
+    if node.op != "call_function" or op_name(node) not in TIMED:
+        return None
+
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), tuple(v.stride()), str(v.dtype).removeprefix("torch."))
+        if isinstance(v, (list, tuple)):
+            return tuple(describe(x) for x in v)
+        return v
+
+    return repr((str(node.target), describe(_val(node.args)), sorted(describe(_val(node.kwargs)).items())
+                 if node.kwargs else ()))
+
+
 def op_name(node: fx.Node) -> str:
     """The aten operator's name without namespace and overload ("_softmax"); "" for others."""
     packet = getattr(node.target, "overloadpacket", None)
@@ -331,6 +362,10 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     out = node.meta.get("val")
     moved = _nbytes(out) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))  # each operand read
     count = flops(node)
+    if device.node_seconds:
+        timed = device.node_seconds.get(node_key(node) or "")
+        if timed is not None:
+            return NodeCost(count, moved, timed + device.overhead, device.overhead)
     outs = _tensors(out)
     seconds = moved / device.bandwidth
     per = device.per_element.get(op_name(node)) if device.per_element else None
