@@ -4,26 +4,12 @@ pytest-xdist (one worker per file) then runs beside the rest of the tier."""
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
 import fxshard
 from fxshard.policies import by_class
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _llama3_8b(layers: int) -> Any:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from llama import LLAMA3_8B, Llama
-
-    with torch.device("meta"):
-        return Llama(dataclasses.replace(LLAMA3_8B, layers=layers))
+from tests.test_explain import _llama3_8b
 
 
 @pytest.mark.slow
