@@ -33,9 +33,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # and test_recipe's other FSDP2 comparisons, bf16 through the backend against FSDP2
 # (test_recipe) and the broken model through it, the default schedule's parity everywhere, the
 # CollectiveMismatchError of test_errors, the budget's predicted peaks (test_budget,
-# test_explain) and the schedule at one batch size, the resume that continues training at two
-# ranks (test_checkpoint), the budget's error naming the lowest peak, and HSDP across rehearsed
-# nodes (test_rehearsal) with test_mesh's 2-rank checks.
+# test_explain) and the schedule at one batch size, the checkpoints that load and verify
+# (test_checkpoint_integrity, test_checkpoint_recovery) for the resumes, the budget's error
+# naming the lowest peak, and HSDP across rehearsed nodes (test_rehearsal) with test_mesh's
+# 2-rank checks.
 SLOW_FOR_TIME = (
     "tests/test_hf.py::test_hf_model_with_padding_mask_traces_and_matches_ddp",
     "tests/test_report.py::test_a_steady_state_step_with_its_optimizer_is_predicted_within_three_percent",
@@ -46,6 +47,7 @@ SLOW_FOR_TIME = (
     "tests/test_budget.py::test_the_measured_peak_stays_within_the_budget",
     "tests/test_memory_schedule.py::test_the_schedule_is_the_same_at_every_batch_size",
     "tests/test_checkpoint.py::test_resume_loads_the_saved_parameters_bitwise",
+    "tests/test_checkpoint.py::test_resume_at_two_ranks_continues_bitwise",
     "tests/test_budget.py::test_tighter_budgets_buy_memory_with_resharding_then_recompute",
     "tests/test_budget.py::test_the_chosen_schedule_trains_like_the_default",
     "tests/test_mesh.py::test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2",
