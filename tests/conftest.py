@@ -33,9 +33,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # and test_recipe's other FSDP2 comparisons, bf16 through the backend against FSDP2
 # (test_recipe) and the broken model through it, the default schedule's parity everywhere, the
 # CollectiveMismatchError of test_errors, the budget's predicted peaks (test_budget,
-# test_explain) and the schedule at one batch size, the checkpoints that load and verify
-# (test_checkpoint_integrity, test_checkpoint_recovery) for the resumes, the budget's error
-# naming the lowest peak, and HSDP across rehearsed nodes (test_rehearsal) with test_mesh's
+# test_explain) and the schedule at one batch size, the resumes at another world size
+# (test_checkpoint), the budget's error naming the lowest peak, and HSDP across rehearsed nodes (test_rehearsal) with test_mesh's
 # 2-rank checks.
 SLOW_FOR_TIME = (
     "tests/test_hf.py::test_hf_model_with_padding_mask_traces_and_matches_ddp",
