@@ -34,8 +34,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # (test_recipe) and the broken model through it, the default schedule's parity everywhere, the
 # CollectiveMismatchError of test_errors, the budget's predicted peaks (test_budget,
 # test_explain) and the schedule at one batch size, the resumes at another world size
-# (test_checkpoint), the budget's error naming the lowest peak, and HSDP across rehearsed nodes (test_rehearsal) with test_mesh's
-# 2-rank checks.
+# (test_checkpoint), the budget's error naming the lowest peak, and HSDP across rehearsed
+# nodes (test_rehearsal) with test_mesh's 2-rank checks.
 SLOW_FOR_TIME = (
     "tests/test_hf.py::test_hf_model_with_padding_mask_traces_and_matches_ddp",
     "tests/test_report.py::test_a_steady_state_step_with_its_optimizer_is_predicted_within_three_percent",
