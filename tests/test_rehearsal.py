@@ -198,6 +198,35 @@ def test_hsdp_across_two_rehearsed_nodes_reduces_its_replicas_over_the_links_bet
     assert sum(1 for k, n, g, b in r["step"] if (k, n, g, b) == ("all_gather", 8, 16, True)) == 2
 
 
+def _through_the_backend() -> dict[str, Any]:
+    rehearsal = fxshard.rehearse(8, "h100-nvlink")
+    try:
+        torch.manual_seed(0)
+        x = torch.randint(0, 61, (2, 16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = torch.compile(TinyGPT(), backend=fxshard.backend(by_class(Block)), dynamic=False)
+            optimizer = torch.optim.AdamW(fxshard.parameters(compiled, example_inputs=(x,)))
+            losses = []
+            for _ in range(2):
+                start = len(rehearsal.log)
+                loss = compiled(x).float().square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(loss))
+        return {"losses": losses, "step": sorted({e.kind for e in rehearsal.log[start:]})}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # Dynamo's compile: seconds
+def test_the_torch_compile_backend_trains_on_a_rehearsal() -> None:
+    r = run_alone(_through_the_backend)
+    assert all(math.isfinite(v) for v in r["losses"])
+    assert r["step"] == ["all_gather", "reduce_scatter"]
+
+
 def _refused(what: str) -> str:
     try:
         if what == "twice":
