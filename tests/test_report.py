@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
+from fxshard.driver.report import LOSS_PHASE
 from fxshard.measure import CommCounter, peak_memory
 from fxshard.policies import by_class
 
@@ -192,3 +193,57 @@ def test_the_peak_is_broken_down_into_gathered_units_reductions_and_activations(
     assert checkpointed.activation_bytes_at_peak < plain.activation_bytes_at_peak
     assert plain.predicted_peak_bytes - checkpointed.predicted_peak_bytes == \
         plain.activation_bytes_at_peak - checkpointed.activation_bytes_at_peak
+
+
+class _LossInside(nn.Module):
+    """The LM with its loss in its own forward: the graphs compute it, and it is the output."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _lm_loss(self.lm(idx), targets)
+
+
+def loss_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A vocabulary large enough that the step's peak is in the caller's cross-entropy, between
+    the graphs: log_softmax's result and the two gradients of the logits' size (4 MiB each)."""
+    out = {}
+    idx = torch.randint(0, 2048, (8, 65), generator=torch.Generator().manual_seed(rank))
+    x, y = idx[:, :-1], idx[:, 1:]
+    for name in ("outside", "inside"):
+        torch.manual_seed(0)
+        lm = TinyGPT(vocab=2048, dim=32, layers=2, seq=64)
+        sharded = fxshard.compile(lm if name == "outside" else _LossInside(lm), policy=by_class(Block))
+
+        def step(m: Any = sharded, name: str = name) -> None:
+            loss = _lm_loss(m(x), y) if name == "outside" else m(x, y)  # the logits dropped
+            loss.backward()
+
+        step()
+        for p in sharded.parameters():
+            p.grad = None
+        measured = peak_memory(step, sharded, x, y)
+        report = sharded.report()
+        out[name] = (report.predicted_peak_bytes, measured, report.peak_phase, str(report))
+    return out
+
+
+@cache
+def loss_results() -> list[dict[str, Any]]:
+    return run_ranks(loss_worker, 2)
+
+
+def test_the_peak_in_the_callers_loss_between_the_graphs_is_predicted() -> None:
+    """The caller's loss runs outside the graphs: its peak (three tensors of the logits' size,
+    the logits dropped) is counted after forward, where it held the measured peak and the
+    prediction saw none of it (a memory budget's plan then ran over its budget)."""
+    for r in loss_results():
+        predicted, measured, phase, text = r["outside"]
+        assert phase == LOSS_PHASE, text
+        assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured, text)
+        # With the loss in the graphs the graphs see it: no region between them is added.
+        predicted, measured, phase, text = r["inside"]
+        assert phase != LOSS_PHASE, text
+        assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured, text)

@@ -229,6 +229,27 @@ def _tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# Where a step's peak is in the caller's loss (build_report): after forward, before backward.
+LOSS_PHASE = "forward: the caller's loss, between forward and backward"
+# The loss between the graphs, where the graphs do not compute it, is taken to be a
+# cross-entropy over the largest output: in its backward, log_softmax's saved result and
+# the two gradients (of that result, then of the output) are alive at once, three tensors
+# of the output's size, while the output itself is dropped by a caller that keeps only the
+# loss (``loss = F.cross_entropy(model(x), y)``): two more than forward left.
+LOSS_COPIES = 2
+
+
+def loss_bytes(backward: fx.GraphModule) -> int:
+    """The bytes the caller's loss holds above what forward left (``LOSS_COPIES``): none where
+    an output is a scalar that needs a gradient (the loss is in the graphs), else that many
+    copies of the largest output with a gradient (a backward's tangents are those outputs')."""
+    vals = [n.meta.get("val") for n in backward.graph.nodes if meta.is_tangent(n)]
+    vals = [v for v in vals if isinstance(v, torch.Tensor)]
+    if not vals or any(v.dim() == 0 for v in vals):
+        return 0
+    return LOSS_COPIES * max(_tensor_bytes([v]) for v in vals)
+
+
 def build_report(
     plan: ShardPlan,
     rank: int,
@@ -288,6 +309,12 @@ def build_report(
                 else:
                     owners[owner] = n.name
                     inputs[n.name] = nbytes
+        # The caller's loss runs between the graphs, outside them.
+        loss = loss_bytes(backward)
+        if loss and fw.end + loss > peak:
+            peak, phase, at_peak = fw.end + loss, LOSS_PHASE, fw.at_end
+        if loss:
+            curves["loss"] = (fw.end + loss,)
         carried = {k for k in inputs if k not in tangents}
         # The backward graph is called in the boxed convention (codegen._boxed):
         # a saved tensor dies after its last use there, unless it is also a

@@ -83,6 +83,8 @@ class Timeline:
     # At the peak: the bytes of each storage alive there, by the name of the node owning
     # it (the part of ``base`` the graph does not see is not in it).
     at_peak: dict[str, int] = field(default_factory=dict)
+    # After the graph returns: the same, for what is still alive.
+    at_end: dict[str, int] = field(default_factory=dict)
 
 
 def simulate(
@@ -156,7 +158,8 @@ def simulate(
         curve.append(live)
     outs = {a.name: (storage[a].name, size[storage[a]]) for a in output.all_input_nodes
             if a in storage and storage[a] not in freed and storage[a].op != "placeholder"}
-    return Timeline(peak, live, peak_at, curve, highs, at_peak), outs
+    at_end = {n.name: b for n, b in alive.items() if b}
+    return Timeline(peak, live, peak_at, curve, highs, at_peak, at_end), outs
 
 
 def graph_timeline(gm: fx.GraphModule, persistent: set[fx.Node]) -> Timeline:
