@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from fxshard.driver import calibrate
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import World, comm_device
@@ -69,7 +70,8 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
                               host_groups=trial_config.options.offloaded_groups(plan.groups),
-                              optimizer=config.optimizer)
+                              optimizer=config.optimizer,
+                              library_bytes=calibrate.library_bytes(shards[0].device) if shards else 0)
         prediction = _prediction(report, graphs, plan, unit_bytes, config)
         peak, step = largest_over_ranks(world, [prediction.peak, prediction.step_peak])
         return replace(prediction, peak=peak, step_peak=step)

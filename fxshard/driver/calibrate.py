@@ -54,6 +54,7 @@ CALLS = 7  # timed calls of each collective at each size (their median), after o
 _DEVICES: dict[str, DeviceRates] = {}
 _NODES: dict[str, dict[str, float]] = {}  # timed nodes' seconds, by device cache key
 _NETWORKS: dict[str, dict[str, Any]] = {}
+_LIBRARY: dict[str, int] = {}  # library_bytes, by device
 
 
 def cache_path() -> Path:
@@ -502,6 +503,39 @@ def _time_node(node: fx.Node, device: torch.device) -> float | None:
     except Exception as e:  # noqa: BLE001 - the roofline stands in for it
         log.info("fxshard: could not time %s: %s", node.format_node(), e)
         return None
+
+
+def library_bytes(device: torch.device) -> int:
+    """The device memory the math libraries hold through a training step, which no tensor
+    owns: on CUDA, cuBLAS's and cuBLASLt's workspaces, which the caching allocator holds (and
+    counts) for each pair of a thread's handle and a stream, from its first matmul on: one
+    for forward's matmuls, one for backward's (autograd's device thread has its own handle).
+    Measured once per device, outside any fake mode (a planner may ask while tracing), as the
+    allocator's growth over a forward and backward of each kind of matmul on a stream of its
+    own; the workspaces are then released (each is made again at its next matmul). 0
+    elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    key = str(torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device()))
+    if key not in _LIBRARY:
+        with compat.fake_tensor.unset_fake_temporarily(), torch.cuda.device(device), torch.enable_grad():
+            a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+            bias = torch.ones(64, device=device, dtype=torch.bfloat16, requires_grad=True)
+            f = torch.ones(64, 64, device=device, requires_grad=True)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            with torch.cuda.stream(stream):
+                outs = [torch.mm(a, a), torch.addmm(bias, a, a), torch.mm(f, f)]
+                torch.stack([o.float().sum() for o in outs]).sum().backward()
+            torch.cuda.synchronize(device)
+            grown = torch.cuda.memory_allocated(device) - before
+            held = [*outs, a.grad, bias.grad, f.grad]
+            _LIBRARY[key] = max(0, grown - sum(t.untyped_storage().nbytes() for t in held if t is not None))
+            del outs, held, a, bias, f
+            compat.clear_cublas_workspaces()
+    return _LIBRARY[key]
 
 
 def local_rates(device: torch.device) -> Rates:

@@ -434,7 +434,8 @@ class Driver:
                                                   for a in self.state.accumulators.values())
                             if step.grad_sync != REDUCE else 0,
                             host_groups=schedule.config.options.offloaded_groups(self.plan.groups),
-                            optimizer=self.config.optimizer)
+                            optimizer=self.config.optimizer,
+                            library_bytes=calibrate.library_bytes(self.device))
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
                          topology=self.world.topology(),

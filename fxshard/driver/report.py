@@ -264,6 +264,7 @@ def build_report(
     accumulator_bytes: int = 0,
     host_groups: frozenset[int] = frozenset(),
     optimizer: OptimizerState | None = None,
+    library_bytes: int = 0,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
@@ -275,7 +276,10 @@ def build_report(
     # optimizer=: the state of the shards on the device. It exists from the first step on,
     # so a steady-state step holds it through forward and backward too.
     state_bytes = 0 if optimizer is None else optimizer.states * (grad_bytes - host_grads)
-    base = shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes + state_bytes
+    # library_bytes: what the device's math libraries hold for the compute stream, no tensor of
+    # the step's (cuBLAS's workspaces: calibrate.library_bytes), there through the whole step.
+    base = (shard_bytes - _tensor_bytes(host) + buffer_bytes + input_bytes + accumulator_bytes + state_bytes
+            + library_bytes)
     forward = graphs.get("forward", graphs.get("inference"))
     assert forward is not None
     persistent = {n.name for n in forward.graph.nodes if n.op == "placeholder"}

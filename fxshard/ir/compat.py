@@ -74,6 +74,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   test group is): the names c10d calls its collectives by (the table), a ``Work`` that
   completes with a ``torch.futures.Future`` (c10d's own wrapper), the GPU's spin kernel that
   holds its stream for a collective's time, and the name c10d registered the group under.
+- ``clear_cublas_workspaces`` (``torch._C._cuda_clearCublasWorkspaces``): releases the cuBLAS
+  workspaces ``calibrate.library_bytes`` made on a stream of its own to measure them.
 - ``group_timeout``, ``default_timeout``: the timeout a process group was made with; torch has no
   public getter. ``group_store``: the store a group was made with (``_world.pg_map``), where
   checkpoint agreements mark each rank's arrival.
@@ -289,6 +291,11 @@ def work_from_future(future: torch.futures.Future[Any]) -> dist.Work:
 def cuda_sleep(cycles: int) -> None:
     """A kernel that spins ``cycles`` GPU clock cycles on the current stream (one block)."""
     torch.cuda._sleep(cycles)
+
+
+def clear_cublas_workspaces() -> None:
+    """Release every stream's cuBLAS workspace (each is made again at its stream's next matmul)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def registered_group_name(group: dist.ProcessGroup) -> str:
