@@ -188,7 +188,7 @@ def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_input
                                                      round(report.exposed_comm_seconds * 1e9),
                                                      report.predicted_peak_bytes])
     return Trial(plan, name, ns / 1e9, exposed / 1e9, peak, len(trial.plan.units),
-                 memory_budget is None or peak <= memory_budget)
+                 memory_budget is None or peak <= memory_budget, len(step.collectives))
 
 
 def _nothing(*args: Any) -> Any:
