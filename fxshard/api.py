@@ -22,7 +22,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
-from fxshard.ir.policies import Policy
+from fxshard.ir.wrapping import Policy
 
 log = logging.getLogger("fxshard")
 

@@ -44,7 +44,7 @@ from fxshard.ir import compat
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
-from fxshard.ir.policies import Policy
+from fxshard.ir.wrapping import Policy
 from fxshard.passes import build_pipelines
 from fxshard.passes.context import REDUCE
 

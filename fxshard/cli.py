@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from fxshard.ir.policies import Policy
+    from fxshard.ir.wrapping import Policy
 
 # The parser is built without torch (``fxshard --help`` answers at once, tests/test_cli_import.py);
 # torch and the compiler are imported by the commands that use them.
@@ -95,12 +95,12 @@ def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
         return None
     automatic = re.match(r"^\s*auto\((?:\s*units\s*=\s*(.*))?\)\s*$", text)
     if automatic is not None:
-        from fxshard.ir.policies import auto
+        from fxshard.ir.wrapping import auto
 
         return auto(parse_policy(automatic.group(1), namespace) if automatic.group(1) else None)
     import torch.nn as nn
 
-    from fxshard.ir.policies import by_class, by_size
+    from fxshard.ir.wrapping import by_class, by_size
 
     policy: Policy | None = None
     for term in text.split("|"):
@@ -126,7 +126,7 @@ def parse_checkpointing(text: str | None, namespace: ModuleType) -> Policy | Non
     """A policy as for ``--policy``, or ``selective(<policy>)``."""
     if not text:
         return None
-    from fxshard.ir.policies import selective
+    from fxshard.ir.wrapping import selective
 
     match = re.match(r"^\s*selective\((.*)\)\s*$", text)
     if match is None:

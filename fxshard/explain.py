@@ -38,7 +38,7 @@ from fxshard.ir.cost import Rates
 from fxshard.ir.cost import hardware as cost_profile
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import ShardPlan
-from fxshard.ir.policies import Policy
+from fxshard.ir.wrapping import Policy
 
 
 @dataclass

@@ -45,8 +45,8 @@ from fxshard.checkpoint import (
 )
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
-from fxshard.ir.policies import Policy, by_class
 from fxshard.ir.precision import MixedPrecision
+from fxshard.ir.wrapping import Policy, by_class
 
 __all__ = ["FxShardTrainer", "default_policy"]
 

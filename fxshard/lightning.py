@@ -74,8 +74,8 @@ from fxshard.api import compile as compile_module
 from fxshard.checkpoint import get_model_state_dict, get_optimizer_state_dict, load, save
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
-from fxshard.ir.policies import Policy
 from fxshard.ir.precision import MixedPrecision as FxShardPrecision
+from fxshard.ir.wrapping import Policy
 
 __all__ = ["FxShardMixedPrecision", "FxShardStrategy"]
 

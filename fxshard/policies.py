@@ -1,11 +1,11 @@
 """Wrapping policies, under the name users import them by (``fxshard.policies``).
 
-The definitions live with the rest of the plan's data in ``fxshard.ir.policies``.
+The definitions live with the rest of the plan's data in ``fxshard.ir.wrapping``.
 The same values choose the regions of ``activation_checkpointing=``;
 ``selective(policy)`` saves matmul and attention outputs there and recomputes the rest.
 """
 
-from fxshard.ir.policies import (
+from fxshard.ir.wrapping import (
     SAVE_BY_DEFAULT,
     AnyOf,
     Auto,

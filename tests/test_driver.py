@@ -321,7 +321,7 @@ def _layer(module: str) -> int:
 
 def test_layers_import_one_way_and_no_module_imports_in_a_circle() -> None:
     graph = _import_graph()
-    assert "fxshard.ir.plan" in graph and "fxshard.passes.schedule" in graph
+    assert "fxshard.ir.plan" in graph and "fxshard.passes.schedule_gathers" in graph
     # Nothing inside imports the facade: it imports everything.
     assert not list(graph.predecessors("fxshard")), list(graph.predecessors("fxshard"))
     cycles = list(nx.simple_cycles(graph))
@@ -365,3 +365,15 @@ def test_collectives_run_on_the_accelerator_whose_backend_the_group_uses(monkeyp
         assert runtime.comm_device(None) == expected, (accelerator, backend)  # type: ignore[arg-type]
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     assert runtime.comm_device(None) == torch.device("cpu")  # type: ignore[arg-type]
+
+
+def test_no_two_modules_of_the_package_share_a_name() -> None:
+    """A module's name says what it does wherever it is read: ``ir/budget.py`` searches the
+    ladder, ``driver/plan_budget.py`` runs its trials on a trace (docs/architecture.md)."""
+    package = Path(fxshard.__file__).resolve().parent
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(package)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, shared

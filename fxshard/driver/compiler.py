@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import auto, budget, calibrate, grads, orig_params
+from fxshard.driver import calibrate, grads, orig_params, plan_auto, plan_budget
 from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
 from fxshard.driver.consistency import AGREEMENT_BYTES
 from fxshard.driver.dump import PassLog, write_dump
@@ -66,7 +66,7 @@ from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.ir.policies import Auto, ByPredicate
+from fxshard.ir.wrapping import Auto, ByPredicate
 from fxshard.passes.context import REDUCE, GradSync
 
 log = logging.getLogger("fxshard")
@@ -148,7 +148,7 @@ class Driver:
         unchanged), initialised module by module if it is on the meta device
         (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``).
         Under ``policy=auto()`` the plan and schedule are first chosen from traces of the
-        model on ``example_inputs`` (``fxshard.driver.auto``)."""
+        model on ``example_inputs`` (``fxshard.driver.plan_auto``)."""
         refuse_sharded_again(module)
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
@@ -167,7 +167,7 @@ class Driver:
                 raise FxShardError(
                     "policy=auto() chooses the units and the schedule from a trace of the model: pass "
                     "example_inputs= (a batch of the shape training uses) to fxshard.compile")
-            self.schedule = auto.choose(self, module, example_inputs, Driver)
+            self.schedule = plan_auto.choose(self, module, example_inputs, Driver)
             assert self.schedule.auto is not None
             policy = self.schedule.config.policy
         sync = self.config.sync_module_states and self.world.job_size > 1 and self.runs
@@ -400,7 +400,7 @@ class Driver:
         """memory_budget: the schedule chosen on the first training trace, before its passes run
         (fxshard.ir.budget), kept for every later trace. The units it offloads move to the
         host now, and the trace's shards with them."""
-        schedule = budget.choose(
+        schedule = plan_budget.choose(
             self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
             num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs)
         assert schedule.budget is not None

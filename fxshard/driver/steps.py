@@ -29,7 +29,7 @@ log = logging.getLogger("fxshard")
 class Schedule:
     """What a step's passes run with: the configuration, each graph's pipeline built from it,
     and the regions backward recomputes. Fixed before any trace from what the user asked, or
-    returned by a planner from one (``memory_budget``: ``driver.budget.choose``, with its
+    returned by a planner from one (``memory_budget``: ``driver.plan_budget.choose``, with its
     ``budget`` choice and the inputs it planned on). Never changed: a plan is a new value."""
 
     config: CompileConfig

@@ -1,6 +1,6 @@
 """``policy=auto()``: the plans the planner compares, and what it chose (pure).
 
-The driver (``fxshard.driver.auto``) traces each plan candidate once and emits each
+The driver (``fxshard.driver.plan_auto``) traces each plan candidate once and emits each
 schedule variant from that trace; the cost model (``fxshard.ir.cost``) predicts each
 variant's step time and the memory model its peak. The fastest whose peak is within
 ``memory_budget`` wins; where none is, the memory budget's ladder (``fxshard.ir.budget``:
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from fxshard.ir.options import ShardingOptions
-from fxshard.ir.policies import Policy, by_class, by_size
+from fxshard.ir.wrapping import Policy, by_class, by_size
 
 MIB = 1 << 20
 # Predicted step times this close are a tie, which the fewer collectives break, then the lower

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from fxshard.ir.compat import OpOverloadPacket
-from fxshard.ir.policies import SAVE_BY_DEFAULT, Policy, Selective, WrapQuery
+from fxshard.ir.wrapping import SAVE_BY_DEFAULT, Policy, Selective, WrapQuery
 
 
 @dataclass(frozen=True)

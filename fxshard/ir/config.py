@@ -21,8 +21,8 @@ import torch.fx as fx
 
 from fxshard.ir.optimizer import OptimizerState, optimizer_state
 from fxshard.ir.options import ShardingOptions
-from fxshard.ir.policies import Policy
 from fxshard.ir.precision import MixedPrecision
+from fxshard.ir.wrapping import Policy
 
 FrontEnd = Literal["compile", "backend", "explain"]
 Compute = Literal["eager", "inductor"]

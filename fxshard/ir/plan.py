@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from fxshard.ir.errors import PlanError
-from fxshard.ir.policies import Policy, WrapQuery
 from fxshard.ir.precision import MixedPrecision
+from fxshard.ir.wrapping import Policy, WrapQuery
 
 log = logging.getLogger("fxshard")
 

@@ -19,7 +19,7 @@ from .pipeline import (
 )
 from .rematerialize_params import rematerialize_params_pass
 from .scale_in_place import scale_in_place_pass
-from .schedule import place_gathers_pass, prefetch_gathers_pass
+from .schedule_gathers import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
 from .topological_sort import topological_sort_pass

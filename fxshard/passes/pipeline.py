@@ -35,7 +35,7 @@ from .insert_reduce_scatter import insert_reduce_scatter_pass
 from .rematerialize_params import rematerialize_params_pass
 from .reshard_within import reshard_within_pass
 from .scale_in_place import scale_in_place_pass
-from .schedule import place_gathers_pass, prefetch_gathers_pass
+from .schedule_gathers import place_gathers_pass, prefetch_gathers_pass
 from .schedule_reduce_scatter import schedule_reduce_scatter_pass
 from .sink_allocations import sink_allocations_pass
 from .topological_sort import topological_sort_pass

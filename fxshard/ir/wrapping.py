@@ -109,7 +109,7 @@ class AnyOf(Policy):
 class Auto(Policy):
     """``policy=auto()``: the units, buckets, prefetch depth and resharding that fxshard
     predicts fastest within ``memory_budget``, chosen from a trace of the model
-    (``fxshard.driver.auto``). ``units`` pins the unit boundaries: then only buckets,
+    (``fxshard.driver.plan_auto``). ``units`` pins the unit boundaries: then only buckets,
     prefetch and resharding are chosen. Not a wrapping rule itself: the driver replaces it
     with the policy it chose before anything is planned."""
 

@@ -7,7 +7,7 @@ memory budget's planner is called. That planner emits every variant from a copy 
 joint graph (``GraphCompiler.emit``) and predicts it as ``report()`` would: the step's
 time from the cost model, on the driver's rates, and its peak from the liveness analysis.
 Every rank takes each prediction's largest over the ranks, so all choose alike. Where some
-variant is over ``memory_budget``, the budget's ladder (``driver.budget.choose``) lowers the
+variant is over ``memory_budget``, the budget's ladder (``driver.plan_budget.choose``) lowers the
 candidate from every unit kept gathered until it fits (the first units resharded; where even
 resharding all does not fit, prefetch limits, recompute, offload), and that is one more trial.
 
@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import budget
-from fxshard.driver.budget import largest_over_ranks
+from fxshard.driver import plan_budget
 from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
+from fxshard.driver.plan_budget import largest_over_ranks
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import World
 from fxshard.driver.steps import CompiledStep, Schedule
@@ -42,7 +42,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import PROFILES, Rates
 from fxshard.ir.errors import BudgetError, FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.ir.policies import Auto, Policy
+from fxshard.ir.wrapping import Auto, Policy
 from fxshard.passes.context import REDUCE
 
 
@@ -130,7 +130,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
                 # resharded, the rest kept), between the variants above; where none of them
                 # fits, it is the only way in.
                 try:
-                    laddered = budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
+                    laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
                                              trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
                                              input_bytes)
                 except BudgetError as e:
