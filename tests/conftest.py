@@ -50,6 +50,11 @@ SLOW_FOR_TIME = (
     "tests/test_budget.py::test_tighter_budgets_buy_memory_with_resharding_then_recompute",
     "tests/test_budget.py::test_the_chosen_schedule_trains_like_the_default",
     "tests/test_mesh.py::test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2",
+    # One spawn of 2 ranks for these three (about 11 s); the checkpoints that load and
+    # verify stay in test_checkpoint_integrity.py.
+    "tests/test_checkpoint_recovery.py::test_the_model_alone_loads_from_a_checkpoint_with_optimizer_state",
+    "tests/test_checkpoint_recovery.py::test_safetensors_that_differ_between_ranks_raise_on_every_rank_and_change_nothing",
+    "tests/test_checkpoint_recovery.py::test_safetensors_copied_to_another_path_load",
 )
 
 
