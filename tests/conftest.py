@@ -47,6 +47,7 @@ SLOW_FOR_TIME = (
     "tests/test_memory_schedule.py::test_the_schedule_is_the_same_at_every_batch_size",
     "tests/test_checkpoint.py::test_resume_loads_the_saved_parameters_bitwise",
     "tests/test_checkpoint.py::test_resume_at_two_ranks_continues_bitwise",
+    "tests/test_checkpoint.py::test_a_save_killed_on_one_rank_leaves_the_previous_checkpoint_loadable",
     "tests/test_budget.py::test_tighter_budgets_buy_memory_with_resharding_then_recompute",
     "tests/test_budget.py::test_the_chosen_schedule_trains_like_the_default",
     "tests/test_budget.py::test_the_backend_plans_the_budget_too",  # the last of results()'s readers

@@ -143,22 +143,47 @@ def resume_worker(rank: int, world_size: int, root: str, cases: list[tuple[str, 
 
 
 @cache
-def runs() -> dict[str, Any]:
+def _saved() -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fxshard-ckpt-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # the consolidation tests read ckpt2
     saves = run_ranks(save_worker, 2, root)
-    out: dict[str, Any] = {"save": saves[0], "bn": [s.pop("bn") for s in saves], "root": root}
-    out[3] = run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
-    # A save killed on one rank (its own spawn dies), then loaded in the next spawn.
-    killed = os.path.join(root, "killed")
+    return {"save": saves[0], "bn": [s.pop("bn") for s in saves], "root": root}
+
+
+@cache
+def _killed() -> dict[str, Any]:
+    """A save killed on one rank (its own spawn dies), loaded by the 2-rank resume."""
+    killed = os.path.join(_saved()["root"], "killed")
     with pytest.raises(Exception, match="process 1 terminated with exit code 1"):
         run_ranks(killed_save_worker, 2, killed)
-    out["killed_partial"] = os.path.exists(killed + ".partial")
-    out["killed_expected"] = torch.load(f"{killed}-expected-0.pt")
-    out[2] = run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
-                                                ("ckpt3", "block", None)], killed)[0]
-    out[1] = run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
-    return out
+    return {"path": killed, "killed_partial": os.path.exists(killed + ".partial"),
+            "killed_expected": torch.load(f"{killed}-expected-0.pt")}
+
+
+@cache
+def _resumed(world_size: int) -> dict[str, Any]:
+    root = _saved()["root"]
+    if world_size == 3:  # it writes ckpt3, which the 2-rank resume reads
+        return run_ranks(resume_worker, 3, root, [("ckpt2", "block", "ckpt3")])[0]
+    if world_size == 2:
+        _resumed(3)
+        return run_ranks(resume_worker, 2, root, [("ckpt2", "block", None), ("ckpt2", "size_zero2", None),
+                                                  ("ckpt3", "block", None)], _killed()["path"])[0]
+    return run_ranks(resume_worker, 1, root, [("ckpt2", "block", None)])[0]
+
+
+class _Runs:
+    """Each spawn on first use, so that the fast tier's readers (the save, the 1-rank resume)
+    wait for none of the slow tier's (the 3- and 2-rank resumes, the killed save)."""
+
+    def __getitem__(self, key: int | str) -> Any:
+        if isinstance(key, int):
+            return _resumed(key)
+        return _killed()[key] if key.startswith("killed_") else _saved()[key]
+
+
+def runs() -> _Runs:
+    return _Runs()
 
 
 def _assert_equal_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
