@@ -402,7 +402,8 @@ class Driver:
         host now, and the trace's shards with them."""
         schedule = plan_budget.choose(
             self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
-            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs)
+            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs,
+            library_bytes=calibrate.library_bytes(self.device))
         assert schedule.budget is not None
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, schedule.budget.table())
         moved = set(self.place_shards(schedule.config.options))  # offloaded, or kept on the device

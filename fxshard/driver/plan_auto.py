@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import plan_budget
+from fxshard.driver import calibrate, plan_budget
 from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
 from fxshard.driver.plan_budget import largest_over_ranks
 from fxshard.driver.report import Report
@@ -51,6 +51,7 @@ class Driver(Protocol):
     module, so it is not imported here)."""
 
     config: CompileConfig
+    device: torch.device
     world: World
     rates: Rates | None
     schedule: Schedule
@@ -132,7 +133,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
                 try:
                     laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
                                              trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
-                                             input_bytes)
+                                             input_bytes, library_bytes=calibrate.library_bytes(trial.device))
                 except BudgetError as e:
                     if not any(t.fits for t, _ in mine):
                         failures.append(e)

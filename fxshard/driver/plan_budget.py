@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxshard.driver import calibrate
 from fxshard.driver.codegen import GraphCompiler
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import World, comm_device
@@ -43,12 +42,13 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
            input_bytes: int, grad_sync: GradSync = REDUCE,
            accumulators: Mapping[int, torch.Tensor] | None = None,
-           planned_on: str = "") -> Schedule:
+           planned_on: str = "", library_bytes: int = 0) -> Schedule:
     """The cheapest schedule within ``config.memory_budget``: its configuration, pipelines
     and checkpointing, with the budget's choice (planned on inputs ``planned_on``).
     ``regions``: the regions recomputing may use;
     ``grad_sync`` and ``accumulators``: the traced step's (a step inside no_sync keeps
-    full-size gradient sums). Every rank takes each candidate's largest peak over the
+    full-size gradient sums); ``library_bytes``: the compute device's
+    (``calibrate.library_bytes``). Every rank takes each candidate's largest peak over the
     ranks, so all choose the same schedule (their inputs may differ in size)."""
     accumulator_bytes = (sum(a.numel() * a.element_size() for a in (accumulators or {}).values())
                          if grad_sync != REDUCE else 0)
@@ -71,7 +71,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
                               host_groups=trial_config.options.offloaded_groups(plan.groups),
                               optimizer=config.optimizer,
-                              library_bytes=calibrate.library_bytes(shards[0].device) if shards else 0)
+                              library_bytes=library_bytes)
         prediction = _prediction(report, graphs, plan, unit_bytes, config)
         peak, step = largest_over_ranks(world, [prediction.peak, prediction.step_peak])
         return replace(prediction, peak=peak, step_peak=step)

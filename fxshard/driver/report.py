@@ -315,10 +315,10 @@ def build_report(
                     inputs[n.name] = nbytes
         # The caller's loss runs between the graphs, outside them.
         loss = loss_bytes(backward)
-        if loss and fw.end + loss > peak:
-            peak, phase, at_peak = fw.end + loss, LOSS_PHASE, fw.at_end
         if loss:
             curves["loss"] = (fw.end + loss,)
+            if fw.end + loss > peak:
+                peak, phase, at_peak = fw.end + loss, LOSS_PHASE, fw.at_end
         carried = {k for k in inputs if k not in tangents}
         # The backward graph is called in the boxed convention (codegen._boxed):
         # a saved tensor dies after its last use there, unless it is also a
