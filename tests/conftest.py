@@ -52,6 +52,8 @@ SLOW_FOR_TIME = (
     "tests/test_budget.py::test_the_chosen_schedule_trains_like_the_default",
     "tests/test_budget.py::test_the_backend_plans_the_budget_too",  # the last of results()'s readers
     "tests/test_mesh.py::test_no_shard_hsdp_and_hpz_on_4_ranks_train_like_ddp_and_hsdp_checkpoints_resume_on_2",
+    # It waits out its timeout (17 s); a save or load on one rank within the timeout stays.
+    "tests/test_checkpoint_integrity.py::test_a_stalled_writer_raises_on_every_rank_within_the_timeout",
     # One spawn of 2 ranks for these three (about 11 s); the checkpoints that load and
     # verify stay in test_checkpoint_integrity.py.
     "tests/test_checkpoint_recovery.py::test_the_model_alone_loads_from_a_checkpoint_with_optimizer_state",
