@@ -58,6 +58,93 @@ def _trials(e: fxshard.Explanation) -> tuple[Trial, ...]:
     return e.report.auto.trials
 
 
+class _Tied(nn.Module):
+    """What regrouping must carry: an embedding tied to the head, sizes that pad, a frozen
+    block and a frozen norm (groups without gradients), a module the step never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(101, 24)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(24), nn.Linear(24, 72), nn.ReLU(), nn.Linear(72, 24)) for _ in range(3))
+        self.head = nn.Linear(24, 101, bias=False)
+        self.head.weight = self.emb.weight
+        self.unused = nn.Linear(5, 5)
+        self.blocks[1].requires_grad_(False)
+        self.blocks[2][0].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+@pytest.mark.slow  # one explain per candidate and schedule: seconds
+def test_each_candidate_is_predicted_from_the_one_trace_as_from_its_own() -> None:
+    """auto() traces the model once, under the finest units, and rewrites that joint graph to
+    each candidate's groups (fxshard.passes.regroup). Each trial's prediction must be the one
+    the candidate's own trace gives: explain with that policy and schedule, to the byte, and
+    its step time the same simulation's."""
+    from fxshard.ir import predicates as P
+    from fxshard.ir.auto import candidates
+    from fxshard.ir.plan import make_plan
+
+    x = torch.randint(0, 101, (4, 16))
+    precision = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    common: dict[str, Any] = dict(world_size=4, hardware="h100-ib", mixed_precision=precision,
+                                  replicate_below=30)
+
+    def unit_bytes(policy: Any) -> list[int]:
+        plan = make_plan(_Tied(), policy, 4)
+        return [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
+                for u in plan.units if u.name]
+
+    plans = {c.label: c for c in candidates(_Tied(), None, unit_bytes)}
+    schedules = {"resharded after forward, 1 gather in flight": dict(reshard_after_forward=True, max_inflight_gathers=1),
+                 "kept gathered to backward, 2 gathers in flight": dict(reshard_after_forward=False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trials = _trials(fxshard.explain(_Tied(), x, policy=auto(), **common))
+        compared = 0
+        for trial in trials:
+            if trial.schedule not in schedules:
+                continue
+            candidate = plans[trial.plan]
+            options = dict(schedules[trial.schedule], bucket_bytes=candidate.bucket_bytes)
+            own = fxshard.explain(_Tied(), x, policy=candidate.policy, **common, **options)
+            issued = sum(1 for gm in own.graphs.values() for node in gm.graph.nodes
+                         if P.is_all_gather(node) or P.is_reduce_scatter(node) or P.is_all_reduce(node))
+            assert (trial.plan, trial.peak, trial.units, trial.collectives) == \
+                (trial.plan, own.report.predicted_peak_bytes, len(own.plan.units), issued)
+            # A trial's seconds are whole nanoseconds (taken the largest over the ranks as integers).
+            assert trial.seconds == pytest.approx(own.report.predicted_step_seconds, abs=0.5e-9), trial.plan
+            compared += 1
+    assert compared == 2 * len({t.plan for t in trials}) >= 2 * 6
+
+
+@pytest.mark.slow  # explain: seconds
+def test_auto_traces_the_model_once_for_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One trace for all the candidates (under the finest units), one for the plan chosen:
+    AOTAutograd's capture is the cost that grows with the model (about 50 s for Llama-3-70B)."""
+    import fxshard.driver.compiler as compiler
+
+    traced = []
+    trace_step = compiler.trace_step
+
+    def counting(step: Any, *args: Any, **kwargs: Any) -> Any:
+        traced.append(step)
+        return trace_step(step, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "trace_step", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(), hardware="h100-nvlink")
+    assert e.report.auto is not None and len({t.plan for t in e.report.auto.trials}) >= 5
+    assert len(traced) == 2
+
+
 @pytest.mark.slow  # explain traces every candidate: seconds each
 def test_many_tiny_layers_are_bucketed() -> None:
     """16 layers of 32x32: a collective's latency dwarfs its bytes, so fewer, larger collectives

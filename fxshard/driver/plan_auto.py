@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -42,8 +42,12 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import PROFILES, Rates
 from fxshard.ir.errors import BudgetError, FxShardError
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.ir.wrapping import Auto, Policy
+from fxshard.ir.wrapping import Auto, Policy, by_size
 from fxshard.passes.context import REDUCE
+from fxshard.passes.regroup import regroup
+
+# The units auto() traces the model under: every module that owns parameters one of its own.
+FINEST = by_size(1)
 
 
 class Driver(Protocol):
@@ -98,6 +102,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
         warnings.simplefilter("ignore")
         plans = candidates(module, spec.units, unit_bytes)
+    traced = _trace_finest(driver, module, leaves, tree, make)
     found: list[tuple[Trial, Schedule]] = []
     failures: list[BudgetError] = []
     seen: set[tuple[str, ...]] = set()
@@ -116,40 +121,31 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         if units in seen:
             continue
         seen.add(units)
+        joint, joint_inputs, kwargs = regroup(traced.joint, traced.inputs, traced.kwargs, traced.plan, trial.plan)
+        n = traced.num_fwd_outputs
         mine: list[tuple[Trial, Schedule]] = []
-
-        def planner(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any],
-                    trial: Driver = trial, trial_config: CompileConfig = trial_config,
-                    label: str = candidate.label, mine: list[tuple[Trial, Schedule]] = mine) -> Schedule:
-            for name, variant in variants(trial_config.options):
-                schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
-                mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
-                                    buffer_bytes, label, name, config.memory_budget), schedule))
-            if config.memory_budget is not None and not all(t.fits for t, _ in mine):
-                # Some variant is over the budget (keeping every unit gathered, at least): the
-                # budget's ladder finds the fewest changes from it that fit (the first units
-                # resharded, the rest kept), between the variants above; where none of them
-                # fits, it is the only way in.
-                try:
-                    laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
-                                             trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
-                                             input_bytes, library_bytes=calibrate.library_bytes(trial.device))
-                except BudgetError as e:
-                    if not any(t.fits for t, _ in mine):
-                        failures.append(e)
-                else:
-                    assert laddered.budget is not None
-                    mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, input_bytes,
-                                        buffer_bytes, label, "memory budget: " + laddered.budget.chosen.describe(),
-                                        config.memory_budget), laddered))
-            best = fastest([t for t, _ in mine])
-            return next(s for t, s in mine if t == best) if best is not None else mine[0][1]
-
-        trial.trial_planner = planner
-        with torch.enable_grad():
-            trial.trace_module(module, trial.shards, leaves, tree)
-        trial.trial_planner = None  # the planner holds the trial: its shards go with it, now
-        del trial, planner
+        for name, variant in variants(trial_config.options):
+            schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
+            mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
+                                buffer_bytes, candidate.label, name, config.memory_budget), schedule))
+        if config.memory_budget is not None and not all(t.fits for t, _ in mine):
+            # Some variant is over the budget (keeping every unit gathered, at least): the
+            # budget's ladder finds the fewest changes from it that fit (the first units
+            # resharded, the rest kept), between the variants above; where none of them
+            # fits, it is the only way in.
+            try:
+                laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
+                                              trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
+                                              input_bytes, library_bytes=calibrate.library_bytes(trial.device))
+            except BudgetError as e:
+                if not any(t.fits for t, _ in mine):
+                    failures.append(e)
+            else:
+                assert laddered.budget is not None
+                mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, input_bytes,
+                                    buffer_bytes, candidate.label, "memory budget: " + laddered.budget.chosen.describe(),
+                                    config.memory_budget), laddered))
+        del trial, joint
         found += mine
     best = fastest([t for t, _ in found])
     if best is None:
@@ -161,6 +157,55 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     choice = AutoChoice(best, trials, config.memory_budget, rates.name)
     policy = next(c.policy for c in plans if c.label == best.plan)
     return replace(chosen, config=replace(chosen.config, policy=policy), auto=choice)
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The model's one joint graph, traced under the finest plan, that every candidate's is
+    rewritten from (``fxshard.passes.regroup``)."""
+
+    plan: ShardPlan
+    joint: fx.GraphModule
+    inputs: list[list[Any]]
+    num_fwd_outputs: int
+    kwargs: dict[str, Any]
+
+
+class _Captured(FxShardError):
+    """Ends the finest plan's trace once AOTAutograd hands over the joint graph: nothing of
+    it is partitioned or compiled (an ``FxShardError``, so the trace lets it through)."""
+
+    def __init__(self, traced: Traced):
+        super().__init__("the joint graph was captured")
+        self.traced = traced
+
+
+def _trace_finest(driver: Driver, module: nn.Module, leaves: list[Any], tree: pytree.TreeSpec,
+                  make: Callable[..., Driver]) -> Traced:
+    """The joint graph of ``module``'s step under the finest plan: every module that owns
+    parameters a unit of its own (``by_size(1)``), so that any candidate's units are unions
+    of its units."""
+    config = replace(driver.config, policy=FINEST, options=replace(driver.config.options, bucket_bytes=0),
+                     dump_dir=None, on_pass=None, verify=False, memory_budget=None)
+    trial = make(config, runs=False, world=driver.world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trial.shard(module, allow_meta=True)
+
+    def capture(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any]) -> Schedule:
+        raise _Captured(Traced(trial.plan, joint, [list(joint_inputs[0]), list(joint_inputs[1])], n, dict(kwargs)))
+
+    trial.trial_planner = capture
+    try:
+        with torch.enable_grad():
+            trial.trace_module(module, trial.shards, leaves, tree)
+    except _Captured as e:
+        return e.traced
+    finally:
+        trial.trial_planner = None
+    raise FxShardError(
+        "policy=auto() needs a training step to plan (a forward whose outputs need gradients): "
+        "this step traced no backward. Give a policy for inference, e.g. by_class(<your block>)")
 
 
 def _lowest(e: BudgetError) -> float:
