@@ -1,6 +1,6 @@
 """policy=auto(): toys whose best plan is known by construction, predicted on a named profile.
 
-The toys are in the slow tier (each explain traces every candidate); the refusals are fast.
+The toys are in the slow tier (each explain emits every candidate's variants); the refusals are fast.
 
 Every prediction here comes from the cost model on the fixed numbers of the "h100-nvlink" /
 "h100-ib" profiles (fxshard.ir.cost.PROFILES), so the choices are deterministic.
@@ -145,7 +145,7 @@ def test_auto_traces_the_model_once_for_every_candidate(monkeypatch: pytest.Monk
     assert len(traced) == 2
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_many_tiny_layers_are_bucketed() -> None:
     """16 layers of 32x32: a collective's latency dwarfs its bytes, so fewer, larger collectives
     win: the chosen plan has far fewer units than layers, and beats one unit per layer."""
@@ -158,7 +158,7 @@ def test_many_tiny_layers_are_bucketed() -> None:
     assert len(e.plan.units) == chosen.units  # the plan compiled is the one chosen
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_one_huge_layer_is_its_own_unit() -> None:
     """One layer holds 91% of the parameters, after the small ones: in a unit of its own its
     gather overlaps their compute; in one unit with them, nothing overlaps it."""
@@ -169,7 +169,7 @@ def test_one_huge_layer_is_its_own_unit() -> None:
     assert e.report.auto.chosen.seconds < min(t.seconds for t in one_unit)
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_under_a_tight_budget_auto_takes_the_fastest_plan_that_fits() -> None:
     free = _explain("tiny")
     assert free.report.auto is not None
@@ -184,7 +184,7 @@ def test_under_a_tight_budget_auto_takes_the_fastest_plan_that_fits() -> None:
     assert chosen.seconds >= fastest.seconds
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units() -> None:
     """A budget just under the 4 buckets kept gathered: resharding all of them fits, and so
     does resharding fewer (the budget ladder's choice, tried though a variant fits), which
@@ -204,20 +204,20 @@ def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units
     assert e.report.auto is not None and e.report.auto.chosen == laddered
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_a_budget_nothing_meets_is_a_budget_error() -> None:
     with pytest.raises(fxshard.BudgetError, match="cannot be met"):
         _explain("tiny", memory_budget=1024, optimizer=torch.optim.SGD)
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_report_and_explain_say_what_auto_chose_and_the_runners_up() -> None:
     text = str(_explain("tiny").report)
     assert "auto(): " in text and "predicted fastest" in text
     assert "by_class(Sequential), resharded after forward, 2 gathers in flight" in text  # a runner-up
 
 
-@pytest.mark.slow  # explain traces every candidate: seconds each
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_pinned_units_choose_only_buckets_and_the_schedule() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

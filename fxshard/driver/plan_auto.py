@@ -1,10 +1,13 @@
-"""``policy=auto()``: trace each plan candidate, emit each schedule variant, keep the fastest.
+"""``policy=auto()``: trace once, emit each candidate's schedule variants, keep the fastest.
 
-The candidates and variants are ``fxshard.ir.auto``'s. Each candidate is a trial driver
-of its own (``Driver(runs=False)``, sharing the real driver's world: no process group is
-made, nothing runs) whose one trace calls :func:`_planner` with the joint graph, as the
-memory budget's planner is called. That planner emits every variant from a copy of the
-joint graph (``GraphCompiler.emit``) and predicts it as ``report()`` would: the step's
+The candidates and variants are ``fxshard.ir.auto``'s. The model is traced once, under the
+finest units (``FINEST``: every module that owns parameters a unit of its own), and the
+trace stops when AOTAutograd hands over the joint graph (:func:`_trace_finest`). Each
+candidate is a trial driver of its own (``Driver(runs=False)``, sharing the real driver's
+world: no process group is made, nothing runs) that plans and makes meta shards only; the
+joint graph is rewritten to its flat groups (``fxshard.passes.regroup``: what the
+candidate's own trace would make). Every variant is emitted from that graph
+(``GraphCompiler.emit``) and predicted as ``report()`` would: the step's
 time from the cost model, on the driver's rates, and its peak from the liveness analysis.
 Every rank takes each prediction's largest over the ranks, so all choose alike. Where some
 variant is over ``memory_budget``, the budget's ladder (``driver.plan_budget.choose``) lowers the

@@ -1,7 +1,8 @@
 """``policy=auto()``: the plans the planner compares, and what it chose (pure).
 
-The driver (``fxshard.driver.plan_auto``) traces each plan candidate once and emits each
-schedule variant from that trace; the cost model (``fxshard.ir.cost``) predicts each
+The driver (``fxshard.driver.plan_auto``) traces the model once, rewrites that joint graph
+to each plan candidate's flat groups (``fxshard.passes.regroup``) and emits each schedule
+variant from it; the cost model (``fxshard.ir.cost``) predicts each
 variant's step time and the memory model its peak. The fastest whose peak is within
 ``memory_budget`` wins; where none is, the memory budget's ladder (``fxshard.ir.budget``:
 resharding, prefetch limits, recompute, offload) lowers the candidate until it fits.
