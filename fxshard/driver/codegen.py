@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
 from fxshard.driver.steps import Schedule
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
-from fxshard.ir.chains import chains, next_chain_id
+from fxshard.ir.chains import chains, new_chain_id
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
@@ -165,12 +166,10 @@ class GraphCompiler:
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         # Each buffer kept from forward is a gather chain of its own, with no collective.
-        next_id = next_chain_id(gm.graph)
         for node in gm.graph.nodes:
             if node.op == "placeholder" and node.name in self.saved_buffers:
                 group = self.saved_buffers[node.name]
-                tag = meta.ChainTag(next_id, meta.Direction.GATHER, "saved")
-                next_id += 1
+                tag = meta.ChainTag(new_chain_id(gm.graph), meta.Direction.GATHER, "saved")
                 meta.set_info(node, meta.NodeInfo(meta.Role.SAVED, group, self.plan.groups[group].unit, tag))
         return self._compile("backward", gm, example_inputs)
 
@@ -178,17 +177,46 @@ class GraphCompiler:
         return self._compile("inference", gm, example_inputs)
 
     def emit(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
-             partition_kwargs: dict[str, Any]) -> dict[str, fx.GraphModule]:
+             partition_kwargs: dict[str, Any], partitioned: Partitioned | None = None) -> dict[str, fx.GraphModule]:
         """The emitted graphs of a copy of ``joint``, as AOTAutograd's calls would make them,
-        with nothing compiled to run: a trial of this configuration (the budget planner)."""
+        with nothing compiled to run: a trial of this configuration (the budget planner).
+        ``partitioned``: this configuration's ``split`` of ``joint`` made already (by a
+        compiler whose configuration differs only in the forward's and backward's passes)."""
         self.emit_only = True
         # Nothing reads a trial's Python code: its graph modules generate none (compat).
         with compat.lazy_graph_modules(True):
+            if partitioned is None:
+                partitioned = self.split(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
+            self.graphs["joint"] = partitioned.joint
+            self.num_user_outputs = partitioned.num_user_outputs
+            self.saved_buffers = dict(partitioned.saved_buffers)
+            self.compile_forward(copy_graph_module(partitioned.forward), None)
+            self.compile_backward(copy_graph_module(partitioned.backward), None)
+        return dict(self.graphs)
+
+    def split(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+              partition_kwargs: dict[str, Any]) -> Partitioned:
+        """A copy of ``joint`` through the joint graph's passes and the partition, before the
+        forward's and backward's passes: what every emit of this joint pipeline starts from."""
+        self.emit_only = True
+        with compat.lazy_graph_modules(True):
             fw, bw = self.partition(copy_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                     **partition_kwargs)
-            self.compile_forward(fw, None)
-            self.compile_backward(bw, None)
-        return dict(self.graphs)
+        return Partitioned(self.graphs["joint"], fw, bw, num_fwd_outputs, dict(self.saved_buffers))
+
+
+@dataclass(frozen=True)
+class Partitioned:
+    """A joint graph after its passes and AOTAutograd's partition: the forward and backward
+    graphs before their own passes. Schedules that differ only in what those passes read
+    (the prefetch depth, ``max_inflight_gathers``) emit from one (``GraphCompiler.emit``);
+    each emit copies the two graphs."""
+
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_user_outputs: int
+    saved_buffers: dict[str, int]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

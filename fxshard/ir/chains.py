@@ -21,6 +21,7 @@ to the host) keeps every one of them right as long as it tags the node.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +102,21 @@ def tag_of(node: fx.Node) -> ChainTag | None:
     return info.chain if info is not None else None
 
 
-def next_chain_id(graph: fx.Graph) -> int:
-    """A chain number no node of ``graph`` uses yet."""
-    used = [t.id for n in graph.nodes if (t := tag_of(n)) is not None]
-    return max(used, default=-1) + 1
+# Per graph, the next chain number to hand out: a lowering asks once per chain, and reading
+# every node each time made the lowering passes quadratic (Llama-3-70B's backward: 8000
+# chains over 100 000 nodes, a third of auto()'s time).
+_NEXT_ID: weakref.WeakKeyDictionary[fx.Graph, int] = weakref.WeakKeyDictionary()
+
+
+def new_chain_id(graph: fx.Graph) -> int:
+    """A chain number no node of ``graph`` uses and no earlier call returned for it. The
+    first call on a graph reads its nodes (a graph a partition or a copy made carries its
+    source's tags); later ones count on from there."""
+    next_id = _NEXT_ID.get(graph)
+    if next_id is None:
+        next_id = max((t.id for n in graph.nodes if (t := tag_of(n)) is not None), default=-1) + 1
+    _NEXT_ID[graph] = next_id + 1
+    return next_id
 
 
 def chains(graph: fx.Graph) -> list[Chain]:

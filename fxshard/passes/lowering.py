@@ -59,7 +59,7 @@ import torch.fx as fx
 
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
-from fxshard.ir.chains import next_chain_id, tag_of
+from fxshard.ir.chains import new_chain_id, tag_of
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.meta import ChainTag, Direction, Role
 from fxshard.ir.nodes import call
@@ -100,7 +100,7 @@ class ChainBuilder:
     def __init__(self, site: Site, direction: Direction, lowering: str, unit: str):
         self.gm, self.like, self.at = site.gm, site.marker.node, site.before
         self.group, self.unit = site.marker.group, unit
-        self.tag = ChainTag(next_chain_id(site.gm.graph), direction, lowering)
+        self.tag = ChainTag(new_chain_id(site.gm.graph), direction, lowering)
 
     def tag_node(self, node: fx.Node, role: Role) -> fx.Node:
         meta.set_info(node, meta.NodeInfo(role, self.group, self.unit, self.tag))
