@@ -101,6 +101,28 @@ def test_only_flat_shards_are_parameters_and_adamw_works() -> None:
         assert all(p.device.type == "meta" for p in model.parameters())
 
 
+def test_compile_frees_the_models_parameters_by_reference_counting_alone() -> None:
+    """Once compiled and stripped, the model's own parameters are gone as soon as the caller
+    drops them, without waiting for the cyclic collector: on a GPU they are the whole
+    unsharded model. (The planner's recursive walk of the module tree was a closure that
+    referenced itself and held every parameter: a cycle, freed only when gc next ran.)"""
+    import gc
+    import weakref
+
+    with fake_world(4):
+        model = TinyGPT()
+        params = [weakref.ref(p) for p in model.parameters()]
+        gc.collect()
+        gc.disable()
+        try:
+            sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+            del model
+            alive = sum(p() is not None for p in params)
+        finally:
+            gc.enable()
+        assert sharded.plan.units and alive == 0
+
+
 def test_state_dict_round_trip_and_buffers() -> None:
     torch.manual_seed(0)
     model = BNNet()

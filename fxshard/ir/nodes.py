@@ -18,27 +18,7 @@ def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
     """What ``target(*args, **kwargs)`` returns, computed on the inputs' fake values."""
     kwargs = kwargs or {}
     tensors: list[torch.Tensor] = []
-
-    def fake(x: Any) -> Any:
-        """``x`` with each node replaced by its value (the tensors collected): plain recursion
-        over the containers an fx argument holds, which pytree's generic walk made a fifth of
-        a large model's planning time."""
-        if isinstance(x, fx.Node):
-            if "val" not in x.meta:
-                raise GraphInvariantError(f"{x.name} has no meta['val'] to compute a new node's from")
-            value = x.meta["val"]
-            tensors.extend(v for v in (value if isinstance(value, (list, tuple)) else (value,))
-                           if isinstance(v, torch.Tensor))
-            return value
-        if type(x) in (list, tuple):
-            return type(x)(fake(a) for a in x)
-        if type(x) is dict:
-            return {k: fake(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple, dict)):  # a namedtuple or another subclass: pytree's way
-            return pytree.tree_map_only(fx.Node, fake, x)
-        return x
-
-    fake_args, fake_kwargs = fake(args), fake(kwargs)
+    fake_args, fake_kwargs = _values(args, tensors), _values(kwargs, tensors)
     mode = detect_fake_mode(tensors)
     if mode is None:
         raise GraphInvariantError(
@@ -47,6 +27,27 @@ def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
         )
     with mode:
         return target(*fake_args, **fake_kwargs)
+
+
+def _values(x: Any, tensors: list[torch.Tensor]) -> Any:
+    """``x`` with each node replaced by its ``meta["val"]``, the tensors among them collected
+    in ``tensors``: plain recursion over the containers an fx argument holds (pytree's
+    generic walk was a fifth of a large model's planning time), in a module-level function (a
+    nested one that calls itself is a reference cycle, garbage at every call)."""
+    if isinstance(x, fx.Node):
+        if "val" not in x.meta:
+            raise GraphInvariantError(f"{x.name} has no meta['val'] to compute a new node's from")
+        value = x.meta["val"]
+        tensors.extend(v for v in (value if isinstance(value, (list, tuple)) else (value,))
+                       if isinstance(v, torch.Tensor))
+        return value
+    if type(x) in (list, tuple):
+        return type(x)(_values(a, tensors) for a in x)
+    if type(x) is dict:
+        return {k: _values(v, tensors) for k, v in x.items()}
+    if isinstance(x, (list, tuple, dict)):  # a namedtuple or another subclass: pytree's way
+        return pytree.tree_map_only(fx.Node, lambda n: _values(n, tensors), x)
+    return x
 
 
 def call(graph: fx.Graph, target: Any, args: tuple[Any, ...],

@@ -312,23 +312,7 @@ def make_plan(
 
     owners: dict[int, list[str]] = {pid: [] for pid in param_of}  # param -> claiming module paths
     wrapped: list[str] = []
-
-    def visit(path: str, mod: nn.Module) -> dict[int, None]:
-        unclaimed: dict[int, None] = {}  # ordered set of param ids
-        for child_name, child in mod.named_children():
-            unclaimed.update(visit(f"{path}.{child_name}" if path else child_name, child))
-        for p in mod.parameters(recurse=False):
-            unclaimed[id(p)] = None
-        if path != ROOT and policy is not None and unclaimed:
-            numel = sum(param_of[pid].numel() for pid in unclaimed)
-            if policy.wraps(WrapQuery(path, mod, numel)):
-                wrapped.append(path)
-                for pid in unclaimed:
-                    owners[pid].append(path)
-                return {}
-        return unclaimed
-
-    for pid in visit(ROOT, module):
+    for pid in _claim(ROOT, module, policy, param_of, owners, wrapped):
         owners[pid].append(ROOT)
     if policy is not None and not wrapped:
         warnings.warn(
@@ -405,6 +389,31 @@ def make_plan(
 
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
     return plan.ordered_by_first_use(first_use) if first_use is not None else plan
+
+
+def _claim(path: str, mod: nn.Module, policy: Policy | None, param_of: dict[int, nn.Parameter],
+           owners: dict[int, list[str]], wrapped: list[str]) -> dict[int, None]:
+    """Post-order: the parameters under ``mod`` that no unit claims, after ``mod`` itself
+    claims them where ``policy`` wraps it (recorded in ``owners`` and ``wrapped``).
+
+    A module-level function, not a closure: a nested function that calls itself is a
+    reference cycle (the function, its closure cell), and its closure held ``param_of``, so
+    the model's parameters outlived ``compile``'s strip until the cyclic collector ran
+    (on a GPU, the whole unsharded model)."""
+    unclaimed: dict[int, None] = {}  # ordered set of param ids
+    for child_name, child in mod.named_children():
+        unclaimed.update(_claim(f"{path}.{child_name}" if path else child_name, child, policy, param_of,
+                                owners, wrapped))
+    for p in mod.parameters(recurse=False):
+        unclaimed[id(p)] = None
+    if path != ROOT and policy is not None and unclaimed:
+        numel = sum(param_of[pid].numel() for pid in unclaimed)
+        if policy.wraps(WrapQuery(path, mod, numel)):
+            wrapped.append(path)
+            for pid in unclaimed:
+                owners[pid].append(path)
+            return {}
+    return unclaimed
 
 
 def _bucket(
