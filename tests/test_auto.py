@@ -185,6 +185,29 @@ def test_under_a_tight_budget_auto_takes_the_fastest_plan_that_fits() -> None:
 
 
 @pytest.mark.slow  # explain emits every candidate's variants: seconds
+def test_without_a_memory_budget_auto_keeps_within_the_devices_memory() -> None:
+    """A profile's device memory is the budget where none is given: on a device just too small
+    for the unconstrained choice, auto() chooses as it does with that memory_budget given."""
+    from fxshard.ir.cost import PROFILES
+
+    free = _explain("tiny")
+    assert free.report.auto is not None
+    tight = free.report.auto.chosen.peak - 1
+    profile = PROFILES["h100-nvlink"]
+    assert profile.device.memory_bytes is not None and profile.device.memory_bytes > free.report.auto.chosen.peak
+    small = replace(profile, device=replace(profile.device, memory_bytes=tight))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(), hardware=small)
+    assert e.report.auto is not None
+    chosen = e.report.auto.chosen
+    assert chosen.fits and chosen.peak <= tight and e.report.predicted_peak_bytes <= tight
+    assert "within the device's memory" in e.report.auto.table()
+    given = _explain("tiny", memory_budget=tight).report.auto
+    assert given is not None and chosen == given.chosen
+
+
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units() -> None:
     """A budget just under the 4 buckets kept gathered: resharding all of them fits, and so
     does resharding fewer (the budget ladder's choice, tried though a variant fits), which

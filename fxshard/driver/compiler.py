@@ -200,7 +200,7 @@ class Driver:
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(
                 module, self.config.activation_checkpointing or _unit_modules(self._plan))
-        else:
+        elif self.schedule.auto is None:  # auto()'s choice recomputes what its trial did
             self.schedule = replace(self.schedule, checkpointing=plan_checkpointing(
                 module, self.config.activation_checkpointing))
         if self.runs:

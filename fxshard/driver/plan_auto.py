@@ -92,6 +92,9 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         raise FxShardError(
             "policy=auto() chooses by predicted step time, and this explain has no rates to predict "
             f"with: pass hardware= one of {', '.join(sorted(PROFILES))}")
+    device_memory = config.memory_budget is None
+    if device_memory:  # by default within the device's memory (on the CPU: no limit)
+        config = replace(config, memory_budget=memory_of(driver, rates))
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     leaves, tree = pytree.tree_flatten((args, {}))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -158,9 +161,22 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         raise BudgetError(f"memory_budget {config.memory_budget} bytes: no plan auto() tried fits")
     chosen = next(s for t, s in found if t == best)
     trials = tuple(sorted((t for t, _ in found), key=lambda t: (not t.fits, t.seconds, t.peak)))
-    choice = AutoChoice(best, trials, config.memory_budget, rates.name)
+    choice = AutoChoice(best, trials, config.memory_budget, rates.name,
+                        device_memory=device_memory and config.memory_budget is not None)
     policy = next(c.policy for c in plans if c.label == best.plan)
     return replace(chosen, config=replace(chosen.config, policy=policy), auto=choice)
+
+
+def memory_of(driver: Driver, rates: Rates) -> int | None:
+    """auto()'s budget where ``memory_budget`` is not given: the device's memory. A named
+    profile's (``DeviceRates.memory_bytes``: explain); else a CUDA device's, the smallest
+    over the ranks; on the CPU, none."""
+    if not rates.device.measured and rates.device.memory_bytes is not None:
+        return rates.device.memory_bytes
+    if driver.device.type == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(driver.device).total_memory
+        return -largest_over_ranks(driver.world, [-total])[0]
+    return None
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,11 @@ class AutoChoice:
     trials: tuple[Trial, ...]
     budget: int | None
     rates: str  # the rates the times were predicted with
+    device_memory: bool = False  # no memory_budget was given: the budget is the device's memory
 
     def table(self) -> str:
-        within = f" within memory_budget {self.budget / MIB:.3f} MiB" if self.budget is not None else ""
+        within = "" if self.budget is None else \
+            f" within {'the device' + chr(39) + 's memory' if self.device_memory else 'memory_budget'} {self.budget / MIB:.3f} MiB"
         tie = min((t.seconds for t in self.trials if t.fits), default=self.chosen.seconds) < self.chosen.seconds
         lines = [f"auto(): {self.chosen.describe()} predicted fastest{within} "
                  f"({self.chosen.seconds * 1e3:.3f} ms a step; rates {self.rates})"

@@ -88,6 +88,9 @@ class DeviceRates:
     asynchronous: bool = False
     # Measured on this machine (calibration), not a profile's figures: what may be timed here.
     measured: bool = False
+    # A profile's device memory in bytes: auto()'s budget where none is given (a measured
+    # device's is read from the device itself).
+    memory_bytes: int | None = None
     # Seconds of one run of a node, by ``node_key``, timed on this device (``TIMED``: matmuls and
     # convolutions, whose rate depends on their shapes and layouts more than on their FLOPs); the
     # node costs that, plus its overhead, in place of its roofline.
@@ -236,6 +239,7 @@ _H100_SXM = DeviceRates(
     2e-6,
     peak_flops={"bfloat16": 989e12, "float32": 67e12},  # the datasheet's dense peaks (MFU's base)
     asynchronous=True,
+    memory_bytes=81559 * (1 << 20),  # "80GB" HBM3: nvidia-smi's memory.total, 81559 MiB
 )
 # NVLink 4: 900 GB/s per GPU both ways together, 450 GB/s each way; NCCL's ring reaches
 # about 80% of it in bus bandwidth (nccl-tests' busbw) for large messages.
