@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from fxshard.ir import compat, ops
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.nodes import call
 from fxshard.ir.plan import FlatGroup, ShardPlan
@@ -106,7 +107,7 @@ def regroup(joint: fx.GraphModule, joint_inputs: Sequence[Sequence[Any]], kwargs
     members = {g.index: sorted({traced_group[s.name] for s in g.params}) for g in plan.groups}
     read = {g.index: [i for i in members[g.index] if i in forward] for g in plan.groups}
     last_grad: dict[int, fx.Node] = {}
-    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    order = order_of(joint.graph)
     for g in plan.groups:
         markers = [backward[i].node for i in members[g.index] if i in backward]
         if markers:  # a traced group without one computed no gradient: zeros, as a trace fills in
