@@ -59,6 +59,11 @@ SLOW_FOR_TIME = (
     "tests/test_checkpoint_recovery.py::test_the_model_alone_loads_from_a_checkpoint_with_optimizer_state",
     "tests/test_checkpoint_recovery.py::test_safetensors_that_differ_between_ranks_raise_on_every_rank_and_change_nothing",
     "tests/test_checkpoint_recovery.py::test_safetensors_copied_to_another_path_load",
+    # Five explains of a 4-block GPT (23 s): the offload's device peak stays in
+    # test_explain_offload_lowers_the_device_peak_by_the_shards_and_gradients, the optimizer's
+    # state in test_report; the CLI's budget table (12 s) beside the budget's own tests.
+    "tests/test_offload.py::test_the_optimizer_step_is_a_phase_of_the_peak_and_offload_takes_it_to_the_host",
+    "tests/test_explain.py::test_cli_explain_shows_the_memory_budget_choice",
 )
 
 

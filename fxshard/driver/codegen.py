@@ -20,6 +20,7 @@ accumulators as inputs rather than attributes (``finish_with_attributes_as_input
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -203,6 +204,32 @@ class GraphCompiler:
             fw, bw = self.partition(copy_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                     **partition_kwargs)
         return Partitioned(self.graphs["joint"], fw, bw, num_fwd_outputs, dict(self.saved_buffers))
+
+
+def split_key(schedule: Schedule) -> tuple[Any, ...]:
+    """What a schedule's joint graph passes and partition read: all of it but the prefetch
+    depth, which only the forward's and backward's passes read."""
+    config = schedule.config
+    return (dataclasses.replace(config.options, max_inflight_gathers=1), schedule.checkpointing,
+            config.compute, config.mixed_precision, config.verify)
+
+
+class Splits:
+    """The partitions made of one joint graph under one plan, for trials: a schedule's emit
+    reuses the one made for a schedule with the same ``split_key`` (auto()'s variants that
+    differ in the prefetch depth alone, the budget ladder's prefetch limits)."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[tuple[Any, ...], Partitioned]] = []
+
+    def emit(self, compiler: GraphCompiler, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+             partition_kwargs: dict[str, Any]) -> dict[str, fx.GraphModule]:
+        key = split_key(compiler.schedule)
+        partitioned = next((p for k, p in self.made if k == key), None)
+        if partitioned is None:
+            partitioned = compiler.split(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
+            self.made.append((key, partitioned))
+        return compiler.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs, partitioned)
 
 
 @dataclass(frozen=True)

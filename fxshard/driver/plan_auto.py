@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver import calibrate, plan_budget
-from fxshard.driver.codegen import GraphCompiler, Partitioned, Planner, layout_of
+from fxshard.driver.codegen import GraphCompiler, Planner, Splits, layout_of
 from fxshard.driver.plan_budget import largest_over_ranks
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import World
@@ -130,7 +130,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         joint, joint_inputs, kwargs = regroup(traced.joint, traced.inputs, traced.kwargs, traced.plan, trial.plan)
         n = traced.num_fwd_outputs
         mine: list[tuple[Trial, Schedule]] = []
-        splits: list[tuple[Schedule, Partitioned]] = []  # variants that differ in the prefetch depth alone share one
+        splits = Splits()  # variants that differ in the prefetch depth alone share one partition
         for name, variant in variants(trial_config.options):
             schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
             mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
@@ -240,20 +240,12 @@ def _lowest(e: BudgetError) -> float:
 
 def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_inputs: Any, n: int,
            kwargs: dict[str, Any], input_bytes: int, buffer_bytes: int, plan: str, name: str,
-           memory_budget: int | None, splits: list[tuple[Schedule, Partitioned]] | None = None) -> Trial:
+           memory_budget: int | None, splits: Splits | None = None) -> Trial:
     """``schedule``'s graphs emitted from ``joint`` and predicted as ``report()`` predicts a
-    step: the largest over the ranks. ``splits``: the joint graph's partitions made so far for
-    this plan, by schedule; one whose schedule differs from this one in the prefetch depth
-    alone is reused (the joint graph's passes and the partition do not read it), and a new
-    one is added."""
+    step: the largest over the ranks. ``splits``: this plan's partitions of ``joint`` so far
+    (``codegen.Splits``)."""
     compiler = GraphCompiler(trial.plan, trial.world, schedule, grad_sync=REDUCE)
-    same = _same_split(schedule)
-    partitioned = next((p for s, p in splits or () if _same_split(s) == same), None)
-    if partitioned is None:
-        partitioned = compiler.split(joint, joint_inputs, n, kwargs)
-        if splits is not None:
-            splits.append((schedule, partitioned))
-    graphs = compiler.emit(joint, joint_inputs, n, kwargs, partitioned)
+    graphs = (splits or Splits()).emit(compiler, joint, joint_inputs, n, kwargs)
     dims = layout_of(trial.world, bool(trial.config.inflight_groups)).dimensions()
     step = CompiledStep(_nothing, graphs, None, step_collectives(graphs, dims),  # type: ignore[arg-type]
                         n, [], input_bytes, buffer_bytes, schedule=schedule)
@@ -264,14 +256,6 @@ def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_input
                                                      report.predicted_peak_bytes])
     return Trial(plan, name, ns / 1e9, exposed / 1e9, peak, len(trial.plan.units),
                  memory_budget is None or peak <= memory_budget, len(step.collectives))
-
-
-def _same_split(schedule: Schedule) -> tuple[Any, ...]:
-    """What a schedule's joint graph passes and partition read: all of it but the prefetch
-    depth, which only the forward's and backward's passes read."""
-    config = schedule.config
-    return (replace(config.options, max_inflight_gathers=1), schedule.checkpointing, config.compute,
-            config.mixed_precision, config.verify)
 
 
 def _nothing(*args: Any) -> Any:

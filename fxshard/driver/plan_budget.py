@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxshard.driver.codegen import GraphCompiler
+from fxshard.driver.codegen import GraphCompiler, Splits
 from fxshard.driver.report import Report, build_report
 from fxshard.driver.runtime import World, comm_device
 from fxshard.driver.steps import Schedule
@@ -59,6 +59,8 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
     def configured(c: Candidate) -> tuple[CompileConfig, Checkpointing | None]:
         return config.with_options(options=c.options(config.options)), c.checkpointing(regions)
 
+    splits = Splits()  # schedules that differ in the prefetch limit alone share one partition
+
     def evaluate(c: Candidate) -> Prediction:
         trial_config, checkpointing = configured(c)
         # Checked once on the emitted graphs (always); after every pass only for the
@@ -66,7 +68,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
         trial_config = trial_config.with_options(verify=False)
         trial = GraphCompiler(plan, world, Schedule.of(trial_config, checkpointing),
                               grad_sync=grad_sync, accumulators=accumulators)
-        graphs = trial.emit(joint, joint_inputs, num_fwd_outputs, partition_kwargs)
+        graphs = splits.emit(trial, joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
                               host_groups=trial_config.options.offloaded_groups(plan.groups),

@@ -105,9 +105,10 @@ def regroup(joint: fx.GraphModule, joint_inputs: Sequence[Sequence[Any]], kwargs
     # its slots, its gradient marker at the last traced one.
     traced_group = {slot.name: g.index for g in traced.groups for slot in g.params}
     members = {g.index: sorted({traced_group[s.name] for s in g.params}) for g in plan.groups}
-    read = {g.index: [i for i in members[g.index] if i in forward] for g in plan.groups}
-    last_grad: dict[int, fx.Node] = {}
     order = order_of(joint.graph)
+    read = {g.index: sorted((i for i in members[g.index] if i in forward), key=lambda i: order[forward[i].node])
+            for g in plan.groups}  # in graph order
+    last_grad: dict[int, fx.Node] = {}
     for g in plan.groups:
         markers = [backward[i].node for i in members[g.index] if i in backward]
         if markers:  # a traced group without one computed no gradient: zeros, as a trace fills in
