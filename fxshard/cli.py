@@ -90,14 +90,17 @@ def _required_parameters(factory: Callable[..., Any]) -> list[str]:
 
 def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
     """``by_size(N)`` and ``by_class(Name, ...)`` terms joined by ``|``; names from the
-    factory's module, then torch.nn. ``auto()``, or ``auto(units=<such a policy>)``."""
+    factory's module, then torch.nn. ``auto()``, or ``auto(units=<such a policy>)``, either
+    with ``extrapolate=False`` last."""
     if not text:
         return None
-    automatic = re.match(r"^\s*auto\((?:\s*units\s*=\s*(.*))?\)\s*$", text)
+    automatic = re.match(r"^\s*auto\((?:\s*units\s*=\s*(.*?))?\s*(?:,?\s*extrapolate\s*=\s*(True|False)\s*)?\)\s*$",
+                         text)
     if automatic is not None:
         from fxshard.ir.wrapping import auto
 
-        return auto(parse_policy(automatic.group(1), namespace) if automatic.group(1) else None)
+        units, extrapolate = automatic.groups()
+        return auto(parse_policy(units, namespace) if units else None, extrapolate=extrapolate != "False")
     import torch.nn as nn
 
     from fxshard.ir.wrapping import by_class, by_size

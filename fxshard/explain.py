@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -83,15 +82,17 @@ def _create_on(model: nn.Module, device: torch.device) -> None:
     """Make the tensors ``model``'s forward creates without a device (``torch.ones(t, t)``,
     ``torch.arange(n)``) land on ``device``, beside its parameters, as they land beside them
     when the model runs on its own device (CPU, or a default device set by the user)."""
-    forward = model.forward
     data = _MetaData() if device.type == "meta" else contextlib.nullcontext()
+    cls = type(model)
 
-    @functools.wraps(forward)
-    def on_device(*args: Any, **kwargs: Any) -> Any:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with device, data:
-            return forward(*args, **kwargs)
+            return cls.forward(self, *args, **kwargs)
 
-    model.forward = on_device
+    # A subclass, not a wrapper in the instance: a copy of the model (auto()'s, cut to a few
+    # blocks) runs its own forward, where a wrapper would run this instance's.
+    model.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                  "__qualname__": cls.__qualname__})
 
 
 class _MetaData(TorchFunctionMode):

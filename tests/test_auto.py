@@ -127,7 +127,9 @@ def test_each_candidate_is_predicted_from_the_one_trace_as_from_its_own() -> Non
 @pytest.mark.slow  # explain: seconds
 def test_auto_traces_the_model_once_for_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     """One trace for all the candidates (under the finest units), one for the plan chosen:
-    AOTAutograd's capture is the cost that grows with the model (about 50 s for Llama-3-70B)."""
+    AOTAutograd's capture is the cost that grows with the model (about 50 s for Llama-3-70B).
+    (A stack of 16 blocks is predicted from a few of them by default: the whole graph's path
+    is the one asked for here.)"""
     import fxshard.driver.compiler as compiler
 
     traced = []
@@ -140,9 +142,192 @@ def test_auto_traces_the_model_once_for_every_candidate(monkeypatch: pytest.Monk
     monkeypatch.setattr(compiler, "trace_step", counting)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(), hardware="h100-nvlink")
+        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(extrapolate=False),
+                            hardware="h100-nvlink")
     assert e.report.auto is not None and len({t.plan for t in e.report.auto.trials}) >= 5
     assert len(traced) == 2
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Deep(nn.Module):
+    """A stack of 16 identical blocks between an embedding and a head: auto() predicts it from
+    its first 2, 3 and 4 blocks. ``by_count``: the forward indexes the blocks by a count of
+    its own, so the model cut to a few blocks does not run."""
+
+    def __init__(self, by_count: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 64)
+        self.blocks = nn.ModuleList(_Block() for _ in range(16))
+        self.head = nn.Linear(64, 100)
+        self.count = 16 if by_count else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        blocks = [self.blocks[i] for i in range(self.count)] if self.count else self.blocks
+        for block in blocks:
+            h = block(h)
+        return self.head(h)
+
+
+_DEEP_INPUT = torch.randint(0, 100, (8, 128))
+
+
+@pytest.mark.slow  # two explains that emit every candidate's variants: seconds
+def test_a_deep_stack_is_predicted_from_a_few_blocks_as_from_the_whole_graph() -> None:
+    """Each trial scaled from the first 2, 3 and 4 blocks predicts what the whole model's graph
+    predicts (auto(extrapolate=False)): the same peak to the byte, units and collectives,
+    and the step time within the rounding of the samples (each a whole nanosecond, the
+    step per block multiplied by the 12 blocks not sampled)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampled = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(), hardware="h100-nvlink")
+        whole = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(extrapolate=False),
+                                hardware="h100-nvlink")
+    exact = {(t.plan, t.schedule): t for t in _trials(whole)}
+    scaled = [t for t in _trials(sampled) if t.scaled]
+    assert {t.plan for t in scaled} >= {"by_class(Linear)", "by_class(_Block)"}
+    assert not any(t.scaled for t in _trials(whole))
+    for t in scaled:
+        own = exact[t.plan, t.schedule]
+        assert (t.peak, t.units, t.collectives, t.fits) == (own.peak, own.units, own.collectives, own.fits), t
+        assert t.seconds == pytest.approx(own.seconds, abs=(2 * 12 + 1) * 1e-9), t
+        assert t.exposed_seconds == pytest.approx(own.exposed_seconds, abs=(2 * 12 + 1) * 1e-9), t
+    # The rest (buckets that do not repeat with the blocks, a peak not yet affine) are the
+    # whole graph's own.
+    for t in _trials(sampled):
+        if not t.scaled:
+            assert t == exact[t.plan, t.schedule]
+    assert sampled.report.auto is not None and whole.report.auto is not None
+    assert (sampled.report.auto.chosen.plan, sampled.report.auto.chosen.schedule) == \
+        (whole.report.auto.chosen.plan, whole.report.auto.chosen.schedule)
+    assert "~: predicted from the first 2, 3 and 4 of the 16 blocks of blocks" in str(sampled.report)
+
+
+@pytest.mark.slow  # explain: seconds
+def test_a_deep_stack_is_traced_whole_only_for_the_plans_that_do_not_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates are traced on the model cut to 2, 3 and 4 blocks; the whole model once
+    more only for those that do not scale (here its buckets of 4 and 16 blocks, which do not
+    repeat block by block). The model is unchanged."""
+    import fxshard.driver.plan_auto as plan_auto
+
+    depths = []
+    trace_finest = plan_auto._trace_finest
+
+    def counting(driver: Any, module: nn.Module, *args: Any) -> Any:
+        depths.append(len(module.blocks))  # type: ignore[arg-type]
+        return trace_finest(driver, module, *args)
+
+    monkeypatch.setattr(plan_auto, "_trace_finest", counting)
+    model = _Deep()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(model, _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+                            hardware="h100-nvlink")
+    assert depths == [2, 3, 4, 16]
+    assert e.report.auto is not None
+    assert len(model.blocks) == 16 and len(e.plan.units) == e.report.auto.chosen.units
+    assert {t.plan for t in e.report.auto.trials if t.scaled} == {"by_class(_Block)"}
+    assert {t.plan for t in e.report.auto.trials if not t.scaled} == {
+        "by_class(_Block), buckets of 4 units", "by_class(_Block), buckets of 16 units"}
+
+
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
+def test_under_a_budget_a_deep_stack_recomputes_every_block_as_explain_predicts() -> None:
+    """Where some variant is over the budget, the scaled plans are also tried recomputing every
+    region: each predicts what explain predicts with that activation_checkpointing."""
+    x = _DEEP_INPUT
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_Deep(), x, world_size=8, policy=auto(units=by_class(_Block)), hardware="h100-nvlink",
+                            activation_checkpointing=by_class(_Block), memory_budget=43 * MIB)
+        recomputing = [t for t in _trials(e) if t.scaled and t.schedule.endswith("by_class(_Block) recomputed")]
+        assert {t.schedule for t in recomputing} == {
+            "resharded after forward, 2 gathers in flight, by_class(_Block) recomputed",
+            "resharded after forward, 1 gather in flight, by_class(_Block) recomputed"}
+        for t in recomputing:
+            own = fxshard.explain(_Deep(), x, world_size=8, policy=by_class(_Block), hardware="h100-nvlink",
+                                  activation_checkpointing=by_class(_Block), reshard_after_forward=True,
+                                  max_inflight_gathers=1 if "1 gather" in t.schedule else 2)
+            assert t.peak == own.report.predicted_peak_bytes < 43 * MIB
+            assert t.seconds == pytest.approx(own.report.predicted_step_seconds, abs=(2 * 12 + 1) * 1e-9)
+    assert any(not t.fits for t in _trials(e)) and e.report.auto is not None and e.report.auto.chosen.fits
+
+
+@pytest.mark.slow  # two explains that emit every candidate's variants: seconds
+def test_a_stack_the_forward_cannot_run_cut_is_predicted_whole_and_says_so() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_Deep(by_count=True), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+                            hardware="h100-nvlink")
+    assert e.report.auto is not None and not any(t.scaled for t in e.report.auto.trials)
+    assert "predicted from the whole graph: the model cut to its first 2 blocks of blocks does not trace " \
+           "(IndexError" in e.report.auto.table()
+
+
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
+def test_a_scaled_choice_over_the_budget_by_the_whole_graph_is_a_budget_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scaling trusts the samples' peak to grow by the same step past them. Where the whole
+    graph, traced for the plan chosen, predicts more than the budget, the compile stops and
+    names the way out, rather than run a plan that does not fit (here the scaling is made to
+    halve every peak, and the plans that would be predicted from the whole graph are not tried)."""
+    import fxshard.driver.plan_auto as plan_auto
+
+    scale = plan_auto.scaled
+
+    def halved(samples: Any, depths: Any, blocks: int, budget: int | None) -> Trial | None:
+        whole = scale(samples, depths, blocks, budget)
+        return None if whole is None else replace(whole, peak=whole.peak // 2,
+                                                  fits=budget is None or whole.peak // 2 <= budget)
+
+    monkeypatch.setattr(plan_auto, "scaled", halved)
+    # The plans that do not scale (its buckets) are not tried: a plan scaled is chosen.
+    monkeypatch.setattr(plan_auto, "_whole", lambda *args: ([], None))
+    with warnings.catch_warnings(), pytest.raises(fxshard.BudgetError, match=r"auto\(extrapolate=False\)"):
+        warnings.simplefilter("ignore")
+        fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+                        hardware="h100-nvlink", memory_budget=30 * MIB)
+
+
+def test_scaled_trials_are_affine_in_the_blocks_or_none() -> None:
+    """Hand-made samples: a figure that grows by one step per block scales exactly; one that
+    does not (a peak that moves) is no prediction."""
+    from fxshard.ir.auto import scaled
+
+    def at(k: int, peak: int) -> Trial:
+        return Trial("p", "s", 0.001 + k * 0.002, 0.0005, peak, 2 + k, True, 3 * k + 1)
+
+    whole = scaled([at(2, 1000 + 2 * 64), at(3, 1000 + 3 * 64), at(4, 1000 + 4 * 64)], (2, 3, 4), 80, budget=7000)
+    assert whole is not None and whole.scaled
+    assert (whole.units, whole.collectives, whole.peak) == (82, 241, 1000 + 80 * 64)
+    assert whole.seconds == pytest.approx(0.161, abs=1e-9) and whole.fits
+    assert scaled([at(2, 1000), at(3, 1000), at(4, 1000)], (2, 3, 4), 80, budget=999) is not None
+    assert not scaled([at(2, 1000), at(3, 1000), at(4, 1000)], (2, 3, 4), 80, budget=999).fits  # type: ignore[union-attr]
+    assert scaled([at(2, 1000), at(3, 1100), at(4, 1150)], (2, 3, 4), 80, budget=None) is None
+
+
+def test_a_stack_is_the_largest_container_of_identical_blocks() -> None:
+    from fxshard.ir.auto import Stack, cut_units, find_stack
+
+    assert find_stack(_Deep()) == Stack("blocks", 16)
+    assert find_stack(_Deep(), min_blocks=17) is None
+    assert find_stack(_tiny_layers()) == Stack("", 16)
+    odd = _Deep()
+    odd.blocks[3].up = nn.Linear(64, 256, bias=False)  # one block unlike the others: no stack
+    assert find_stack(odd) is None
+    stack = Stack("blocks", 16)
+    units = ["blocks.0", "blocks.1.up+blocks.1.down", "blocks.1.down+blocks.2.up", "blocks.2", "head", ""]
+    assert cut_units(units, stack, 2) == ["blocks.0", "blocks.1.up+blocks.1.down", "head", ""]
 
 
 @pytest.mark.slow  # explain emits every candidate's variants: seconds
@@ -380,6 +565,9 @@ def test_cli_parses_auto_and_lists_the_profiles(capsys: pytest.CaptureFixture[st
     assert repr(parse_policy("auto()", types.ModuleType("m"))) == "auto()"
     assert repr(parse_policy("auto(units=by_class(Linear))", types.ModuleType("m"))) == \
         "auto(units=by_class(Linear))"
+    assert repr(parse_policy("auto(units=by_class(Linear), extrapolate=False)", types.ModuleType("m"))) == \
+        "auto(units=by_class(Linear), extrapolate=False)"
+    assert repr(parse_policy("auto(extrapolate=False)", types.ModuleType("m"))) == "auto(extrapolate=False)"
     assert main(["calibrate", "--list"]) == 0
     out = capsys.readouterr().out
     assert "h100-ib" in out and "h100-nvlink" in out

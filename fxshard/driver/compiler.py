@@ -58,12 +58,13 @@ from fxshard.driver.trace import StepFunction, TracedStep, trace_step
 from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
+from fxshard.ir.auto import MIB
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
 from fxshard.ir.collectives import bus_bytes, step_collectives
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
-from fxshard.ir.errors import FxShardError
+from fxshard.ir.errors import BudgetError, FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.wrapping import Auto, ByPredicate
@@ -388,6 +389,17 @@ class Driver:
         if compiler.schedule.budget is not None and self.schedule.budget is None and self.trial_planner is None:
             self.schedule = compiler.schedule  # the budget's plan, for every later step
         self.steps.append(compiled)
+        auto = self.schedule.auto
+        if auto is not None and auto.chosen.scaled and auto.budget is not None and compiled.trains \
+                and self.trial_planner is None:
+            # auto() chose from a few blocks, scaled: the whole graph, traced now, has the word.
+            peak = self.report(compiled).predicted_peak_bytes
+            if peak > auto.budget:
+                raise BudgetError(
+                    f"auto() chose {auto.chosen.describe()} predicting a peak of {auto.chosen.peak / MIB:.3f} MiB "
+                    f"from the model's first blocks, scaled; the whole model's graph predicts {peak / MIB:.3f} MiB, "
+                    f"over the budget of {auto.budget / MIB:.3f} MiB: its peak grows faster past the blocks "
+                    "sampled. Pass policy=auto(extrapolate=False) to plan from the whole graph")
         log.info("fxshard: traced %s (%s) on rank %d", model_name,
                  "train" if compiled.trains else "inference", self.world.rank)
         if self.config.dump_dir is not None:
@@ -455,7 +467,10 @@ class Driver:
                 optimizer, [s.numel() * s.element_size() for s in self.shards if s.requires_grad],
                 rates.device) if optimizer is not None and step.trains else 0.0)
         if schedule.auto is not None:
-            report = replace(report, auto=schedule.auto)
+            auto = schedule.auto
+            if auto.chosen.scaled:  # what the whole graph predicts for it, beside
+                auto = replace(auto, whole=(report.predicted_peak_bytes, report.predicted_step_seconds))
+            report = replace(report, auto=auto)
         if schedule.budget is None:
             return report
         return replace(report, budget=schedule.budget, budget_inputs=schedule.planned_on)

@@ -21,6 +21,7 @@ model once more, with the chosen units.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,13 +38,26 @@ from fxshard.driver.plan_budget import largest_over_ranks
 from fxshard.driver.report import Report
 from fxshard.driver.runtime import World
 from fxshard.driver.steps import CompiledStep, Schedule
-from fxshard.ir.auto import AutoChoice, Trial, candidates, fastest, variants
+from fxshard.ir.auto import (
+    MIB,
+    SAMPLES,
+    AutoChoice,
+    Candidate,
+    Stack,
+    Trial,
+    candidates,
+    cut_units,
+    fastest,
+    find_stack,
+    scaled,
+    variants,
+)
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import step_collectives
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import PROFILES, Rates
-from fxshard.ir.errors import BudgetError, FxShardError
+from fxshard.ir.errors import BudgetError, FxShardError, TraceError
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.wrapping import Auto, Policy, by_size
 from fxshard.passes.context import REDUCE
@@ -99,7 +113,6 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     leaves, tree = pytree.tree_flatten((args, {}))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     input_bytes = sum(x.numel() * x.element_size() for x in tensors)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
     def unit_bytes(policy: Policy) -> list[int]:
         plan = make_plan(module, policy, driver.world.size)
         return [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
@@ -108,63 +121,255 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
         warnings.simplefilter("ignore")
         plans = candidates(module, spec.units, unit_bytes)
-    traced = _trace_finest(driver, module, leaves, tree, make)
+    sample = Sample(driver, make, config, rates, leaves, tree, input_bytes)
+    kept, over = _distinct(sample, plans, module)
+    stack = find_stack(module) if spec.extrapolate else None
     found: list[tuple[Trial, Schedule]] = []
     failures: list[BudgetError] = []
-    seen: set[tuple[str, ...]] = set()
-    for candidate in plans:
-        options = config.options
-        if candidate.bucket_bytes:
-            options = replace(options, bucket_bytes=candidate.bucket_bytes)
-        trial_config = replace(config, policy=candidate.policy, options=options, dump_dir=None,
-                               on_pass=None, verify=False)
-        trial = make(trial_config, runs=False, world=driver.world)
-        trial.rates = rates
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trial.shard(module, allow_meta=True)
-        units = tuple(u.name for u in trial.plan.units)
-        if units in seen:
-            continue
-        seen.add(units)
-        joint, joint_inputs, kwargs = regroup(traced.joint, traced.inputs, traced.kwargs, traced.plan, trial.plan)
-        n = traced.num_fwd_outputs
-        mine: list[tuple[Trial, Schedule]] = []
-        splits = Splits()  # variants that differ in the prefetch depth alone share one partition
-        for name, variant in variants(trial_config.options):
-            schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
-            mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, input_bytes,
-                                buffer_bytes, candidate.label, name, config.memory_budget, splits), schedule))
-        if config.memory_budget is not None and not all(t.fits for t, _ in mine):
-            # Some variant is over the budget (keeping every unit gathered, at least): the
-            # budget's ladder finds the fewest changes from it that fit (the first units
-            # resharded, the rest kept), between the variants above; where none of them
-            # fits, it is the only way in.
-            try:
-                laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
-                                              trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
-                                              input_bytes, library_bytes=calibrate.library_bytes(trial.device))
-            except BudgetError as e:
-                if not any(t.fits for t, _ in mine):
-                    failures.append(e)
-            else:
-                assert laddered.budget is not None
-                mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, input_bytes,
-                                    buffer_bytes, candidate.label, "memory budget: " + laddered.budget.chosen.describe(),
-                                    config.memory_budget), laddered))
-        del trial, joint
-        found += mine
+    note = ""
+    whole = kept
+    if stack is not None and kept:
+        try:
+            found, whole = _sampled(sample, kept, module, stack)
+        except _Uncut as e:
+            note = f"predicted from the whole graph: {e}"
+        else:
+            note = (f"~: predicted from the first {', '.join(map(str, SAMPLES[:-1]))} and {SAMPLES[-1]} "
+                    f"of the {stack.blocks} blocks of {stack.path or 'the model'} and scaled to all "
+                    f"(recomputing nothing or every region; the budget's ladder only where no such plan fits)")
+    traced: list[Traced] = []  # the whole model's, traced where first needed
+
+    def predict_whole(plans: Sequence[Candidate]) -> None:
+        if plans and not traced:
+            traced.append(_trace_finest(driver, module, leaves, tree, make))
+        for candidate in plans:
+            mine, failure = _whole(sample, candidate, module, traced[0])
+            found.extend(mine)
+            failures.extend([failure] if failure is not None else [])
+
+    predict_whole(whole)
+    scaled_plans = [c for c in kept if c not in whole]
+    if scaled_plans and not any(t.fits for t, _ in found):
+        # Nothing fits: the budget's ladder may find finer choices for the scaled plans too.
+        found[:] = [(t, s) for t, s in found if not t.scaled]
+        predict_whole(scaled_plans)
+        note = "predicted from the whole graph: no plan predicted from a few blocks fits"
+    traced.clear()
     best = fastest([t for t, _ in found])
     if best is None:
         if failures:
             raise min(failures, key=_lowest)
+        if over and not found:
+            assert config.memory_budget is not None
+            label, nbytes = min(over, key=lambda o: o[1])
+            raise BudgetError(
+                f"memory_budget {config.memory_budget / MIB:.3f} MiB cannot be met: every plan auto() tries has a unit "
+                f"that alone gathers more; the smallest such unit, of {label}, gathers {nbytes / MIB:.3f} MiB. "
+                "Pin smaller units (auto(units=by_class(<a smaller module>))) or raise the budget")
         raise BudgetError(f"memory_budget {config.memory_budget} bytes: no plan auto() tried fits")
     chosen = next(s for t, s in found if t == best)
     trials = tuple(sorted((t for t, _ in found), key=lambda t: (not t.fits, t.seconds, t.peak)))
     choice = AutoChoice(best, trials, config.memory_budget, rates.name,
-                        device_memory=device_memory and config.memory_budget is not None)
+                        device_memory=device_memory and config.memory_budget is not None,
+                        sampled=note, over=tuple(over))
     policy = next(c.policy for c in plans if c.label == best.plan)
     return replace(chosen, config=replace(chosen.config, policy=policy), auto=choice)
+
+
+@dataclass
+class Sample:
+    """What every candidate's trials are made with."""
+
+    driver: Driver
+    make: Callable[..., Driver]
+    config: CompileConfig  # the driver's, with the budget auto() keeps to
+    rates: Rates
+    leaves: list[Any]
+    tree: pytree.TreeSpec
+    input_bytes: int
+
+    def trial(self, candidate: Candidate, module: nn.Module) -> tuple[CompileConfig, Driver]:
+        """A trial driver of ``candidate`` with ``module`` planned and sharded (on meta)."""
+        options = self.config.options
+        if candidate.bucket_bytes:
+            options = replace(options, bucket_bytes=candidate.bucket_bytes)
+        trial_config = replace(self.config, policy=candidate.policy, options=options, dump_dir=None,
+                               on_pass=None, verify=False)
+        trial = self.make(trial_config, runs=False, world=self.driver.world)
+        trial.rates = self.rates
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trial.shard(module, allow_meta=True)
+        return trial_config, trial
+
+
+def _distinct(sample: Sample, plans: Sequence[Candidate], module: nn.Module
+              ) -> tuple[list[Candidate], list[tuple[str, int]]]:
+    """The candidates that make distinct units, the first of each kept; those whose largest
+    unit alone, gathered in its compute dtype, is over the budget left out (no schedule of
+    them fits: the unit is whole while it computes), with that unit's bytes."""
+    kept: list[Candidate] = []
+    over: list[tuple[str, int]] = []
+    seen: set[tuple[str, ...]] = set()
+    for candidate in plans:
+        _, trial = sample.trial(candidate, module)
+        plan = trial.plan
+        units = tuple(u.name for u in plan.units)
+        if units in seen:
+            continue
+        seen.add(units)
+        largest = max(sum(plan.groups[g].padded_numel * plan.groups[g].compute_dtype.itemsize for g in u.groups)
+                      for u in plan.units)
+        if sample.config.memory_budget is not None and largest > sample.config.memory_budget:
+            over.append((candidate.label, largest))
+        else:
+            kept.append(candidate)
+        del trial
+    return kept, over
+
+
+def _whole(sample: Sample, candidate: Candidate, module: nn.Module, traced: Traced
+           ) -> tuple[list[tuple[Trial, Schedule]], BudgetError | None]:
+    """``candidate``'s variants predicted from the whole model's graph, and where some is over
+    the budget, the budget's ladder's choice (or why nothing of it fits)."""
+    config = sample.config
+    trial_config, trial = sample.trial(candidate, module)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    joint, joint_inputs, kwargs = regroup(traced.joint, traced.inputs, traced.kwargs, traced.plan, trial.plan)
+    n = traced.num_fwd_outputs
+    mine: list[tuple[Trial, Schedule]] = []
+    splits = Splits()  # variants that differ in the prefetch depth alone share one partition
+    for name, variant in variants(trial_config.options):
+        schedule = Schedule.of(trial_config.with_options(options=variant), trial.schedule.checkpointing)
+        mine.append((_trial(trial, schedule, joint, joint_inputs, n, kwargs, sample.input_bytes,
+                            buffer_bytes, candidate.label, name, config.memory_budget, splits), schedule))
+    if config.memory_budget is None or all(t.fits for t, _ in mine):
+        return mine, None
+    # Some variant is over the budget (keeping every unit gathered, at least): the budget's
+    # ladder finds the fewest changes from it that fit (the first units resharded, the rest
+    # kept), between the variants above; where none of them fits, it is the only way in.
+    try:
+        laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
+                                      trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
+                                      sample.input_bytes, library_bytes=calibrate.library_bytes(trial.device))
+    except BudgetError as e:
+        return mine, None if any(t.fits for t, _ in mine) else e
+    assert laddered.budget is not None
+    mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, sample.input_bytes,
+                        buffer_bytes, candidate.label, "memory budget: " + laddered.budget.chosen.describe(),
+                        config.memory_budget), laddered))
+    return mine, None
+
+
+class _Uncut(FxShardError):
+    """The model's stack could not be cut to a few blocks and traced."""
+
+
+def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stack: Stack
+             ) -> tuple[list[tuple[Trial, Schedule]], list[Candidate]]:
+    """The candidates' trials predicted on the model cut to its stack's first ``SAMPLES``
+    blocks and scaled to all of them (``fxshard.ir.auto.scaled``), for those whose plan of
+    the cut model is the whole plan's cut (``cut_units``) and whose figures are affine in the
+    blocks; and the candidates that are not, to predict from the whole graph. Variants as
+    ``variants``, and where some is over the budget, the resharded ones also recomputing
+    every region the budget may recompute (``activation_checkpointing``'s, else every
+    unit's). Raises ``_Uncut`` where a cut model does not trace."""
+    config = sample.config
+    cut = {k: _cut(module, stack, k) for k in SAMPLES}  # raises _Uncut
+    traced: dict[int, Traced] = {}
+    for k, model in cut.items():
+        try:
+            traced[k] = _trace_finest(sample.driver, model, sample.leaves, sample.tree, sample.make)
+        except Exception as e:  # the forward assumes all its blocks (a loop over a count, ...)
+            cause = e.__cause__ if isinstance(e, TraceError) and e.__cause__ is not None else e
+            raise _Uncut(f"the model cut to its first {k} blocks of {stack.path or 'the root'} does not "
+                         f"trace ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+                         ) from e
+    found: list[tuple[Trial, Schedule]] = []
+    whole: list[Candidate] = []
+    for candidate in plans:
+        trial_config, trial = sample.trial(candidate, module)
+        units = [u.name for u in trial.plan.units]
+        schedules = {name: (trial_config.with_options(options=variant), PLAIN)
+                     for name, variant in variants(trial_config.options)}
+        scaled_trials = _scale(sample, candidate, schedules, cut, traced, units, stack)
+        if scaled_trials is not None and config.memory_budget is not None and trial.budget_regions is not None \
+                and not all(t.fits for t in scaled_trials.values()):
+            # Keeping units gathered to backward while recomputing is the ladder's to weigh.
+            recomputing = {f"{name}, {trial.budget_regions.policy or 'every unit'} recomputed": (c, RECOMPUTE)
+                           for name, (c, _) in schedules.items() if c.options.reshard_after_forward is True}
+            more = _scale(sample, candidate, recomputing, cut, traced, units, stack)
+            schedules.update(recomputing)
+            scaled_trials = None if more is None else {**scaled_trials, **more}
+        if scaled_trials is None:
+            whole.append(candidate)
+            continue
+        found += [(t, Schedule.of(schedules[name][0], _regions(trial, schedules[name][1])))
+                  for name, t in scaled_trials.items()]
+        del trial
+    return found, whole
+
+
+# What a sampled schedule recomputes: what the candidate's trial would (the user's
+# activation_checkpointing, without a budget), or every region the budget may recompute.
+PLAIN, RECOMPUTE = "plain", "recompute"
+
+
+def _regions(trial: Driver, which: str) -> Checkpointing | None:
+    return trial.schedule.checkpointing if which == PLAIN else trial.budget_regions
+
+
+def _scale(sample: Sample, candidate: Candidate, schedules: dict[str, tuple[CompileConfig, str]],
+           cut: dict[int, nn.Module], traced: dict[int, Traced], units: list[str], stack: Stack
+           ) -> dict[str, Trial] | None:
+    """Each of ``schedules`` (a configuration, and ``PLAIN`` or ``RECOMPUTE``) predicted on
+    every cut model and scaled to the whole stack, or None where a cut model's plan is not
+    the whole plan's cut or a figure is not affine."""
+    per_depth: dict[str, list[Trial]] = {name: [] for name in schedules}
+    for k, model in cut.items():
+        _, trial = sample.trial(candidate, model)
+        if [u.name for u in trial.plan.units] != cut_units(units, stack, k):
+            return None
+        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        t = traced[k]
+        joint, joint_inputs, kwargs = regroup(t.joint, t.inputs, t.kwargs, t.plan, trial.plan)
+        splits = Splits()
+        for name, (config, which) in schedules.items():
+            schedule = Schedule.of(config, _regions(trial, which))
+            per_depth[name].append(_trial(trial, schedule, joint, joint_inputs, t.num_fwd_outputs, kwargs,
+                                          sample.input_bytes, buffer_bytes, candidate.label, name,
+                                          sample.config.memory_budget, splits))
+        del joint
+    found = {}
+    for name, samples in per_depth.items():
+        whole = scaled(samples, SAMPLES, stack.blocks, sample.config.memory_budget)
+        if whole is None:
+            return None
+        found[name] = whole
+    return found
+
+
+def _cut(module: nn.Module, stack: Stack, blocks: int) -> nn.Module:
+    """``module`` with its stack holding only its first ``blocks``: the modules on the path
+    to the stack copied (shallow, their children dicts new), everything else shared, the
+    model itself unchanged."""
+    def copy_of(m: nn.Module) -> nn.Module:
+        if "forward" in vars(m):  # a wrapper bound to the module itself: it would run the original
+            raise _Uncut(f"{type(m).__name__}'s forward is an attribute of the instance, which a copy "
+                         "cut to a few blocks would not run")
+        c = copy.copy(m)
+        c._modules = dict(m._modules)
+        return c
+
+    path = stack.path.split(".") if stack.path else []
+    root = copy_of(module)
+    parent = root
+    for name in path:
+        child = copy_of(parent._modules[name])  # type: ignore[arg-type]
+        parent._modules[name] = child
+        parent = child
+    parent._modules = {k: v for i, (k, v) in enumerate(parent._modules.items()) if i < blocks}
+    return root
 
 
 def memory_of(driver: Driver, rates: Rates) -> int | None:

@@ -51,6 +51,13 @@ MIB = 1 << 20
 # (the deep MLP of benchmarks/auto.py: its last 15 units kept gathered, predicted 1% faster
 # than all resharded, measured about 9% faster).
 TIE = 0.01
+# A stack of at least this many identical blocks is predicted from its first SAMPLES blocks
+# and scaled (``auto(extrapolate=True)``): below it the whole graph costs little more.
+MIN_BLOCKS = 16
+SAMPLES = (2, 3, 4)
+# How far a step's seconds may move from one sampled depth to the next and still be one
+# step: the simulation's schedule of a block is the same in every middle block.
+SCALE_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class Trial:
     units: int
     fits: bool
     collectives: int = 0  # issued in one step (this rank's; every rank issues the same)
+    scaled: bool = False  # predicted from a few of the model's blocks (``scaled``)
 
     def describe(self) -> str:
         return f"{self.plan}, {self.schedule}"
@@ -88,6 +96,12 @@ class AutoChoice:
     budget: int | None
     rates: str  # the rates the times were predicted with
     device_memory: bool = False  # no memory_budget was given: the budget is the device's memory
+    # How the trials were predicted where not from the whole graph (``scaled``), one line.
+    sampled: str = ""
+    # Candidates left untraced: their largest unit alone, gathered, is over the budget.
+    over: tuple[tuple[str, int], ...] = ()
+    # A scaled choice's peak and step seconds as the whole graph predicts them (``report()``).
+    whole: tuple[int, float | None] | None = None
 
     def table(self) -> str:
         within = "" if self.budget is None else \
@@ -99,11 +113,93 @@ class AutoChoice:
                  "  predicted ms  exposed ms    peak MiB  units  plan, schedule"]
         for t in self.trials:
             mark = "*" if t == self.chosen else " " if t.fits else "x"
-            lines.append(f"{mark} {t.seconds * 1e3:11.3f} {t.exposed_seconds * 1e3:11.3f} "
+            lines.append(f"{mark}{'~' if t.scaled else ' '}{t.seconds * 1e3:11.3f} {t.exposed_seconds * 1e3:11.3f} "
                          f"{t.peak / MIB:11.3f} {t.units:6d}  {t.describe()}")
         if any(not t.fits for t in self.trials):
             lines.append("  (x: over the memory budget)")
+        if self.sampled:
+            lines.append(f"  {self.sampled}")
+        if self.whole is not None:
+            peak, seconds = self.whole
+            lines.append(f"  the plan chosen, from the whole graph: {peak / MIB:.3f} MiB"
+                         + (f", {seconds * 1e3:.3f} ms a step" if seconds is not None else ""))
+        if self.over:
+            lines.append("  not traced, their largest unit alone gathering more than the budget: "
+                         + "; ".join(f"{label} ({nbytes / MIB:.3f} MiB)" for label, nbytes in self.over))
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A container of identical blocks: ``path`` (``""`` the root) holds ``blocks`` of them."""
+
+    path: str
+    blocks: int
+
+    def block_of(self, name: str) -> int | None:
+        """The block a module path is in (None: outside the stack)."""
+        prefix = f"{self.path}." if self.path else ""
+        if not name.startswith(prefix):
+            return None
+        head = name[len(prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+
+def find_stack(module: nn.Module, min_blocks: int = MIN_BLOCKS) -> Stack | None:
+    """The ``ModuleList`` or ``Sequential`` of at least ``min_blocks`` identical blocks (one
+    class; the same parameters and buffers by name, shape, dtype and ``requires_grad``) that
+    holds the most parameters, or None."""
+    def signature(m: nn.Module) -> tuple[object, ...]:
+        return (type(m), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()),
+                tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
+
+    found: list[tuple[int, int, str, int]] = []
+    for i, (name, m) in enumerate(module.named_modules()):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < min_blocks:
+            continue
+        children = list(m.children())
+        if len(children) != len(m) or len({signature(b) for b in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in m.parameters())
+        if numel:
+            found.append((-numel, i, name, len(children)))
+    if not found:
+        return None
+    _, _, path, count = min(found)
+    return Stack(path, count)
+
+
+def cut_units(units: Sequence[str], stack: Stack, blocks: int) -> list[str]:
+    """The units a plan of the whole model keeps when its stack is cut to its first ``blocks``:
+    those no part of which (a bucket's parts joined by ``+``) is in a later block. The plan of
+    the cut model must make exactly these for its predictions to scale."""
+    return [u for u in units
+            if all((b := stack.block_of(part)) is None or b < blocks for part in u.split("+"))]
+
+
+def scaled(samples: Sequence[Trial], depths: Sequence[int], blocks: int, budget: int | None) -> Trial | None:
+    """The trial of a stack of ``blocks`` from the same plan and schedule predicted on its
+    first ``depths`` blocks (three, one apart): each figure is affine in the blocks, so
+    grows by the same step from each depth to the next (the peak, units and collectives
+    exactly; the seconds within ``SCALE_TOLERANCE`` of a step, or 1 µs), and the last plus
+    that step per block missing is the whole stack's (within ``budget`` or not). None where
+    a figure is not affine."""
+    a, b, c = depths
+    assert b - a == c - b == 1 and len(samples) == 3
+    first, middle, last = samples
+    figures = []
+    for name in ("seconds", "exposed_seconds", "peak", "units", "collectives"):
+        x, y, z = (getattr(t, name) for t in samples)
+        if name.endswith("seconds"):
+            x, y, z = (round(v * 1e9) for v in (x, y, z))
+            if abs((z - y) - (y - x)) > max(1000, SCALE_TOLERANCE * abs(z - y)):
+                return None
+        elif z - y != y - x:
+            return None
+        figures.append(z + (blocks - c) * (z - y))
+    seconds, exposed, peak, units, collectives = figures
+    return replace(last, seconds=seconds / 1e9, exposed_seconds=exposed / 1e9, peak=peak, units=units,
+                   collectives=collectives, fits=budget is None or peak <= budget, scaled=True)
 
 
 def repeated_classes(module: nn.Module) -> list[type[nn.Module]]:

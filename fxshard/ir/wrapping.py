@@ -110,27 +110,36 @@ class Auto(Policy):
     """``policy=auto()``: the units, buckets, prefetch depth and resharding that fxshard
     predicts fastest within ``memory_budget``, chosen from a trace of the model
     (``fxshard.driver.plan_auto``). ``units`` pins the unit boundaries: then only buckets,
-    prefetch and resharding are chosen. Not a wrapping rule itself: the driver replaces it
-    with the policy it chose before anything is planned."""
+    prefetch and resharding are chosen. ``extrapolate``: a model most of whose parameters
+    are a stack of many identical blocks (a ``ModuleList`` or ``Sequential`` of at least
+    ``fxshard.ir.auto.MIN_BLOCKS``) is predicted from its first 2, 3 and 4 blocks and scaled
+    to all of them (``fxshard.ir.auto.scaled``); ``False`` predicts every plan from the whole
+    model's graph. Not a wrapping rule itself: the driver replaces it with the policy it
+    chose before anything is planned."""
 
     units: Policy | None = None
+    extrapolate: bool = True
 
     def __post_init__(self) -> None:
         if self.units is not None and (not isinstance(self.units, Policy) or isinstance(self.units, Auto)):
             raise TypeError(f"auto(units=...) takes a wrapping policy (by_class(Block), by_size(n), ...), "
                             f"got {self.units!r}")
+        if not isinstance(self.extrapolate, bool):
+            raise TypeError(f"auto(extrapolate=...) takes True or False, got {self.extrapolate!r}")
 
     def wraps(self, query: WrapQuery) -> bool:
         raise TypeError("auto() chooses a policy from a trace; it cannot answer for one module "
                         "(fxshard.compile and fxshard.explain resolve it), nor be combined with |")
 
     def __repr__(self) -> str:
-        return "auto()" if self.units is None else f"auto(units={self.units!r})"
+        args = ([] if self.units is None else [f"units={self.units!r}"]) + \
+            ([] if self.extrapolate else ["extrapolate=False"])
+        return f"auto({', '.join(args)})"
 
 
-def auto(units: Policy | None = None) -> Policy:
+def auto(units: Policy | None = None, *, extrapolate: bool = True) -> Policy:
     """The plan fxshard predicts fastest within ``memory_budget`` (see :class:`Auto`)."""
-    return Auto(units)
+    return Auto(units, extrapolate)
 
 
 _aten = torch.ops.aten
