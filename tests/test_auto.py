@@ -161,7 +161,7 @@ class _Block(nn.Module):
 
 class _Deep(nn.Module):
     """A stack of 16 identical blocks between an embedding and a head: auto() predicts it from
-    its first 2, 3 and 4 blocks. ``by_count``: the forward indexes the blocks by a count of
+    its first 3, 4 and 5 blocks. ``by_count``: the forward indexes the blocks by a count of
     its own, so the model cut to a few blocks does not run."""
 
     def __init__(self, by_count: bool = False) -> None:
@@ -185,10 +185,10 @@ _DEEP_INPUT = torch.randint(0, 100, (8, 128))
 
 @pytest.mark.slow  # two explains that emit every candidate's variants: seconds
 def test_a_deep_stack_is_predicted_from_a_few_blocks_as_from_the_whole_graph() -> None:
-    """Each trial scaled from the first 2, 3 and 4 blocks predicts what the whole model's graph
+    """Each trial scaled from the first 3, 4 and 5 blocks predicts what the whole model's graph
     predicts (auto(extrapolate=False)): the same peak to the byte, units and collectives,
     and the step time within the rounding of the samples (each a whole nanosecond, the
-    step per block multiplied by the 12 blocks not sampled)."""
+    step per block multiplied by the 11 blocks not sampled)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sampled = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(), hardware="h100-nvlink")
@@ -201,8 +201,8 @@ def test_a_deep_stack_is_predicted_from_a_few_blocks_as_from_the_whole_graph() -
     for t in scaled:
         own = exact[t.plan, t.schedule]
         assert (t.peak, t.units, t.collectives, t.fits) == (own.peak, own.units, own.collectives, own.fits), t
-        assert t.seconds == pytest.approx(own.seconds, abs=(2 * 12 + 1) * 1e-9), t
-        assert t.exposed_seconds == pytest.approx(own.exposed_seconds, abs=(2 * 12 + 1) * 1e-9), t
+        assert t.seconds == pytest.approx(own.seconds, abs=(2 * 11 + 1) * 1e-9), t
+        assert t.exposed_seconds == pytest.approx(own.exposed_seconds, abs=(2 * 11 + 1) * 1e-9), t
     # The rest (buckets that do not repeat with the blocks, a peak not yet affine) are the
     # whole graph's own.
     for t in _trials(sampled):
@@ -211,12 +211,12 @@ def test_a_deep_stack_is_predicted_from_a_few_blocks_as_from_the_whole_graph() -
     assert sampled.report.auto is not None and whole.report.auto is not None
     assert (sampled.report.auto.chosen.plan, sampled.report.auto.chosen.schedule) == \
         (whole.report.auto.chosen.plan, whole.report.auto.chosen.schedule)
-    assert "~: predicted from the first 2, 3 and 4 of the 16 blocks of blocks" in str(sampled.report)
+    assert "~: predicted from the first 3, 4 and 5 of the 16 blocks of blocks" in str(sampled.report)
 
 
 @pytest.mark.slow  # explain: seconds
 def test_a_deep_stack_is_traced_whole_only_for_the_plans_that_do_not_scale(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The candidates are traced on the model cut to 2, 3 and 4 blocks; the whole model once
+    """The candidates are traced on the model cut to 3, 4 and 5 blocks; the whole model once
     more only for those that do not scale (here its buckets of 4 and 16 blocks, which do not
     repeat block by block). The model is unchanged."""
     import fxshard.driver.plan_auto as plan_auto
@@ -234,7 +234,7 @@ def test_a_deep_stack_is_traced_whole_only_for_the_plans_that_do_not_scale(monke
         warnings.simplefilter("ignore")
         e = fxshard.explain(model, _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
                             hardware="h100-nvlink")
-    assert depths == [2, 3, 4, 16]
+    assert depths == [3, 4, 5, 16]
     assert e.report.auto is not None
     assert len(model.blocks) == 16 and len(e.plan.units) == e.report.auto.chosen.units
     assert {t.plan for t in e.report.auto.trials if t.scaled} == {"by_class(_Block)"}
@@ -260,7 +260,7 @@ def test_under_a_budget_a_deep_stack_recomputes_every_block_as_explain_predicts(
                                   activation_checkpointing=by_class(_Block), reshard_after_forward=True,
                                   max_inflight_gathers=1 if "1 gather" in t.schedule else 2)
             assert t.peak == own.report.predicted_peak_bytes < 43 * MIB
-            assert t.seconds == pytest.approx(own.report.predicted_step_seconds, abs=(2 * 12 + 1) * 1e-9)
+            assert t.seconds == pytest.approx(own.report.predicted_step_seconds, abs=(2 * 11 + 1) * 1e-9)
     assert any(not t.fits for t in _trials(e)) and e.report.auto is not None and e.report.auto.chosen.fits
 
 
@@ -271,7 +271,7 @@ def test_a_stack_the_forward_cannot_run_cut_is_predicted_whole_and_says_so() -> 
         e = fxshard.explain(_Deep(by_count=True), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
                             hardware="h100-nvlink")
     assert e.report.auto is not None and not any(t.scaled for t in e.report.auto.trials)
-    assert "predicted from the whole graph: the model cut to its first 2 blocks of blocks does not trace " \
+    assert "predicted from the whole graph: the model cut to its first 3 blocks of blocks does not trace " \
            "(IndexError" in e.report.auto.table()
 
 
@@ -317,7 +317,7 @@ def test_scaled_trials_are_affine_in_the_blocks_or_none() -> None:
 
 
 def test_a_stack_is_the_largest_container_of_identical_blocks() -> None:
-    from fxshard.ir.auto import Stack, cut_units, find_stack
+    from fxshard.ir.auto import Stack, cut_matches, find_stack
 
     assert find_stack(_Deep()) == Stack("blocks", 16)
     assert find_stack(_Deep(), min_blocks=17) is None
@@ -325,9 +325,26 @@ def test_a_stack_is_the_largest_container_of_identical_blocks() -> None:
     odd = _Deep()
     odd.blocks[3].up = nn.Linear(64, 256, bias=False)  # one block unlike the others: no stack
     assert find_stack(odd) is None
-    stack = Stack("blocks", 16)
-    units = ["blocks.0", "blocks.1.up+blocks.1.down", "blocks.1.down+blocks.2.up", "blocks.2", "head", ""]
-    assert cut_units(units, stack, 2) == ["blocks.0", "blocks.1.up+blocks.1.down", "head", ""]
+
+    # Units of a stack of 8 blocks, each of an "a" and an "f" part: Llama-3-70B's buckets of
+    # 16 Linear units put a block and the next one's attention together, then each block's
+    # feed-forward with the next one's attention, the last block's feed-forward with the head.
+    stack = Stack("blocks", 8)
+
+    def buckets(n: int) -> list[str]:
+        return ["emb", "blocks.0.a+blocks.0.f+blocks.1.a"] + \
+            [f"blocks.{i}.f+blocks.{i + 1}.a" for i in range(1, n - 1)] + [f"blocks.{n - 1}.f+head", ""]
+
+    assert cut_matches(buckets(8), buckets(3), stack, 3) and cut_matches(buckets(8), buckets(5), stack, 5)
+    per_block = ["emb"] + [f"blocks.{i}" for i in range(8)] + ["head"]
+    assert cut_matches(per_block, per_block[:4] + ["head"], stack, 3)
+    assert not cut_matches(per_block, per_block[:3] + ["head"], stack, 3)  # a block missing
+    # Buckets of two blocks: the cut to 3 ends in half a bucket, the whole plan in a whole one.
+    pairs = ["emb"] + [f"blocks.{i}+blocks.{i + 1}" for i in range(0, 8, 2)] + ["head"]
+    assert not cut_matches(pairs, ["emb", "blocks.0+blocks.1", "blocks.2", "head"], stack, 3)
+    # The stack claimed whole (a size rule): not the same plan cut.
+    whole = ["emb", "+".join(f"blocks.{i}" for i in range(8)), "head"]
+    assert not cut_matches(whole, ["emb", "blocks.0+blocks.1+blocks.2", "head"], stack, 3)
 
 
 @pytest.mark.slow  # explain emits every candidate's variants: seconds

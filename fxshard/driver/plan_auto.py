@@ -46,7 +46,7 @@ from fxshard.ir.auto import (
     Stack,
     Trial,
     candidates,
-    cut_units,
+    cut_matches,
     fastest,
     find_stack,
     scaled,
@@ -135,7 +135,8 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
             note = f"predicted from the whole graph: {e}"
         else:
             note = (f"~: predicted from the first {', '.join(map(str, SAMPLES[:-1]))} and {SAMPLES[-1]} "
-                    f"of the {stack.blocks} blocks of {stack.path or 'the model'} and scaled to all "
+                    f"of the {stack.blocks} blocks of {stack.path or 'the model'} (up to "
+                    f"{SAMPLES[-1] + EXTRA_SAMPLES} where {SAMPLES[0]} is not yet steady) and scaled to all "
                     f"(recomputing nothing or every region; the budget's ladder only where no such plan fits)")
     traced: list[Traced] = []  # the whole model's, traced where first needed
 
@@ -269,22 +270,15 @@ def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stac
              ) -> tuple[list[tuple[Trial, Schedule]], list[Candidate]]:
     """The candidates' trials predicted on the model cut to its stack's first ``SAMPLES``
     blocks and scaled to all of them (``fxshard.ir.auto.scaled``), for those whose plan of
-    the cut model is the whole plan's cut (``cut_units``) and whose figures are affine in the
+    the cut model is the whole plan's cut (``cut_matches``) and whose figures are affine in the
     blocks; and the candidates that are not, to predict from the whole graph. Variants as
     ``variants``, and where some is over the budget, the resharded ones also recomputing
     every region the budget may recompute (``activation_checkpointing``'s, else every
     unit's). Raises ``_Uncut`` where a cut model does not trace."""
     config = sample.config
-    cut = {k: _cut(module, stack, k) for k in SAMPLES}  # raises _Uncut
-    traced: dict[int, Traced] = {}
-    for k, model in cut.items():
-        try:
-            traced[k] = _trace_finest(sample.driver, model, sample.leaves, sample.tree, sample.make)
-        except Exception as e:  # the forward assumes all its blocks (a loop over a count, ...)
-            cause = e.__cause__ if isinstance(e, TraceError) and e.__cause__ is not None else e
-            raise _Uncut(f"the model cut to its first {k} blocks of {stack.path or 'the root'} does not "
-                         f"trace ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
-                         ) from e
+    cuts = Cuts(sample, module, stack)
+    for k in SAMPLES:
+        cuts.traced(k)  # raises _Uncut
     found: list[tuple[Trial, Schedule]] = []
     whole: list[Candidate] = []
     for candidate in plans:
@@ -292,13 +286,13 @@ def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stac
         units = [u.name for u in trial.plan.units]
         schedules = {name: (trial_config.with_options(options=variant), PLAIN)
                      for name, variant in variants(trial_config.options)}
-        scaled_trials = _scale(sample, candidate, schedules, cut, traced, units, stack)
+        scaled_trials = _scale(cuts, candidate, schedules, units)
         if scaled_trials is not None and config.memory_budget is not None and trial.budget_regions is not None \
                 and not all(t.fits for t in scaled_trials.values()):
             # Keeping units gathered to backward while recomputing is the ladder's to weigh.
             recomputing = {f"{name}, {trial.budget_regions.policy or 'every unit'} recomputed": (c, RECOMPUTE)
                            for name, (c, _) in schedules.items() if c.options.reshard_after_forward is True}
-            more = _scale(sample, candidate, recomputing, cut, traced, units, stack)
+            more = _scale(cuts, candidate, recomputing, units)
             schedules.update(recomputing)
             scaled_trials = None if more is None else {**scaled_trials, **more}
         if scaled_trials is None:
@@ -310,6 +304,9 @@ def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stac
     return found, whole
 
 
+# How many times the sampled depths may move on by a block where the first is not yet steady.
+EXTRA_SAMPLES = 2
+
 # What a sampled schedule recomputes: what the candidate's trial would (the user's
 # activation_checkpointing, without a budget), or every region the budget may recompute.
 PLAIN, RECOMPUTE = "plain", "recompute"
@@ -319,34 +316,73 @@ def _regions(trial: Driver, which: str) -> Checkpointing | None:
     return trial.schedule.checkpointing if which == PLAIN else trial.budget_regions
 
 
-def _scale(sample: Sample, candidate: Candidate, schedules: dict[str, tuple[CompileConfig, str]],
-           cut: dict[int, nn.Module], traced: dict[int, Traced], units: list[str], stack: Stack
-           ) -> dict[str, Trial] | None:
+class Cuts:
+    """The model cut to a few blocks of its stack, each traced where first needed."""
+
+    def __init__(self, sample: Sample, module: nn.Module, stack: Stack):
+        self.sample = sample
+        self.module = module
+        self.stack = stack
+        self.models: dict[int, nn.Module] = {}
+        self.traces: dict[int, Traced] = {}
+
+    def model(self, blocks: int) -> nn.Module:
+        if blocks not in self.models:
+            self.models[blocks] = _cut(self.module, self.stack, blocks)  # raises _Uncut
+        return self.models[blocks]
+
+    def traced(self, blocks: int) -> Traced:
+        if blocks not in self.traces:
+            s = self.sample
+            try:
+                self.traces[blocks] = _trace_finest(s.driver, self.model(blocks), s.leaves, s.tree, s.make)
+            except _Uncut:
+                raise
+            except Exception as e:  # the forward assumes all its blocks (a loop over a count, ...)
+                cause = e.__cause__ if isinstance(e, TraceError) and e.__cause__ is not None else e
+                raise _Uncut(
+                    f"the model cut to its first {blocks} blocks of {self.stack.path or 'the root'} does not "
+                    f"trace ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from e
+        return self.traces[blocks]
+
+
+def _scale(cuts: Cuts, candidate: Candidate, schedules: dict[str, tuple[CompileConfig, str]],
+           units: list[str]) -> dict[str, Trial] | None:
     """Each of ``schedules`` (a configuration, and ``PLAIN`` or ``RECOMPUTE``) predicted on
-    every cut model and scaled to the whole stack, or None where a cut model's plan is not
-    the whole plan's cut or a figure is not affine."""
-    per_depth: dict[str, list[Trial]] = {name: [] for name in schedules}
-    for k, model in cut.items():
+    the model cut to ``SAMPLES`` blocks and scaled to the whole stack, or None where a cut
+    model's plan is not the whole plan's cut or a figure is not affine. Where the first
+    depth is not yet steady (a figure grows by other steps), the depths move on by one
+    block, up to ``EXTRA_SAMPLES`` times."""
+    sample, stack = cuts.sample, cuts.stack
+    per_depth: dict[int, dict[str, Trial]] = {}
+
+    def predict(k: int) -> bool:
+        model = cuts.model(k)
         _, trial = sample.trial(candidate, model)
-        if [u.name for u in trial.plan.units] != cut_units(units, stack, k):
-            return None
+        if not cut_matches(units, [u.name for u in trial.plan.units], stack, k):
+            return False
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        t = traced[k]
+        t = cuts.traced(k)
         joint, joint_inputs, kwargs = regroup(t.joint, t.inputs, t.kwargs, t.plan, trial.plan)
         splits = Splits()
-        for name, (config, which) in schedules.items():
-            schedule = Schedule.of(config, _regions(trial, which))
-            per_depth[name].append(_trial(trial, schedule, joint, joint_inputs, t.num_fwd_outputs, kwargs,
-                                          sample.input_bytes, buffer_bytes, candidate.label, name,
-                                          sample.config.memory_budget, splits))
-        del joint
-    found = {}
-    for name, samples in per_depth.items():
-        whole = scaled(samples, SAMPLES, stack.blocks, sample.config.memory_budget)
-        if whole is None:
+        per_depth[k] = {name: _trial(trial, Schedule.of(config, _regions(trial, which)), joint, joint_inputs,
+                                     t.num_fwd_outputs, kwargs, sample.input_bytes, buffer_bytes, candidate.label,
+                                     name, sample.config.memory_budget, splits)
+                        for name, (config, which) in schedules.items()}
+        return True
+
+    depths = list(SAMPLES)
+    for _ in range(EXTRA_SAMPLES + 1):
+        if not all(predict(k) for k in depths if k not in per_depth):
             return None
-        found[name] = whole
-    return found
+        found = {name: scaled([per_depth[k][name] for k in depths], depths, stack.blocks,
+                              sample.config.memory_budget) for name in schedules}
+        if all(t is not None for t in found.values()):
+            return {name: t for name, t in found.items() if t is not None}
+        depths = [k + 1 for k in depths]
+        if depths[-1] >= stack.blocks:
+            return None
+    return None
 
 
 def _cut(module: nn.Module, stack: Stack, blocks: int) -> nn.Module:

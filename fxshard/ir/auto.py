@@ -54,7 +54,7 @@ TIE = 0.01
 # A stack of at least this many identical blocks is predicted from its first SAMPLES blocks
 # and scaled (``auto(extrapolate=True)``): below it the whole graph costs little more.
 MIN_BLOCKS = 16
-SAMPLES = (2, 3, 4)
+SAMPLES = (3, 4, 5)
 # How far a step's seconds may move from one sampled depth to the next and still be one
 # step: the simulation's schedule of a block is the same in every middle block.
 SCALE_TOLERANCE = 1e-3
@@ -169,12 +169,32 @@ def find_stack(module: nn.Module, min_blocks: int = MIN_BLOCKS) -> Stack | None:
     return Stack(path, count)
 
 
-def cut_units(units: Sequence[str], stack: Stack, blocks: int) -> list[str]:
-    """The units a plan of the whole model keeps when its stack is cut to its first ``blocks``:
-    those no part of which (a bucket's parts joined by ``+``) is in a later block. The plan of
-    the cut model must make exactly these for its predictions to scale."""
-    return [u for u in units
-            if all((b := stack.block_of(part)) is None or b < blocks for part in u.split("+"))]
+def cut_matches(whole: Sequence[str], cut: Sequence[str], stack: Stack, blocks: int) -> bool:
+    """Is ``cut``, the units of the model cut to its stack's first ``blocks``, the whole plan's
+    (``whole``) with blocks missing from its middle? Its units within the first ``blocks - 1``
+    blocks (and those outside the stack) must be the whole plan's, and those that reach its
+    last block the whole plan's that reach the last, block numbers shifted: what lies
+    between repeats (the figures' growth by one step checks that it does). A bucket may
+    span blocks, as long as it spans them alike all along the stack."""
+    def parts(unit: str) -> list[int | None]:
+        return [stack.block_of(part) for part in unit.split("+")]
+
+    def head(units: Sequence[str], end: int) -> list[str]:
+        return [u for u in units if all(b is None or b < end for b in parts(u))]
+
+    def tail(units: Sequence[str], last: int) -> list[str]:
+        return [u for u in units if last in parts(u)]
+
+    def shifted(unit: str, by: int) -> str:
+        prefix = f"{stack.path}." if stack.path else ""
+        out = []
+        for part in unit.split("+"):
+            b = stack.block_of(part)
+            out.append(part if b is None else prefix + str(b + by) + part[len(prefix) + len(str(b)):])
+        return "+".join(out)
+
+    return head(cut, blocks - 1) == head(whole, blocks - 1) and \
+        [shifted(u, stack.blocks - blocks) for u in tail(cut, blocks - 1)] == tail(whole, stack.blocks - 1)
 
 
 def scaled(samples: Sequence[Trial], depths: Sequence[int], blocks: int, budget: int | None) -> Trial | None:

@@ -112,7 +112,7 @@ class Auto(Policy):
     (``fxshard.driver.plan_auto``). ``units`` pins the unit boundaries: then only buckets,
     prefetch and resharding are chosen. ``extrapolate``: a model most of whose parameters
     are a stack of many identical blocks (a ``ModuleList`` or ``Sequential`` of at least
-    ``fxshard.ir.auto.MIN_BLOCKS``) is predicted from its first 2, 3 and 4 blocks and scaled
+    ``fxshard.ir.auto.MIN_BLOCKS``) is predicted from its first 3, 4 and 5 blocks and scaled
     to all of them (``fxshard.ir.auto.scaled``); ``False`` predicts every plan from the whole
     model's graph. Not a wrapping rule itself: the driver replaces it with the policy it
     chose before anything is planned."""
