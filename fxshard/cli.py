@@ -91,7 +91,7 @@ def _required_parameters(factory: Callable[..., Any]) -> list[str]:
 def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
     """``by_size(N)`` and ``by_class(Name, ...)`` terms joined by ``|``; names from the
     factory's module, then torch.nn. ``auto()``, or ``auto(units=<such a policy>)``, either
-    with ``extrapolate=False`` last."""
+    with ``extrapolate=True`` or ``False`` last."""
     if not text:
         return None
     automatic = re.match(r"^\s*auto\((?:\s*units\s*=\s*(.*?))?\s*(?:,?\s*extrapolate\s*=\s*(True|False)\s*)?\)\s*$",
@@ -100,7 +100,8 @@ def parse_policy(text: str | None, namespace: ModuleType) -> Policy | None:
         from fxshard.ir.wrapping import auto
 
         units, extrapolate = automatic.groups()
-        return auto(parse_policy(units, namespace) if units else None, extrapolate=extrapolate != "False")
+        return auto(parse_policy(units, namespace) if units else None,
+                    extrapolate=None if extrapolate is None else extrapolate == "True")
     import torch.nn as nn
 
     from fxshard.ir.wrapping import by_class, by_size

@@ -191,9 +191,14 @@ def test_a_deep_stack_is_predicted_from_a_few_blocks_as_from_the_whole_graph() -
     step per block multiplied by the 11 blocks not sampled)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampled = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(), hardware="h100-nvlink")
+        sampled = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(extrapolate=True),
+                                  hardware="h100-nvlink")
         whole = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(extrapolate=False),
                                 hardware="h100-nvlink")
+        # By default a graph this small (about 500 nodes) is predicted whole: its budget
+        # ladder weighs what scaling does not.
+        default = fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(), hardware="h100-nvlink")
+    assert _trials(default) == _trials(whole)
     exact = {(t.plan, t.schedule): t for t in _trials(whole)}
     scaled = [t for t in _trials(sampled) if t.scaled]
     assert {t.plan for t in scaled} >= {"by_class(Linear)", "by_class(_Block)"}
@@ -232,7 +237,7 @@ def test_a_deep_stack_is_traced_whole_only_for_the_plans_that_do_not_scale(monke
     model = _Deep()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        e = fxshard.explain(model, _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+        e = fxshard.explain(model, _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block), extrapolate=True),
                             hardware="h100-nvlink")
     assert depths == [3, 4, 5, 16]
     assert e.report.auto is not None
@@ -249,7 +254,7 @@ def test_under_a_budget_a_deep_stack_recomputes_every_block_as_explain_predicts(
     x = _DEEP_INPUT
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        e = fxshard.explain(_Deep(), x, world_size=8, policy=auto(units=by_class(_Block)), hardware="h100-nvlink",
+        e = fxshard.explain(_Deep(), x, world_size=8, policy=auto(units=by_class(_Block), extrapolate=True), hardware="h100-nvlink",
                             activation_checkpointing=by_class(_Block), memory_budget=43 * MIB)
         recomputing = [t for t in _trials(e) if t.scaled and t.schedule.endswith("by_class(_Block) recomputed")]
         assert {t.schedule for t in recomputing} == {
@@ -268,7 +273,7 @@ def test_under_a_budget_a_deep_stack_recomputes_every_block_as_explain_predicts(
 def test_a_stack_the_forward_cannot_run_cut_is_predicted_whole_and_says_so() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        e = fxshard.explain(_Deep(by_count=True), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+        e = fxshard.explain(_Deep(by_count=True), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block), extrapolate=True),
                             hardware="h100-nvlink")
     assert e.report.auto is not None and not any(t.scaled for t in e.report.auto.trials)
     assert "predicted from the whole graph: the model cut to its first 3 blocks of blocks does not trace " \
@@ -295,7 +300,7 @@ def test_a_scaled_choice_over_the_budget_by_the_whole_graph_is_a_budget_error(mo
     monkeypatch.setattr(plan_auto, "_whole", lambda *args: ([], None))
     with warnings.catch_warnings(), pytest.raises(fxshard.BudgetError, match=r"auto\(extrapolate=False\)"):
         warnings.simplefilter("ignore")
-        fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block)),
+        fxshard.explain(_Deep(), _DEEP_INPUT, world_size=8, policy=auto(units=by_class(_Block), extrapolate=True),
                         hardware="h100-nvlink", memory_budget=30 * MIB)
 
 
@@ -585,6 +590,7 @@ def test_cli_parses_auto_and_lists_the_profiles(capsys: pytest.CaptureFixture[st
     assert repr(parse_policy("auto(units=by_class(Linear), extrapolate=False)", types.ModuleType("m"))) == \
         "auto(units=by_class(Linear), extrapolate=False)"
     assert repr(parse_policy("auto(extrapolate=False)", types.ModuleType("m"))) == "auto(extrapolate=False)"
+    assert repr(parse_policy("auto(extrapolate=True)", types.ModuleType("m"))) == "auto(extrapolate=True)"
     assert main(["calibrate", "--list"]) == 0
     out = capsys.readouterr().out
     assert "h100-ib" in out and "h100-nvlink" in out

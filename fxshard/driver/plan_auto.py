@@ -40,6 +40,7 @@ from fxshard.driver.runtime import World
 from fxshard.driver.steps import CompiledStep, Schedule
 from fxshard.ir.auto import (
     MIB,
+    MIN_NODES,
     SAMPLES,
     AutoChoice,
     Candidate,
@@ -123,16 +124,18 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         plans = candidates(module, spec.units, unit_bytes)
     sample = Sample(driver, make, config, rates, leaves, tree, input_bytes)
     kept, over = _distinct(sample, plans, module)
-    stack = find_stack(module) if spec.extrapolate else None
+    stack = find_stack(module) if spec.extrapolate is not False else None
     found: list[tuple[Trial, Schedule]] = []
     failures: list[BudgetError] = []
     note = ""
     whole = kept
     if stack is not None and kept:
         try:
-            found, whole = _sampled(sample, kept, module, stack)
+            found, whole = _sampled(sample, kept, module, stack, force=spec.extrapolate is True)
         except _Uncut as e:
             note = f"predicted from the whole graph: {e}"
+        except _Small:
+            pass  # the whole graph's path, as for any model
         else:
             note = (f"~: predicted from the first {', '.join(map(str, SAMPLES[:-1]))} and {SAMPLES[-1]} "
                     f"of the {stack.blocks} blocks of {stack.path or 'the model'} (up to "
@@ -266,7 +269,11 @@ class _Uncut(FxShardError):
     """The model's stack could not be cut to a few blocks and traced."""
 
 
-def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stack: Stack
+class _Small(FxShardError):
+    """The whole model's graph is small enough to predict every plan from."""
+
+
+def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stack: Stack, force: bool
              ) -> tuple[list[tuple[Trial, Schedule]], list[Candidate]]:
     """The candidates' trials predicted on the model cut to its stack's first ``SAMPLES``
     blocks and scaled to all of them (``fxshard.ir.auto.scaled``), for those whose plan of
@@ -274,11 +281,14 @@ def _sampled(sample: Sample, plans: Sequence[Candidate], module: nn.Module, stac
     blocks; and the candidates that are not, to predict from the whole graph. Variants as
     ``variants``, and where some is over the budget, the resharded ones also recomputing
     every region the budget may recompute (``activation_checkpointing``'s, else every
-    unit's). Raises ``_Uncut`` where a cut model does not trace."""
+    unit's). Raises ``_Uncut`` where a cut model does not trace, and unless ``force``,
+    ``_Small`` where the whole model's graph would have no more than ``MIN_NODES`` nodes."""
     config = sample.config
     cuts = Cuts(sample, module, stack)
-    for k in SAMPLES:
-        cuts.traced(k)  # raises _Uncut
+    first, second = (len(cuts.traced(k).joint.graph.nodes) for k in SAMPLES[:2])  # raises _Uncut
+    nodes = first + (stack.blocks - SAMPLES[0]) * (second - first)
+    if not force and nodes <= MIN_NODES:
+        raise _Small(f"the whole graph has about {nodes} nodes")
     found: list[tuple[Trial, Schedule]] = []
     whole: list[Candidate] = []
     for candidate in plans:

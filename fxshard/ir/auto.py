@@ -55,6 +55,11 @@ TIE = 0.01
 # and scaled (``auto(extrapolate=True)``): below it the whole graph costs little more.
 MIN_BLOCKS = 16
 SAMPLES = (3, 4, 5)
+# ... by default only where the whole model's joint graph would have more nodes than this
+# (estimated from the cut models'): below it the whole graph is seconds' work, and its
+# budget ladder weighs choices that scaling does not (the deep MLP of benchmarks/auto.py:
+# 1200 nodes; a Llama block about 250, so Llama-3-8B's 32 about 8000, 70B's 80 about 20000).
+MIN_NODES = 5000
 # How far a step's seconds may move from one sampled depth to the next and still be one
 # step: the simulation's schedule of a block is the same in every middle block.
 SCALE_TOLERANCE = 1e-3

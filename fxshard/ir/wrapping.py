@@ -113,19 +113,21 @@ class Auto(Policy):
     prefetch and resharding are chosen. ``extrapolate``: a model most of whose parameters
     are a stack of many identical blocks (a ``ModuleList`` or ``Sequential`` of at least
     ``fxshard.ir.auto.MIN_BLOCKS``) is predicted from its first 3, 4 and 5 blocks and scaled
-    to all of them (``fxshard.ir.auto.scaled``); ``False`` predicts every plan from the whole
-    model's graph. Not a wrapping rule itself: the driver replaces it with the policy it
+    to all of them (``fxshard.ir.auto.scaled``): by default (None) where the whole model's
+    graph would have more than ``fxshard.ir.auto.MIN_NODES`` nodes, ``True`` wherever such a
+    stack is, ``False`` never (every plan predicted from the whole model's graph). Not a
+    wrapping rule itself: the driver replaces it with the policy it
     chose before anything is planned."""
 
     units: Policy | None = None
-    extrapolate: bool = True
+    extrapolate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.units is not None and (not isinstance(self.units, Policy) or isinstance(self.units, Auto)):
             raise TypeError(f"auto(units=...) takes a wrapping policy (by_class(Block), by_size(n), ...), "
                             f"got {self.units!r}")
-        if not isinstance(self.extrapolate, bool):
-            raise TypeError(f"auto(extrapolate=...) takes True or False, got {self.extrapolate!r}")
+        if self.extrapolate is not None and not isinstance(self.extrapolate, bool):
+            raise TypeError(f"auto(extrapolate=...) takes None, True or False, got {self.extrapolate!r}")
 
     def wraps(self, query: WrapQuery) -> bool:
         raise TypeError("auto() chooses a policy from a trace; it cannot answer for one module "
@@ -133,11 +135,11 @@ class Auto(Policy):
 
     def __repr__(self) -> str:
         args = ([] if self.units is None else [f"units={self.units!r}"]) + \
-            ([] if self.extrapolate else ["extrapolate=False"])
+            ([] if self.extrapolate is None else [f"extrapolate={self.extrapolate}"])
         return f"auto({', '.join(args)})"
 
 
-def auto(units: Policy | None = None, *, extrapolate: bool = True) -> Policy:
+def auto(units: Policy | None = None, *, extrapolate: bool | None = None) -> Policy:
     """The plan fxshard predicts fastest within ``memory_budget`` (see :class:`Auto`)."""
     return Auto(units, extrapolate)
 
