@@ -13,6 +13,13 @@ Every rank takes each prediction's largest over the ranks, so all choose alike. 
 variant is over ``memory_budget``, the budget's ladder (``driver.plan_budget.choose``) lowers the
 candidate from every unit kept gathered until it fits (the first units resharded; where even
 resharding all does not fit, prefetch limits, recompute, offload), and that is one more trial.
+A candidate whose largest unit alone, gathered, is over the budget is not traced at all.
+
+A model most of whose graph is one deep stack of identical blocks (``fxshard.ir.auto``'s
+``find_stack``, ``MIN_NODES``) is predicted instead on copies cut to its first 3, 4 and 5
+blocks (:func:`_sampled`, :class:`Cuts`), each figure scaled by its step per block
+(``fxshard.ir.auto.scaled``); only the candidates that do not scale are predicted from the
+whole graph. docs/policies.md says what that changes.
 
 The result is a ``Schedule``: the chosen policy and options in its configuration, with the
 ``AutoChoice`` that says why. The driver then plans and shards with it and traces the
