@@ -404,14 +404,17 @@ def _scale(cuts: Cuts, candidate: Candidate, schedules: dict[str, tuple[CompileC
 
 def _cut(module: nn.Module, stack: Stack, blocks: int) -> nn.Module:
     """``module`` with its stack holding only its first ``blocks``: the modules on the path
-    to the stack copied (shallow, their children dicts new), everything else shared, the
-    model itself unchanged."""
+    to the stack copied (shallow: their children, parameter and buffer dicts new; their
+    hooks shared), everything else shared, the model itself unchanged."""
     def copy_of(m: nn.Module) -> nn.Module:
         if "forward" in vars(m):  # a wrapper bound to the module itself: it would run the original
             raise _Uncut(f"{type(m).__name__}'s forward is an attribute of the instance, which a copy "
                          "cut to a few blocks would not run")
         c = copy.copy(m)
+        # Dicts of its own: the trace swaps the copy's parameters, not the original's.
         c._modules = dict(m._modules)
+        c._parameters = dict(m._parameters)
+        c._buffers = dict(m._buffers)
         return c
 
     path = stack.path.split(".") if stack.path else []
