@@ -43,6 +43,10 @@ ALLOWED: dict[tuple[str, str], str] = {
        "Module.__setattr__'s type checks and registration hooks"
        for path, name in (("fxshard/driver/init.py", "_parameters"), ("fxshard/driver/init.py", "_buffers"),
                           ("fxshard/driver/runtime.py", "_parameters"), ("fxshard/ir/plan.py", "_parameters"))},
+    **{("fxshard/driver/plan_auto.py", name): "nn.Module's own parameter and buffer dicts, unchanged "
+       "since torch 1.0: a shallow copy of a module (auto()'s model cut to a few blocks) given dicts "
+       "of its own, so that the trace's functional_call swaps the copy's entries, not the original's"
+       for name in ("_parameters", "_buffers")},
     ("fxshard/driver/init.py", "_init_weights"): "transformers' PreTrainedModel._init_weights, "
     "not torch's: meta-device init calls the model's own initialiser when it has one",
     ("fxshard/explain.py", "_base"): "Tensor._base (a view's base), unchanged since torch 1.0: "
