@@ -123,8 +123,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     input_bytes = sum(x.numel() * x.element_size() for x in tensors)
     def unit_bytes(policy: Policy) -> list[int]:
         plan = make_plan(module, policy, driver.world.size)
-        return [sum(plan.groups[g].padded_numel * plan.groups[g].dtype.itemsize for g in u.groups)
-                for u in plan.units if u.name]
+        return [plan.unit_bytes(u) for u in plan.units if u.name]
 
     with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
         warnings.simplefilter("ignore")
@@ -229,8 +228,7 @@ def _distinct(sample: Sample, plans: Sequence[Candidate], module: nn.Module
         if units in seen:
             continue
         seen.add(units)
-        largest = max(sum(plan.groups[g].padded_numel * plan.groups[g].compute_dtype.itemsize for g in u.groups)
-                      for u in plan.units)
+        largest = max(plan.unit_bytes(u, gathered=True) for u in plan.units)
         if sample.config.memory_budget is not None and largest > sample.config.memory_budget:
             over.append((candidate.label, largest))
         else:

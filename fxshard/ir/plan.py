@@ -181,6 +181,13 @@ class ShardPlan:
                 return group
         raise KeyError(f"parameter {param_name!r} is in no flat group")
 
+    def unit_bytes(self, unit: FSDPUnit, *, gathered: bool = False) -> int:
+        """The bytes of ``unit``'s flat groups at full length (padding included), in their
+        dtype; ``gathered``: in the dtype they are gathered and computed in."""
+        return sum(self.groups[g].padded_numel *
+                   (self.groups[g].compute_dtype if gathered else self.groups[g].dtype).itemsize
+                   for g in unit.groups)
+
     @property
     def numel(self) -> int:
         return sum(g.numel for g in self.groups)
