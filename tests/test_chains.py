@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from fxshard.driver.codegen import layout_of
-from fxshard.ir import meta
+from fxshard.ir import analysis, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
 from fxshard.ir.chains import Chain, chains
@@ -167,6 +167,55 @@ def test_a_lowering_with_a_node_more_is_one_row_and_every_pass_follows_its_chain
     assert volume(plain.report().units) == volume(scaled.report().units)
     assert ([(c.kind, c.unit, c.shape) for c in plain._driver.steps[0].collectives]
             == [(c.kind, c.unit, c.shape) for c in scaled._driver.steps[0].collectives])
+
+
+def _agree_then_gather(site: Site, ctx: Any) -> fx.Node:
+    """A gather that needs a collective's result before it can be issued: the ranks agree on
+    the largest magnitude of the shard (an all_reduce), divide by it, gather, and multiply
+    back after the wait (a stand-in for a quantized gather's amax, quantization and
+    dequantization). The lowering declares the agreement part of the chain's issue."""
+    shard = ctx.layout.shard
+    b = ChainBuilder(site, Direction.GATHER, "agree_then_gather", ctx.unit_of(site.marker.group))
+    source = b.cast(site.value, site.marker.compute_dtype)
+    with b.issuing():
+        amax = b.add(torch.ops.aten.amax.default, (b.add(torch.ops.aten.abs.default, (source,), Role.CAST), [0]),
+                     Role.CAST)
+        agreed = b.collective(P.ALL_REDUCE, (amax, "max", shard.name), Role.ALL_REDUCE)
+        scaled = b.add(torch.ops.aten.div.Tensor, (source, agreed), Role.CAST)
+    wait = b.collective(P.ALL_GATHER, (scaled, shard.size, shard.name), Role.ALL_GATHER)
+    return b.add(torch.ops.aten.mul.Tensor, (wait, agreed), Role.CAST_BACK, after=wait)
+
+
+def test_a_collective_the_gather_waits_for_is_issued_and_prefetched_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain whose gather needs an all_reduce's result first keeps all of it in its issue:
+    prefetch moves the all_reduce, its wait and the gather one unit ahead together, so the
+    gathers overlap compute exactly as the plain lowering's do."""
+    with fake_world(4):
+        plain = _compiled(forward_prefetch=True)
+        monkeypatch.setitem(LOWERINGS, LoweringKey(Direction.GATHER, "sharded"), _agree_then_gather)
+        agreed = _compiled(forward_prefetch=True)
+    for kind in ("forward", "backward"):
+        found = [c for c in chains(agreed.graphs[kind].graph) if c.gathers]
+        assert found and all(c.lowering == "agree_then_gather" for c in found)
+        for c in found:
+            assert [r for r in _roles(c.issue) if r is not Role.CAST] == \
+                [Role.ALL_REDUCE, Role.WAIT, Role.ALL_GATHER]
+            assert _roles(c.tail) == (Role.WAIT, Role.CAST_BACK) and c.result is c.tail[-1]
+
+        def bare(sharded: Any, kind: str = kind) -> list[str]:  # the units whose gather no compute overlaps
+            return [meta.get_info(n).unit for n in analysis.gathers_without_overlap(sharded.graphs[kind].graph)
+                    if P.is_all_gather(n)]
+
+        def overlapped(sharded: Any, kind: str = kind) -> list[int]:  # nodes between each gather and its wait
+            gm = sharded.graphs[kind]
+            order = order_of(gm.graph)
+            return [order[w] - order[g] for c in chains(gm.graph) if c.gathers
+                    for g, w in zip(c.collectives, c.waits) if P.is_all_gather(g)]
+
+        assert bare(agreed) == bare(plain)
+        hidden = [d > 1 for d in overlapped(plain)]  # something runs between gather and wait
+        assert any(hidden) and [d > 1 for d in overlapped(agreed)] == hidden
 
 
 def test_a_collective_outside_any_chain_is_refused_by_verify() -> None:

@@ -404,9 +404,9 @@ def layout_of(world: World, inflight: bool) -> Layout:
     shard = CommGroup(world.size, world.group_name, world.slot_names if inflight else ())
     replicate = dimension(world.replicas.size, world.replicas.comm) if world.replicas else None
     if world.partition is None:
-        return Layout(shard, replicate)
+        return Layout(shard, replicate, shard_rank=world.rank)
     return Layout(shard, replicate, dimension(world.partition.size, world.partition.comm),
-                  world.partition.rank)
+                  world.partition.rank, shard_rank=world.rank)
 
 
 def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: Abandoned,

@@ -120,7 +120,7 @@ class Window:
 
     buffer: fx.Node  # the chain's result: what compute reads
     issue: int  # position of its first collective (of the buffer, for one kept from forward)
-    ready: int  # position of its first wait (of the buffer, for one kept from forward)
+    ready: int  # position of its last wait, the buffer's (of the buffer, for one kept from forward)
     first: int  # first node outside its parameter chain that reads it
     last: int  # last node that reads it or any view of it (frees excluded)
     bytes: int
@@ -165,7 +165,7 @@ def windows(graph: fx.Graph, counted: dict[int, bool],
     for u in uses if uses is not None else buffer_uses(graph):
         buf = u.buffer
         issue = order[u.chain.collectives[0]] if u.chain.collectives else order[buf]
-        ready = order[u.chain.waits[0]] if u.chain.waits else order[buf]
+        ready = order[u.chain.waits[-1]] if u.chain.waits else order[buf]
         first = min((order[n] for n in u.outside), default=order[buf])
         last = max(order[n] for n in u.readers)
         result.append(Window(buf, issue, ready, first, last, buffer_bytes(buf),

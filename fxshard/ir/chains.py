@@ -39,9 +39,11 @@ class Chain:
     """One flat group's trip over the network in one graph, as its lowering made it.
 
     ``issue``: the nodes before the first wait (casts, the division, the collectives
-    that read no wait of the chain), in graph order; scheduling moves them together.
-    ``tail``: the rest up to ``result`` (waits, collectives issued after a wait, casts
-    back), in graph order. ``result`` is what compute reads (a gathered buffer) or what
+    that read no wait of the chain), and those the lowering declared part of the issue
+    though they read a wait (``NodeInfo.issues``: a quantized gather's amax all_reduce,
+    its wait and the quantization before the gather), in graph order; scheduling moves
+    them together. ``tail``: the rest up to ``result`` (the other waits, collectives
+    issued after them, casts back, a dequantization), in graph order. ``result`` is what compute reads (a gathered buffer) or what
     the shard's gradient is (a reduction); a saved or kept buffer is its own chain with
     no collective. ``frees`` release ``result``'s storage; ``kept`` is hpZ's piece of it.
     """
@@ -137,17 +139,28 @@ def _chain(tag: ChainTag, nodes: list[fx.Node]) -> Chain:
     kept = tuple(n for n in nodes if roles[n] is Role.PIECE and not P.is_placeholder(n))
     body = [n for n in nodes if n not in frees and n not in kept]
     waits = tuple(n for n in body if roles[n] is Role.WAIT)
-    # A node after a wait (reads one, directly or through the chain) belongs to the tail.
-    after_wait: set[fx.Node] = set(waits)
+    declared = {n for n in body if _issues(n)}
+    # A node after a wait (reads one, directly or through the chain) belongs to the tail,
+    # unless its lowering declared it part of the issue.
+    after_wait: set[fx.Node] = {w for w in waits if w not in declared}
     for n in body:
-        if any(a in after_wait for a in n.all_input_nodes):
+        if n not in declared and any(a in after_wait for a in n.all_input_nodes):
             after_wait.add(n)
+    for n in declared:
+        if any(a in after_wait for a in n.all_input_nodes):
+            raise ValueError(f"chain {tag}: {n.name} is declared part of the issue but reads "
+                             "its tail (a wait not declared with it)")
     issue = tuple(n for n in body if n not in after_wait)
     tail = tuple(n for n in body if n in after_wait)
     result = _result(body)
     return Chain(tag, info.group, info.unit, issue,
                  tuple(n for n in body if roles[n] in _COLLECTIVE_ROLES), waits, tail, result,
                  frees, kept)
+
+
+def _issues(node: fx.Node) -> bool:
+    info = meta.get_info(node)
+    return info is not None and info.issues
 
 
 def _result(body: list[fx.Node]) -> fx.Node:

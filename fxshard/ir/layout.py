@@ -55,6 +55,10 @@ class Layout:
     replicate: CommGroup | None = None
     partition: CommGroup | None = None
     partition_rank: int = 0  # this rank's place in its partition: the piece it keeps
+    # This rank's place in the shard group: which piece of every flat group its shard holds
+    # (FlatGroup.piece). A lowering that works on the shard's parameters one by one reads it
+    # (a quantized gather's amax per parameter); the collectives it issues do not depend on it.
+    shard_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.partition is not None and (self.shard.size % self.partition.size
@@ -62,6 +66,8 @@ class Layout:
             raise ValueError(f"a partition of {self.partition.size} ranks (rank "
                              f"{self.partition_rank}) does not divide a shard group of "
                              f"{self.shard.size}")
+        if not 0 <= self.shard_rank < self.shard.size:
+            raise ValueError(f"rank {self.shard_rank} is not in a shard group of {self.shard.size}")
 
     @classmethod
     def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:

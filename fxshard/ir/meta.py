@@ -84,6 +84,11 @@ class NodeInfo:
     group: int  # index of the flat group (ShardPlan.groups) the node works on
     unit: str  # name of the FSDP unit that owns that group
     chain: ChainTag | None = None  # the collective chain the node is part of
+    # Declared by its lowering as part of the chain's issue though it reads one of the
+    # chain's waits: a collective whose result the next collective needs before it can be
+    # issued (a quantized gather's amax all_reduce, its wait, the quantization). Scheduling
+    # moves it with the gather; the chain's tail starts at the other waits.
+    issues: bool = False
 
 
 @dataclass(frozen=True)

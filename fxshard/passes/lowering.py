@@ -50,7 +50,8 @@ offload's and names the fp8 all-gather's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,15 +96,33 @@ class Site:
 
 class ChainBuilder:
     """Makes the nodes of one chain, each tagged with it, a role, and the provenance (stack
-    trace, module path, partitioner tag) of the node it lowers."""
+    trace, module path, partitioner tag) of the node it lowers.
+
+    What the chain issues is declared here: the nodes before its first wait, and every node
+    made inside ``with builder.issuing():`` (a collective whose result the gather needs
+    before it can be issued, its wait, and what reads it up to the gather), which
+    scheduling then moves with the gather (``fxshard.ir.chains``). The gather itself is
+    made after the block: it reads no wait outside it, so it issues, and its own wait
+    starts the tail."""
 
     def __init__(self, site: Site, direction: Direction, lowering: str, unit: str):
         self.gm, self.like, self.at = site.gm, site.marker.node, site.before
         self.group, self.unit = site.marker.group, unit
         self.tag = ChainTag(new_chain_id(site.gm.graph), direction, lowering)
+        self._issuing = False
 
-    def tag_node(self, node: fx.Node, role: Role) -> fx.Node:
-        meta.set_info(node, meta.NodeInfo(role, self.group, self.unit, self.tag))
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        """Nodes made inside are part of the chain's issue, though they read its waits."""
+        before, self._issuing = self._issuing, True
+        try:
+            yield
+        finally:
+            self._issuing = before
+
+    def tag_node(self, node: fx.Node, role: Role, issues: bool = False) -> fx.Node:
+        meta.set_info(node, meta.NodeInfo(role, self.group, self.unit, self.tag,
+                                          issues=issues or self._issuing))
         return node
 
     def add(self, target: Any, args: tuple[Any, ...], role: Role, *, before: fx.Node | None = None,
@@ -249,7 +268,7 @@ def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
     for node in gm.graph.nodes:
         info = meta.get_info(node)
         if info is not None and inner is not None and info.chain == inner:
-            b.tag_node(node, info.role)
+            b.tag_node(node, info.role, info.issues)
     info = meta.get_info(result)
     if inner is None and info is not None and info.role is Role.CAST:
         b.tag_node(result, Role.CAST)
