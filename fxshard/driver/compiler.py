@@ -67,6 +67,7 @@ from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import BudgetError, FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
+from fxshard.ir.precision import QUANTIZED_MAX
 from fxshard.ir.wrapping import Auto, ByPredicate
 from fxshard.passes.context import REDUCE, GradSync
 
@@ -184,6 +185,7 @@ class Driver:
                                    replicate=self.config.replicate)
         if self.world.replicas is not None:  # HSDP: the plan says how many ranks the job has
             self._plan = replace(self._plan, replicas=self.world.replicas.size)
+        _check_quantized_gathers(self.config, self._plan, self.device if self.runs else None)
         for name in ("reshard_units", "offload_units"):
             unknown = sorted((getattr(options, name) or frozenset()) - {u.name for u in self._plan.units})
             if unknown:
@@ -524,6 +526,39 @@ def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> 
             f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use a dtype the device "
             "computes in (torch.bfloat16 on CPUs and recent GPUs, torch.float16 on older GPUs)."
         ) from None
+
+
+def _check_quantized_gathers(config: CompileConfig, plan: ShardPlan, device: torch.device | None) -> None:
+    """Refuse ``MixedPrecision(gather_dtype=...)`` where it cannot work: nothing is gathered,
+    a compute dtype whose range cannot hold the scales, or a device that has no such dtype."""
+    precision = config.mixed_precision
+    if precision is None or precision.gather_dtype is None:
+        return
+    quantized = [g for g in plan.groups if g.quantized is not None]
+    if not quantized:
+        why = ("a NO_SHARD mesh (N, 1) keeps every parameter whole on every rank" if config.no_shard
+               else "every floating-point parameter is kept whole on every rank (replicate=, "
+                    "replicate_below=) or at full precision (full_precision_modules)")
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={precision.gather_dtype}) quantizes the weight gathers, and this "
+            f"plan gathers none: {why}. Shard the parameters (a (1, N) or (R, S) mesh), or drop gather_dtype")
+    narrow = sorted({str(g.compute_dtype) for g in quantized if g.compute_dtype == torch.float16})
+    if narrow:
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={precision.gather_dtype}) with a compute dtype of {narrow[0]}: "
+            "the scales are kept in the compute dtype, and float16's range (smallest normal 6e-5) "
+            "cannot hold the scale of a small weight (its largest magnitude over "
+            f"{QUANTIZED_MAX[precision.gather_dtype]:g}). Compute in torch.bfloat16 "
+            "(param_dtype=torch.bfloat16) or torch.float32")
+    if device is None or device.type == "meta":
+        return
+    try:
+        torch.ones(2, device=device).to(precision.gather_dtype).view(torch.uint8)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={precision.gather_dtype}) cannot quantize on {device}: a cast to it "
+            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use another gather_dtype "
+            f"(one of {[str(d) for d in QUANTIZED_MAX]}), or none") from None
 
 
 def _check_cast_batch_norms(module: nn.Module, config: CompileConfig, device: torch.device | None) -> None:

@@ -12,14 +12,61 @@ Parameters of modules of the ``full_precision_modules`` classes (norm layers,
 say) are kept in their own flat groups, gathered and computed in their own
 dtype, as FSDP1's ``_module_classes_to_ignore`` and FSDP2's per-module
 policies allow.
+
+``gather_dtype`` quantizes the weight gathers (docs/precision.md): each flat
+group's shard is scaled and cast to ``torch.float8_e4m3fn``,
+``torch.float8_e5m2`` or ``torch.int8``, its bytes gathered as uint8, and the
+gathered buffer dequantized to the compute dtype. ``gather_scaling="tensor"``
+is torchao's float8 all-gather: one scale per parameter, from its largest
+magnitude agreed over the ranks by one all_reduce (MAX) per unit before the
+gather. ``"block"`` is ZeRO++'s qwZ: each shard quantized in blocks of
+``QUANTIZE_BLOCK`` elements, each with its own scale, gathered with the data;
+no extra collective. The shards, the optimizer and the gradients are
+untouched: only what crosses the network, and so what the unit computes with,
+is rounded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+# The largest magnitude each quantized gather dtype holds: a shard is scaled so that its
+# (a parameter's, a block's) largest magnitude lands on it.
+QUANTIZED_MAX: dict[torch.dtype, float] = {
+    torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
+    torch.float8_e5m2: float(torch.finfo(torch.float8_e5m2).max),  # 57344
+    torch.int8: 127.0,  # symmetric: -127..127
+}
+SCALINGS = ("tensor", "block")
+# "block": elements per block, at most (a block size that divides the shard, down to half of
+# this, is taken when there is one: no padding, and no copy after the gather).
+QUANTIZE_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """How one flat group's gather is quantized: the dtype its bytes travel in, and whether a
+    scale covers a parameter ("tensor") or a block of its shard ("block")."""
+
+    dtype: torch.dtype
+    scaling: str
+
+    @property
+    def max(self) -> float:
+        return QUANTIZED_MAX[self.dtype]
+
+    def block(self, shard_numel: int) -> int:
+        """The block length for a shard of ``shard_numel`` elements ("block" scaling)."""
+        if shard_numel <= QUANTIZE_BLOCK:  # one block, a multiple of 4 elements (the scales' alignment)
+            return -(-shard_numel // 4) * 4
+        return next((b for b in range(QUANTIZE_BLOCK, QUANTIZE_BLOCK // 2 - 1, -4) if shard_numel % b == 0),
+                    QUANTIZE_BLOCK)
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}/{self.scaling}"
 
 
 @dataclass(frozen=True)
@@ -35,6 +82,13 @@ class MixedPrecision:
     cast_forward_inputs: bool = True
     # Modules of these classes keep their parameters' own dtype.
     full_precision_modules: tuple[type[nn.Module], ...] = ()
+    # The dtype weight gathers travel in, quantized and dequantized to param_dtype (None: not
+    # quantized): torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8.
+    gather_dtype: torch.dtype | None = None
+    # Where a quantized gather's scales come from: "tensor" (per parameter, agreed over the
+    # ranks by an all_reduce before the gather: torchao's float8 all-gather) or "block" (per
+    # block of each shard, gathered with it: ZeRO++'s qwZ). None: "tensor".
+    gather_scaling: str | None = field(default=None)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -42,10 +96,29 @@ class MixedPrecision:
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype such as "
                                 f"torch.bfloat16, or None; got {value!r}")
+        if self.gather_dtype is not None and self.gather_dtype not in QUANTIZED_MAX:
+            raise TypeError("MixedPrecision.gather_dtype must be one of "
+                            f"{[str(d) for d in QUANTIZED_MAX]} (quantized weight gathers), or None; "
+                            f"got {self.gather_dtype!r}. To gather in bfloat16, set param_dtype")
+        if self.gather_scaling is not None and self.gather_dtype is None:
+            raise ValueError(f"MixedPrecision.gather_scaling={self.gather_scaling!r} without gather_dtype: "
+                             "nothing is quantized. Set gather_dtype (e.g. torch.float8_e4m3fn) too")
+        if self.gather_scaling not in (None, *SCALINGS):
+            raise ValueError(f"MixedPrecision.gather_scaling must be one of {SCALINGS}; "
+                             f"got {self.gather_scaling!r}")
         classes = self.full_precision_modules
         if not isinstance(classes, tuple) or not all(isinstance(c, type) for c in classes):
             raise TypeError("MixedPrecision.full_precision_modules must be a tuple of module classes, "
                             f"e.g. (torch.nn.LayerNorm,); got {classes!r}")
+
+    def quantized_for(self, param: torch.Tensor, owner: nn.Module) -> Quantized | None:
+        """How the gather of ``param`` registered in ``owner`` is quantized (None: it is not:
+        no gather_dtype, a parameter that is not floating point, or one kept at full
+        precision)."""
+        if self.gather_dtype is None or not param.dtype.is_floating_point \
+                or isinstance(owner, self.full_precision_modules):
+            return None
+        return Quantized(self.gather_dtype, self.gather_scaling or "tensor")
 
     def dtypes_for(self, param: torch.Tensor, owner: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(gather/compute dtype, reduce dtype) of ``param`` registered in ``owner``; None: its own."""

@@ -111,11 +111,18 @@ class PassContext:
 
     def wire(self, group: int, reduces: bool = False) -> str:
         """How the bytes travel. A gather's: "dtype", the group's compute dtype (its shard's,
-        or mixed precision's param_dtype). A reduction's: "dtype", summed by the collective in
-        the reduce dtype; "terms" (``reduce_in_rank_order``), each rank's term sent as it is
-        and summed in rank order where it lands."""
+        or mixed precision's param_dtype); "quantized_tensor" / "quantized_block"
+        (``MixedPrecision(gather_dtype=...)``), the shard quantized with a scale per
+        parameter or per block, its bytes gathered as uint8 and dequantized to the compute
+        dtype (on one rank: quantized and dequantized, the same numbers). A reduction's:
+        "dtype", summed by the collective in the reduce dtype; "terms"
+        (``reduce_in_rank_order``), each rank's term sent as it is and summed in rank order
+        where it lands."""
         if reduces and self.options.reduce_in_rank_order and self.topology(group) != "local":
             return "terms"
+        quantized = self.plan.groups[group].quantized
+        if not reduces and quantized is not None and self.topology(group) != "replicated":
+            return f"quantized_{quantized.scaling}"
         return "dtype"
 
     def placement(self, group: int) -> str:

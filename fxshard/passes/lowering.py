@@ -16,6 +16,15 @@ gather     sharded           dtype       device     ``all_gather``: cast, all_ga
                                                     shard group, wait
 gather     partition         dtype       device     ``all_gather_within``: hpZ's kept piece
                                                     gathered over the partition (backward)
+gather     local, sharded,   quantized_  device     ``_quantized_tensor``: an amax per parameter,
+           hybrid            tensor                 all_reduced (MAX) over the shard group, the
+                                                    shard quantized, its bytes gathered (uint8),
+                                                    dequantized per parameter
+gather     local, sharded,   quantized_  device     ``_quantized_block``: the shard quantized in
+           hybrid            block                  blocks with a scale each; data and scales in
+                                                    one uint8 gather, dequantized per rank's row
+gather     partition         quantized_* device     ``all_gather_within``: hpZ's kept piece of
+                                                    the dequantized buffer, as it is
 reduce     local             dtype       device     ``keep_local``: the cast back at most
 reduce     sharded           dtype       device     ``reduce_scatter``: cast, divide,
                                                     reduce_scatter over the shard group, wait,
@@ -45,7 +54,7 @@ collective, or "terms", summed in rank order where they land) and
 ``placement`` where the shard lives ("device": where it computes; "cpu": the
 host). A new wire format or placement
 is one more row and the option that selects it; docs/architecture.md shows CPU
-offload's and names the fp8 all-gather's.
+offload's and the quantized gathers'.
 """
 
 from __future__ import annotations
@@ -261,6 +270,137 @@ all_to_all_all_gather_sum = _terms("all_to_all_all_gather_sum")
 all_gather_sum = _terms("all_gather_sum")
 
 
+# -- quantized gathers (MixedPrecision(gather_dtype=...)) ------------------------------------
+
+
+class _Quantizer:
+    """The nodes of one quantized gather, made by ``b`` (one chain), or untagged on one rank."""
+
+    def __init__(self, b: ChainBuilder, site: Site, ctx: PassContext):
+        self.b, self.group = b, ctx.plan.groups[site.marker.group]
+        assert self.group.quantized is not None
+        self.q = self.group.quantized
+        self.compute = self.group.compute_dtype
+
+    def op(self, target: Any, *args: Any, role: Role = Role.QUANTIZE) -> fx.Node:
+        return self.b.add(target, args, role)
+
+    def scales(self, amax: fx.Node) -> fx.Node:
+        """The scales (amax / the dtype's largest value), in the compute dtype: rounded once, and
+        then used both to quantize and to dequantize, so both sides agree on them."""
+        # A parameter (a block) of zeros: a scale of 1e-12 / max, which bfloat16 holds, not 0.
+        scale = self.op(aten.div.Tensor, self.op(aten.clamp_min.default, amax, 1e-12), self.q.max)
+        return self.b.cast(scale, self.compute, Role.QUANTIZE)
+
+    def bytes_of(self, value: fx.Node, scale: fx.Node) -> fx.Node:
+        """``value`` / ``scale``, rounded into the gather dtype (saturating at its largest
+        value), as uint8: what gloo and NCCL both carry."""
+        scaled = self.op(aten.div.Tensor, value, self.b.cast(scale, value.meta["val"].dtype, Role.QUANTIZE))
+        if self.q.dtype is torch.int8:
+            scaled = self.op(aten.round.default, scaled)
+        scaled = self.op(aten.clamp.default, scaled, -self.q.max, self.q.max)
+        return self.op(aten.view.dtype, self.op(CONVERT, scaled, self.q.dtype), torch.uint8)
+
+    def values(self, data: fx.Node) -> fx.Node:
+        """Gathered uint8 bytes back as values of the compute dtype (unscaled)."""
+        return self.op(CONVERT, self.op(aten.view.dtype, data, self.q.dtype, role=Role.DEQUANTIZE),
+                       self.compute, role=Role.DEQUANTIZE)
+
+
+def _spans(group: Any, lo: int, hi: int) -> list[tuple[int | None, int, int]]:
+    """The parameters (their index in the group, or None for a gap or the padding) of the
+    flat layout's range [lo, hi), as (index, start, stop) relative to ``lo``."""
+    found, offset = [], 0
+    index = {id(slot): i for i, slot in enumerate(group.params)}
+    for slot, length in group.spans():
+        start, stop = max(lo, offset), min(hi, offset + length)
+        if start < stop:
+            found.append((None if slot is None else index[id(slot)], start - lo, stop - lo))
+        offset += length
+    return found
+
+
+def _quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
+    """torchao's float8 all-gather: a scale per parameter, from its largest magnitude over the
+    ranks (an all_reduce, MAX, of this shard's per-parameter maxima), the shard quantized with
+    it and its bytes gathered; each parameter's values are dequantized with its scale. The
+    all_reduce, its wait and the quantization are declared part of the chain's issue, so
+    prefetch moves them ahead with the gather."""
+    m, layout = site.marker, ctx.layout
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(m.group))
+    z = _Quantizer(b, site, ctx)
+    group, shard = z.group, site.value
+    lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
+    here = _spans(group, lo, hi)
+    with b.issuing():
+        magnitude = z.op(aten.abs.default, shard)
+        maxima = {i: z.op(aten.amax.default, z.op(aten.slice.Tensor, magnitude, 0, start, stop), [0])
+                  for i, start, stop in here if i is not None}
+        zero = None
+        columns = []
+        for k in range(len(group.params)):
+            if k not in maxima and zero is None:
+                zero = z.op(aten.new_zeros.default, magnitude, [])
+            columns.append(maxima.get(k, zero))
+        amax = z.op(aten.stack.default, columns)
+        if layout.communicates:
+            amax = b.collective(P.ALL_REDUCE, (amax, "max", layout.shard.name), Role.ALL_REDUCE)
+        scales = z.scales(amax)
+        one = z.op(aten.new_ones.default, scales, []) if any(i is None for i, _, _ in here) else None
+        per_element = z.op(aten.cat.default, [
+            z.op(aten.expand.default, one if i is None else z.op(aten.select.int, scales, 0, i), [stop - start])
+            for i, start, stop in here])
+        data = z.bytes_of(shard, per_element)
+    if layout.communicates:
+        data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
+    values = z.values(data)
+    pieces = []
+    for i, start, stop in _spans(group, 0, group.padded_numel):
+        piece = z.op(aten.slice.Tensor, values, 0, start, stop, role=Role.DEQUANTIZE)
+        if i is not None:
+            piece = z.op(aten.mul.Tensor, piece, z.op(aten.select.int, scales, 0, i, role=Role.DEQUANTIZE),
+                         role=Role.DEQUANTIZE)
+        pieces.append(piece)
+    return z.op(aten.cat.default, pieces, role=Role.DEQUANTIZE) if len(pieces) > 1 else pieces[0]
+
+
+def _quantized_block(site: Site, ctx: PassContext) -> fx.Node:
+    """ZeRO++'s qwZ: each shard quantized in blocks (``Quantized.block``), each block with
+    its own scale; the data and the scales travel in one uint8 gather, so there is no other
+    collective. Each rank's row is dequantized with its own scales."""
+    m, layout = site.marker, ctx.layout
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(m.group))
+    z = _Quantizer(b, site, ctx)
+    ranks = layout.shard.size if layout.communicates else 1
+    length = z.group.shard_numel if layout.communicates else z.group.padded_numel
+    block = z.q.block(length)
+    blocks = -(-length // block)
+    padded = blocks * block
+    shard = site.value
+    if padded != length:
+        shard = z.op(aten.constant_pad_nd.default, shard, [0, padded - length], 0.0)
+    rows = z.op(aten.view.default, shard, [blocks, block])
+    scales = z.scales(z.op(aten.amax.default, z.op(aten.abs.default, rows), [1], True))
+    data = z.op(aten.view.default, z.bytes_of(rows, scales), [padded])
+    scale_bytes = z.op(aten.view.default, z.op(aten.view.dtype, scales, torch.uint8), [-1])
+    payload = z.op(aten.cat.default, [data, scale_bytes])
+    width = payload.meta["val"].numel()
+    if layout.communicates:
+        payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)
+    table = z.op(aten.view.default, payload, [ranks, width], role=Role.DEQUANTIZE)
+    values = z.values(z.op(aten.slice.Tensor, table, 1, 0, padded, role=Role.DEQUANTIZE))
+    values = z.op(aten.view.default, values, [ranks, blocks, block], role=Role.DEQUANTIZE)
+    their_scales = z.op(aten.view.dtype, z.op(aten.slice.Tensor, table, 1, padded, width, role=Role.DEQUANTIZE),
+                        z.compute, role=Role.DEQUANTIZE)
+    their_scales = z.op(aten.view.default, their_scales, [ranks, blocks, 1], role=Role.DEQUANTIZE)
+    full = z.op(aten.mul.Tensor, values, their_scales, role=Role.DEQUANTIZE)
+    if padded == length:
+        return z.op(aten.view.default, full, [ranks * length], role=Role.DEQUANTIZE)
+    full = z.op(aten.view.default, full, [ranks, padded], role=Role.DEQUANTIZE)
+    trimmed = z.op(aten.slice.Tensor, full, 1, 0, length, role=Role.DEQUANTIZE)
+    return z.op(aten.reshape.default, trimmed, [ranks * length], role=Role.DEQUANTIZE)
+
+
 def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
     """Make the chain the inner lowering made for ``result`` (if any) part of ``b``'s, and
     ``result`` itself too when it is a node of the lowering's own (a cast out of no chain)."""
@@ -313,6 +453,14 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(G, "sharded"): all_gather,
     LoweringKey(G, "hybrid"): all_gather,  # HSDP gathers within its shard group
     LoweringKey(G, "partition"): all_gather_within,
+    # MixedPrecision(gather_dtype=...): quantized weight gathers (on one rank, quantized and
+    # dequantized: the same numbers). hpZ's backward gather moves a piece of the dequantized
+    # buffer, as it is.
+    **{LoweringKey(G, topology, wire=f"quantized_{scaling}"): lowering
+       for scaling, lowering in (("tensor", _quantized_tensor), ("block", _quantized_block))
+       for topology in ("local", "sharded", "hybrid")},
+    LoweringKey(G, "partition", wire="quantized_tensor"): all_gather_within,
+    LoweringKey(G, "partition", wire="quantized_block"): all_gather_within,
     LoweringKey(R, "local"): keep_local,
     LoweringKey(R, "sharded"): reduce_scatter,
     LoweringKey(R, "hybrid"): reduce_scatter_all_reduce,
