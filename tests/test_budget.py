@@ -234,6 +234,13 @@ def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_th
     assert later.predicted_peak_bytes > budget and later.within_budget is False
     assert "planned on the first training step, inputs int64[4, 32]" in str(later)
     assert "this step exceeds the memory budget" in str(later) and "example_inputs=" in str(later)
+    # The budget's choice is the first step's schedule, which the later step compiled with;
+    # nothing was written back into the driver's planned schedule or its configuration.
+    driver = sharded._driver
+    first_step, later_step = driver.steps
+    assert first_step.schedule.budget is not None and later_step.schedule is first_step.schedule
+    assert driver.schedule is first_step.schedule and driver._planned.budget is None
+    assert driver.config.memory_budget == budget
 
 
 def _largest_worker(rank: int, world_size: int) -> list[int]:

@@ -7,8 +7,11 @@ A front end turns its arguments into a ``CompileConfig`` and hands it to a
       .shard(module)                  device check, plan, this rank's flat shards
       .strip(module)                  the module keeps stand-ins; the shards hold the parameters
       .compile_step(step, inputs)     per input signature: trace (AOTAutograd), the passes of
-                                      each graph, collectives, first-use order of the plan, dump
-      .run(step, inputs)              the rank check before a step's first run, then the step
+                                      each graph, collectives, first-use order of the plan, dump;
+                                      returns a CompiledStep (and appends it to .steps)
+      .schedule, .plan                read from the steps (a budget's choice, the first-use order)
+      .run(step, inputs)              the shards where the step keeps them (a budget's offload),
+                                      the rank check before a step's first run, then the step
       .report(step)                   predicted memory and communication
 
 The front ends differ only in what they trace: ``fxshard.compile`` the
@@ -107,11 +110,11 @@ class Driver:
         config = config.with_options(
             inflight_groups=bool(separate) and world.size > 1 and backend not in (None, "fake"))
         self.config = config  # what the front end was told; a planner's choices are a Schedule
-        # What the passes run with: this configuration's (its pipelines built now, so a bad
-        # disable_passes fails before anything is sharded), the regions to recompute once
-        # sharded, and a planner's choice once made (memory_budget, at the first training
-        # trace): each a new value, kept for every later step.
-        self.schedule = Schedule.of(config)
+        # What the passes run with, as planned before any trace: this configuration's (its
+        # pipelines built now, so a bad disable_passes fails before anything is sharded), the
+        # regions to recompute once sharded, auto()'s choice. The memory budget's choice is
+        # not written here: it is the schedule of the step it was made for (``schedule``).
+        self._planned = Schedule.of(config)
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
         hpz = config.options.hpz_size(world.size) if world.size > 1 and not config.no_shard else None
         self.world: World = given or with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
@@ -139,9 +142,23 @@ class Driver:
 
     @property
     def plan(self) -> ShardPlan:
+        """The plan: its units in first-use order once a step is traced (the first step's)."""
+        if self.steps and self.steps[0].plan is not None:
+            return self.steps[0].plan
         if self._plan is None:
             raise FxShardError("nothing sharded yet")
         return self._plan
+
+    @property
+    def schedule(self) -> Schedule:
+        """What the next step compiles with: the memory budget's choice, made at the first
+        training trace and recorded in that step, or else the schedule planned before any
+        trace. Nothing replaces either: a later step reads the budget's from the step."""
+        if self.trial_planner is None:
+            for step in self.steps:
+                if step.schedule is not None and step.schedule.budget is not None:
+                    return step.schedule
+        return self._planned
 
     # -- plan and shards ----------------------------------------------------------------------
 
@@ -169,8 +186,8 @@ class Driver:
                 raise FxShardError(
                     "policy=auto() chooses the units and the schedule from a trace of the model: pass "
                     "example_inputs= (a batch of the shape training uses) to fxshard.compile")
-            self.schedule = plan_auto.choose(self, module, example_inputs, Driver)
-            assert self.schedule.auto is not None
+            self._planned = plan_auto.choose(self, module, example_inputs, Driver)
+            assert self._planned.auto is not None
             policy = self.schedule.config.policy
         sync = self.config.sync_module_states and self.world.job_size > 1 and self.runs
         options = self.schedule.config.options
@@ -204,7 +221,7 @@ class Driver:
             self.budget_regions = plan_checkpointing(
                 module, self.config.activation_checkpointing or _unit_modules(self._plan))
         elif self.schedule.auto is None:  # auto()'s choice recomputes what its trial did
-            self.schedule = replace(self.schedule, checkpointing=plan_checkpointing(
+            self._planned = replace(self._planned, checkpointing=plan_checkpointing(
                 module, self.config.activation_checkpointing))
         if self.runs:
             _check_compute_dtype(self.config, self.device)
@@ -237,6 +254,14 @@ class Driver:
     def parameters(self) -> list[nn.Parameter]:
         """What an optimizer steps: the flat shards, or with ``use_orig_params`` the views."""
         return list(self.orig.views.values()) if self.orig is not None else list(self.shards)
+
+    def placement(self, options: ShardingOptions) -> list[torch.device]:
+        """Where each flat group's shard lives under ``options``: an offloaded unit's on the
+        host, the others on the device (by group index)."""
+        if self.device.type == "meta" or self.shard_device == self.device:
+            return [shard.device for shard in self.shards]
+        host = options.offloaded_groups(self.plan.groups)
+        return [self.shard_device if g.index in host else self.device for g in self.plan.groups]
 
     def place_shards(self, options: ShardingOptions) -> list[int]:
         """Each shard where the options keep it: an offloaded unit's on the host (pinned where
@@ -375,10 +400,11 @@ class Driver:
                         decompositions=_inductor_decompositions() if inductor else None)
         assert step.output_spec is not None
         graphs = dict(compiler.graphs)
-        if not self.steps:
+        plan = None
+        if not self.steps:  # the first step orders the units by first use, for every later one
             first = graphs.get("joint", graphs.get("inference"))
             if first is not None:
-                self._plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
+                plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
         compiled = CompiledStep(
             fn, graphs, step.output_spec,
             step_collectives(graphs, layout_of(self.world, bool(self.config.inflight_groups)).dimensions()),
@@ -386,11 +412,9 @@ class Driver:
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
-            inputs=describe_tensors(inputs), schedule=compiler.schedule,
+            inputs=describe_tensors(inputs), schedule=compiler.schedule, plan=plan,
         )
-        if compiler.schedule.budget is not None and self.schedule.budget is None and self.trial_planner is None:
-            self.schedule = compiler.schedule  # the budget's plan, for every later step
-        self.steps.append(compiled)
+        self.steps.append(compiled)  # a budget's choice is its schedule, for every later step
         auto = self.schedule.auto
         if auto is not None and auto.chosen.scaled and auto.budget is not None and compiled.trains \
                 and self.trial_planner is None:
@@ -420,17 +444,24 @@ class Driver:
             library_bytes=calibrate.library_bytes(self.device))
         assert schedule.budget is not None
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, schedule.budget.table())
-        moved = set(self.place_shards(schedule.config.options))  # offloaded, or kept on the device
-        for node in joint.graph.nodes:  # the trace's shards move with them
+        # The shards it offloads (or keeps on the device) move before the step first runs
+        # (``run``); the trace's placeholders say where they will be.
+        placed = self.placement(schedule.config.options)
+        for node in joint.graph.nodes:
             m = P.marker(node)
-            if m is not None and not m.kind.is_gradient and m.group in moved and m.value.op == "placeholder":
+            if m is not None and not m.kind.is_gradient and m.value.op == "placeholder" \
+                    and m.value.meta["val"].device != placed[m.group]:
                 val = m.value.meta["val"]
                 with val.fake_mode:
-                    m.value.meta["val"] = val.to(self.shards[m.group].device)
+                    m.value.meta["val"] = val.to(placed[m.group])
         return schedule
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
-        """Run a compiled step (``RunState.run``)."""
+        """Run a compiled step (``RunState.run``), the shards first where its schedule keeps
+        them (the memory budget's offload: moved once, before the first step it planned)."""
+        if step.schedule is not None and step.schedule.budget is not None and self.state.placed is None:
+            self.place_shards(step.schedule.config.options)
+            self.state.placed = step.schedule
         return self.state.run(step, inputs)
 
     # -- what a step will do --------------------------------------------------------------------

@@ -83,13 +83,15 @@ class Driver(Protocol):
     device: torch.device
     world: World
     rates: Rates | None
-    schedule: Schedule
     shards: list[nn.Parameter]
     budget_regions: Checkpointing | None
     trial_planner: Planner | None
 
     @property
     def plan(self) -> ShardPlan: ...
+
+    @property
+    def schedule(self) -> Schedule: ...
 
     def timing(self) -> Rates | None: ...
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from fxshard.driver.consistency import agree, describe_step, with_buffer_broadcast
 from fxshard.driver.orig_params import OrigParams
 from fxshard.driver.runtime import Abandoned, World, broadcast_buffers, collective_failure
-from fxshard.driver.steps import CompiledStep
+from fxshard.driver.steps import CompiledStep, Schedule
 from fxshard.ir import compat
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.ir.plan import ShardPlan
@@ -58,6 +58,8 @@ class RunState:
         self.module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
         self.broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
         self.abandoned = Abandoned()
+        # The memory budget's schedule the shards were placed for (offload), once its step ran.
+        self.placed: Schedule | None = None
 
     # -- no_sync ------------------------------------------------------------------------------
 

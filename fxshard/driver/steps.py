@@ -19,6 +19,7 @@ from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import Collective, fingerprint
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
+from fxshard.ir.plan import ShardPlan
 from fxshard.passes import PassSpec, build_pipelines
 from fxshard.passes.context import REDUCE, GradSync
 
@@ -68,6 +69,8 @@ class CompiledStep:
     groups: frozenset[int] = frozenset()  # the flat groups it reads
     inputs: str = ""  # its tensor inputs, "float32[4, 12], int64[4]"
     schedule: Schedule | None = None  # what its passes ran with
+    # The first step's: the plan with its units in the order this trace first uses them.
+    plan: ShardPlan | None = None
 
     def __post_init__(self) -> None:
         for phase in ("forward", "backward") if self.trains else ("forward",):
