@@ -67,7 +67,7 @@ import run  # noqa: E402  (benchmarks/run.py: the benchmark's models)
 
 import fxshard  # noqa: E402
 from fxshard.backend import sharding_of  # noqa: E402
-from fxshard.driver import state  # noqa: E402
+from fxshard.driver.state import state_dicts as state  # noqa: E402
 from fxshard.policies import by_class  # noqa: E402
 
 PAIRS = (("dcp_save", "dcp_save_checked"), ("dcp_save_nosync", "dcp_save_checked_nosync"),

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
         set_optimizer_state_dict,
         set_state_dict,
     )
-    from fxshard.driver.rehearsal import rehearse
-    from fxshard.driver.report import Report
+    from fxshard.driver.report.step_report import Report
+    from fxshard.driver.run.rehearsal import rehearse
     from fxshard.explain import Explanation, explain
     from fxshard.ir import meta as meta
     from fxshard.ir import ops as ops
@@ -75,7 +75,7 @@ _SOURCES: dict[str, str] = {
     **dict.fromkeys(["get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
                      "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"],
                     "fxshard.checkpoint"),
-    "Report": "fxshard.driver.report",
+    "Report": "fxshard.driver.report.step_report",
     **dict.fromkeys(["Explanation", "explain"], "fxshard.explain"),
     **dict.fromkeys(["meta", "ops"], "fxshard.ir"),
     "CompileConfig": "fxshard.ir.config",
@@ -84,7 +84,7 @@ _SOURCES: dict[str, str] = {
     **dict.fromkeys(["CPUOffloadPolicy", "ShardingOptions"], "fxshard.ir.options"),
     **dict.fromkeys(["FlatGroup", "FSDPUnit", "ShardPlan", "make_plan"], "fxshard.ir.plan"),
     "MixedPrecision": "fxshard.ir.precision",
-    "rehearse": "fxshard.driver.rehearsal",
+    "rehearse": "fxshard.driver.run.rehearsal",
     "verify": "fxshard.passes",
 }
 

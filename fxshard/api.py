@@ -12,11 +12,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import state
-from fxshard.driver.compiler import CompiledStep, Driver, emitted_graphs
-from fxshard.driver.guards import Guards
-from fxshard.driver.report import Report
-from fxshard.driver.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
+from fxshard.driver.compile.compiler import CompiledStep, Driver, emitted_graphs
+from fxshard.driver.compile.guards import Guards
+from fxshard.driver.report.step_report import Report
+from fxshard.driver.run.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
+from fxshard.driver.state import state_dicts as state
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -44,7 +44,7 @@ class ShardedModule(nn.Module):
     per-parameter optimizer groups. The wrapped module is kept as a skeleton with its
     parameters on the meta device; its buffers stay real and are updated in
     place, as in eager mode. Everything else is the driver's
-    (``fxshard.driver.compiler.Driver``), which all front ends share.
+    (``fxshard.driver.compile.compiler.Driver``), which all front ends share.
     """
 
     _skeleton: nn.Module
@@ -100,7 +100,7 @@ class ShardedModule(nn.Module):
         return emitted_graphs(self._last.graphs)
 
     def report(self) -> Report:
-        """Predicted peak memory and communication per step on this rank (see fxshard.driver.report).
+        """Predicted peak memory and communication per step on this rank (see fxshard.driver.report.step_report).
 
         Describes the latest traced training step (or the latest step, if none
         trains). Known before the step first runs: compile with
@@ -188,7 +188,7 @@ class ShardedModule(nn.Module):
         """Clip the gradients by their total norm over all ranks; returns that norm (FSDP1's name).
 
         The same as ``torch.nn.utils.clip_grad_norm_(sharded.parameters(), ...)``,
-        which is correct on fxshard's shards too (``fxshard.driver.grads``). A
+        which is correct on fxshard's shards too (``fxshard.driver.run.grads``). A
         collective: every rank must call it.
         """
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,

@@ -36,10 +36,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.api import ShardedModule
-from fxshard.driver.compiler import CompiledStep, Driver
-from fxshard.driver.report import Report
-from fxshard.driver.runtime import refuse_eager_calls
-from fxshard.driver.trace import TracedStep, cast_unit_inputs, flatten_outputs, parameter_views
+from fxshard.driver.compile.compiler import CompiledStep, Driver
+from fxshard.driver.compile.trace import (
+    TracedStep,
+    cast_unit_inputs,
+    flatten_outputs,
+    parameter_views,
+)
+from fxshard.driver.report.step_report import Report
+from fxshard.driver.run.runtime import refuse_eager_calls
 from fxshard.ir import compat
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError

@@ -4,7 +4,7 @@
 mirror ``torch.distributed.checkpoint.state_dict`` and take its
 ``StateDictOptions``; they work on a ``ShardedModule`` and on a model compiled
 with the fxshard backend. The default is sharded: every rank holds only its
-pieces (``fxshard.driver.state``), which DCP saves in parallel and loads at any
+pieces (``fxshard.driver.state.state_dicts``), which DCP saves in parallel and loads at any
 world size or policy::
 
     msd, osd = fxshard.get_state_dict(model, opt)
@@ -70,10 +70,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fxshard.backend import sharding_of
-from fxshard.driver import state
-from fxshard.driver.compiler import Driver
-from fxshard.driver.runtime import settle
-from fxshard.driver.state import Source, StateDictError
+from fxshard.driver.compile.compiler import Driver
+from fxshard.driver.run.runtime import settle
+from fxshard.driver.state import state_dicts as state
+from fxshard.driver.state.state_dicts import Source, StateDictError
 from fxshard.ir.compat import IncompatibleKeys as _IncompatibleKeys
 from fxshard.ir.compat import flatten_state_dict
 from fxshard.ir.errors import FxShardError

@@ -333,7 +333,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from fxshard.driver import calibrate
+    from fxshard.driver.report import calibrate
     from fxshard.ir.cost import PROFILES, hardware
 
     if args.list:
@@ -348,7 +348,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             return 2
         return 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from fxshard.driver.runtime import comm_device, resolve_world, with_comm_groups
+        from fxshard.driver.run.runtime import comm_device, resolve_world, with_comm_groups
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
@@ -419,7 +419,7 @@ def _explain(args: argparse.Namespace) -> int:
         return 2
     print(result)
     if args.trace:
-        from fxshard.driver.trace_events import write_trace
+        from fxshard.driver.report.trace_events import write_trace
 
         try:
             path = write_trace(args.trace, result.graphs, result.report)

@@ -26,10 +26,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from fxshard.api import shard_module
-from fxshard.driver.compiler import Driver
-from fxshard.driver.dump import PassLog
-from fxshard.driver.kernels import cuda_kernels
-from fxshard.driver.report import Report
+from fxshard.driver.compile.compiler import Driver
+from fxshard.driver.compile.kernels import cuda_kernels
+from fxshard.driver.report.dump import PassLog
+from fxshard.driver.report.step_report import Report
 from fxshard.ir import compat
 from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig, from_mesh
@@ -121,7 +121,7 @@ def _planning_device(device: str | torch.device | None,
     the context its trace runs in: meta by default (any machine, the kernels torch picks on
     meta); a device type this machine has, on fake tensors of it, whose kernels and memory
     the plan then counts; CUDA where this machine has none, on meta with CUDA's attention
-    kernels (driver/kernels.py)."""
+    kernels (driver/compile/kernels.py)."""
     try:
         target = torch.device("meta") if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -217,7 +217,7 @@ def explain(
     traces on fake CUDA tensors, so attention takes the kernel CUDA would (flash
     attention in bf16) and the report counts its memory; it allocates nothing on
     the device. Where this machine has no CUDA device, it traces on meta with the
-    fused attention kernels CUDA would choose (driver/kernels.py); other device
+    fused attention kernels CUDA would choose (driver/compile/kernels.py); other device
     types need the device here. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the

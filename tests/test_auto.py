@@ -130,7 +130,7 @@ def test_auto_traces_the_model_once_for_every_candidate(monkeypatch: pytest.Monk
     AOTAutograd's capture is the cost that grows with the model (about 50 s for Llama-3-70B).
     (A stack of 16 blocks is predicted from a few of them by default: the whole graph's path
     is the one asked for here.)"""
-    import fxshard.driver.compiler as compiler
+    import fxshard.driver.compile.compiler as compiler
 
     traced = []
     trace_step = compiler.trace_step
@@ -224,7 +224,7 @@ def test_a_deep_stack_is_traced_whole_only_for_the_plans_that_do_not_scale(monke
     """The candidates are traced on the model cut to 3, 4 and 5 blocks; the whole model once
     more only for those that do not scale (here its buckets of 4 and 16 blocks, which do not
     repeat block by block). The model is unchanged."""
-    import fxshard.driver.plan_auto as plan_auto
+    import fxshard.driver.compile.plan_auto as plan_auto
 
     depths = []
     trace_finest = plan_auto._trace_finest
@@ -286,7 +286,7 @@ def test_a_scaled_choice_over_the_budget_by_the_whole_graph_is_a_budget_error(mo
     graph, traced for the plan chosen, predicts more than the budget, the compile stops and
     names the way out, rather than run a plan that does not fit (here the scaling is made to
     halve every peak, and the plans that would be predicted from the whole graph are not tried)."""
-    import fxshard.driver.plan_auto as plan_auto
+    import fxshard.driver.compile.plan_auto as plan_auto
 
     scale = plan_auto.scaled
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
-from fxshard.driver.runtime import full_parameters
+from fxshard.driver.run.runtime import full_parameters
 from fxshard.ir import predicates as P
 from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class

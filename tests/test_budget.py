@@ -164,7 +164,7 @@ def test_measuring_alike_regions_at_their_ends_chooses_as_measuring_every_region
     """A 5-block GPT under budgets that take selective and full recompute: the search that
     measures only the ends of the run of alike blocks chooses the same schedule, with
     fewer candidates evaluated."""
-    import fxshard.driver.plan_budget as planner
+    import fxshard.driver.compile.plan_budget as planner
 
     with torch.device("meta"):
         model = TinyGPT(layers=5)
@@ -246,7 +246,7 @@ def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_th
 def _largest_worker(rank: int, world_size: int) -> list[int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxshard.driver.plan_budget import largest_over_ranks
+    from fxshard.driver.compile.plan_budget import largest_over_ranks
 
     sharded = fxshard.compile(TinyGPT(vocab=61, dim=32, heads=2, layers=1, seq=8), by_class(Block))
     with FakeTensorMode():  # where the planner runs: inside the trace's fake mode

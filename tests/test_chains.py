@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from fxshard.driver.codegen import layout_of
+from fxshard.driver.compile.codegen import layout_of
 from fxshard.ir import analysis, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
@@ -238,3 +239,37 @@ def test_the_table_names_each_row_and_refuses_a_missing_one() -> None:
     assert lowering_for(LoweringKey(Direction.REDUCE, "hybrid")) is lowering.reduce_scatter_all_reduce
     with pytest.raises(GraphInvariantError, match="no lowering for gather/sharded/fp8/device; the table has"):
         lowering_for(LoweringKey(Direction.GATHER, "sharded", wire="fp8"))
+
+
+def test_hsdp_with_hpz_inside_gathers_in_the_row_keeps_a_piece_per_partition_and_reduces_over_both() -> None:
+    """An (R, S) = (2, 4) mesh with reshard_after_forward=2, rank 5 of 8: forward gathers over
+    its row of the mesh (ranks 4-7), keeps its piece for its partition (ranks 4 and 5),
+    backward gathers within that partition, and each gradient is reduce-scattered over the
+    row and its shard all_reduced over the column (ranks 1 and 5)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    def ranks(chain: Chain) -> list[list[int]]:
+        return [dist.get_process_group_ranks(_resolve_process_group(name)) for name in chain.group_names]
+
+    with fake_world(8, rank=5):
+        sharded = _compiled(mesh=init_device_mesh("cpu", (2, 4)), reshard_after_forward=2)
+        found = _by_graph(sharded)
+        gathers = [c for c in found["forward"] if c.gathers]
+        assert gathers and all(c.lowering == "all_gather" and _dimension(sharded, c) == ["shard"]
+                               and ranks(c) == [[4, 5, 6, 7]] for c in gathers)
+        for c in gathers:
+            (gather,) = c.collectives
+            assert P.collective_args(gather).group_size == 4
+        # What backward reads (not the first layer's weights: the input needs no gradient):
+        # a piece of the gathered buffer kept per partition of 2, half of it, gathered again
+        # within the partition.
+        kept = [c for c in gathers if c.kept]
+        assert [c.unit for c in kept] == ["layers.1", "head"]
+        assert all(c.kept[-1].meta["val"].numel() == sharded.plan.groups[c.group].padded_numel // 2 for c in kept)
+        within = [c for c in found["backward"] if c.lowering == "all_gather_within"]
+        assert sorted(c.group for c in within) == sorted(c.group for c in kept)
+        assert all(_dimension(sharded, c) == ["partition"] and ranks(c) == [[4, 5]] for c in within)
+        reductions = [c for c in found["backward"] if c.direction is Direction.REDUCE]
+        assert reductions and all(c.lowering == "reduce_scatter_all_reduce"
+                                  and _dimension(sharded, c) == ["shard", "replicate"]
+                                  and ranks(c) == [[4, 5, 6, 7], [1, 5]] for c in reductions)

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import fxshard
-from fxshard.driver.state import boxes
+from fxshard.driver.state.state_dicts import boxes
 from fxshard.policies import by_class, by_size
 
 from dist_utils import run_ranks

@@ -75,7 +75,7 @@ FRACTIONS = (0.02, 0.3, 0.55, 0.8, 0.999)
 def _flips(good: Path) -> list[tuple[str, int, bool]]:
     """(file, offset, read): several offsets of every rank's data file, and the metadata;
     whether a load reads the item there. A rank that holds none of a parameter saves an empty
-    placeholder piece (fxshard.driver.state._pieces), which no load reads."""
+    placeholder piece (fxshard.driver.state.state_dicts._pieces), which no load reads."""
     metadata = dcp.FileSystemReader(str(good)).read_metadata()
     cases = []
     for data in sorted(good.glob("*.distcp")):

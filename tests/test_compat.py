@@ -41,30 +41,30 @@ ALLOWED: dict[tuple[str, str], str] = {
     **{(path, name): "nn.Module's own parameter and buffer dicts, unchanged since torch 1.0: "
        "the one way to put a stand-in (meta, another dtype) where a Parameter was without "
        "Module.__setattr__'s type checks and registration hooks"
-       for path, name in (("fxshard/driver/init.py", "_parameters"), ("fxshard/driver/init.py", "_buffers"),
-                          ("fxshard/driver/runtime.py", "_parameters"), ("fxshard/ir/plan.py", "_parameters"))},
-    **{("fxshard/driver/plan_auto.py", name): "nn.Module's own parameter and buffer dicts, unchanged "
+       for path, name in (("fxshard/driver/state/init.py", "_parameters"), ("fxshard/driver/state/init.py", "_buffers"),
+                          ("fxshard/driver/run/runtime.py", "_parameters"), ("fxshard/ir/plan.py", "_parameters"))},
+    **{("fxshard/driver/compile/plan_auto.py", name): "nn.Module's own parameter and buffer dicts, unchanged "
        "since torch 1.0: a shallow copy of a module (auto()'s model cut to a few blocks) given dicts "
        "of its own, so that the trace's functional_call swaps the copy's entries, not the original's"
        for name in ("_parameters", "_buffers")},
-    ("fxshard/driver/init.py", "_init_weights"): "transformers' PreTrainedModel._init_weights, "
+    ("fxshard/driver/state/init.py", "_init_weights"): "transformers' PreTrainedModel._init_weights, "
     "not torch's: meta-device init calls the model's own initialiser when it has one",
     ("fxshard/explain.py", "_base"): "Tensor._base (a view's base), unchanged since torch 1.0: "
     "an embedding's indices that are a view of a model input",
-    ("fxshard/driver/state.py", "_init_from_local_shards_and_global_metadata"): "ShardedTensor's "
+    ("fxshard/driver/state/state_dicts.py", "_init_from_local_shards_and_global_metadata"): "ShardedTensor's "
     "constructor from each rank's boxes without a collective; the class comes from compat",
-    ("fxshard/driver/state.py", "_non_persistent_buffers_set"): "nn.Module's record of "
+    ("fxshard/driver/state/state_dicts.py", "_non_persistent_buffers_set"): "nn.Module's record of "
     "non-persistent buffers, unchanged since torch 1.6; state_dict() leaves them out",
     ("fxshard/hf.py", "_no_split_modules"): "transformers' PreTrainedModel attribute, not torch's: "
     "the decoder layer classes, which Accelerate's FSDP plugin also wraps by default",
-    ("fxshard/driver/inductor.py", "_guards"): "TracingContext and tracing, the same on 2.11, 2.13 "
+    ("fxshard/driver/compile/inductor.py", "_guards"): "TracingContext and tracing, the same on 2.11, 2.13 "
     "and 2.15: the context in which Inductor's FX graph cache finds a shape environment, without "
     "which it bypasses every graph fxshard hands it; compat's row when fxshard/ir/compat.py next changes",
-    **{("fxshard/driver/calibrate.py", name): "an aten operator's own name (aten's naming, not a "
+    **{("fxshard/driver/report/calibrate.py", name): "an aten operator's own name (aten's naming, not a "
        "private Python API; the same on 2.11, 2.13 and 2.15): an operator calibration times per "
        "element, whose kernel is slower than streaming its bytes"
        for name in ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data")},
-    ("fxshard/driver/inductor.py", "_dynamo"): "torch._dynamo.utils.counters, the same on 2.11, 2.13 "
+    ("fxshard/driver/compile/inductor.py", "_dynamo"): "torch._dynamo.utils.counters, the same on 2.11, 2.13 "
     "and 2.15: the FX graph cache's hit, miss and bypass counts, which the compile logs",
 }
 
@@ -230,7 +230,7 @@ def test_a_new_private_import_fails_the_check() -> None:
     with pytest.raises(AssertionError, match=r"fxshard/explain.py:\d+: torch.testing._internal"):
         check(fake_store)
     timeout = dict(texts)
-    timeout["fxshard/driver/runtime.py"] += "\n\ndef t(group):\n    return group._get_backend(None).options._timeout\n"
+    timeout["fxshard/driver/run/runtime.py"] += "\n\ndef t(group):\n    return group._get_backend(None).options._timeout\n"
     with pytest.raises(AssertionError, match=r"runtime.py:\d+: _timeout .*\n.*runtime.py:\d+: _get_backend "):
         check(timeout)
 

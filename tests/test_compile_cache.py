@@ -1,4 +1,4 @@
-"""compute="inductor" through torch's FX graph cache (fxshard/driver/inductor.py).
+"""compute="inductor" through torch's FX graph cache (fxshard/driver/compile/inductor.py).
 
 A resumed job is a new process: it traces again (AOTAutograd's cache cannot key a Python
 module), and each emitted graph that Inductor compiled before, the same graph on the same

@@ -1,4 +1,4 @@
-"""Time (fxshard/ir/cost.py, fxshard/driver/calibrate.py): a node's and a collective's cost
+"""Time (fxshard/ir/cost.py, fxshard/driver/report/calibrate.py): a node's and a collective's cost
 under given rates, the simulated streams against schedules computed by hand, and the report
 of a real 2-rank step under injected rates (nothing here times anything).
 """
@@ -153,7 +153,7 @@ def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> 
 
 
 def test_calibration_fits_latency_and_bandwidth_by_least_squares() -> None:
-    from fxshard.driver.calibrate import fit
+    from fxshard.driver.report.calibrate import fit
 
     on_a_line = [(b, 3e-4 + b / 2e9) for b in (1e4, 1e6, 4e6)]
     link = fit(on_a_line)
@@ -218,7 +218,7 @@ def test_a_timed_matmul_costs_what_it_took_here_each_layout_its_own() -> None:
 
 
 def test_calibration_times_each_distinct_matmul_once_and_keeps_it(tmp_path: Any, monkeypatch: Any) -> None:
-    from fxshard.driver import calibrate
+    from fxshard.driver.report import calibrate
 
     monkeypatch.setenv("FXSHARD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate, "_NODES", {})
@@ -336,7 +336,7 @@ def test_collectives_in_flight_together_share_their_wires_or_queue_on_their_grou
 
 def test_the_timeline_picture_places_each_collective_at_its_predicted_milliseconds(tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
-    from fxshard.driver.timeline import _spans
+    from fxshard.driver.report.timeline import _spans
 
     gm = _two_in_flight("g0")
     t = predict_step({"forward": gm}, _rates(), dimensions={"g0": ("shard", 0)}, units=["a", "b"])
@@ -438,8 +438,8 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     import os
 
     import fxshard
-    from fxshard.driver import calibrate
-    from fxshard.driver.trace_events import chrome_trace
+    from fxshard.driver.report import calibrate
+    from fxshard.driver.report.trace_events import chrome_trace
     from fxshard.ir.collectives import step_collectives
     from fxshard.policies import by_class
 

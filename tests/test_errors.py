@@ -249,7 +249,7 @@ def _raised_from(outer: BaseException, inner: BaseException) -> BaseException:
      "unknown"),
 ])
 def test_each_cause_is_recognised(error: BaseException, module_type: str, kind: str) -> None:
-    from fxshard.driver.trace import diagnose
+    from fxshard.driver.compile.trace import diagnose
 
     assert diagnose(error, module_type).kind == kind
 

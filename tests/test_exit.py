@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fxshard
-from fxshard.driver import runtime
+from fxshard.driver.run import runtime
 from fxshard.ir import compat
 from fxshard.policies import by_class
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxshard
-from fxshard.driver.guards import MAX_VARIANTS
+from fxshard.driver.compile.guards import MAX_VARIANTS
 from fxshard.ir.errors import FxShardError
 from fxshard.policies import by_class
 

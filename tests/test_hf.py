@@ -2,7 +2,7 @@
 
 Transformers skips its data-dependent mask checks, and picks a traceable
 experts implementation, when ``torch.compiler.is_compiling()`` is true;
-fxshard's trace presents itself as compiling (fxshard/driver/trace.py).
+fxshard's trace presents itself as compiling (fxshard/driver/compile/trace.py).
 Before that, BERT with a padded attention_mask, Mistral with a padding mask
 and Mixtral's default experts failed to trace. OPT and BART, whose learned
 positional embeddings are nn.Embedding subclasses called with a float tensor,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxshard.driver.runtime import make_shards
+from fxshard.driver.run.runtime import make_shards
 from fxshard.ir.errors import PlanError
 from fxshard.ir.plan import ALIGN_BYTES, make_plan
 from fxshard.ir.precision import MixedPrecision

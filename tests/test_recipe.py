@@ -398,7 +398,7 @@ def _fp16_scaler(rank: int) -> dict[str, Any]:
 
 def _bf16_backend_against_fsdp2(rank: int) -> dict[str, Any]:
     """The torch.compile backend with MixedPrecision, against FSDP2 with the same policy."""
-    from fxshard.driver.runtime import full_parameters
+    from fxshard.driver.run.runtime import full_parameters
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -771,7 +771,7 @@ def test_the_optimizers_zero_grad_drops_no_syncs_sums_as_ddps_does() -> None:
 def _accumulate_under_inductor(rank: int, front_end: str) -> dict[str, Any]:
     """The manual accumulation loop under compute="inductor" through ``front_end``, beside DDP's:
     two micro-batches a step, the first inside no_sync, three AdamW steps."""
-    from fxshard.driver.runtime import full_parameters
+    from fxshard.driver.run.runtime import full_parameters
     from fxshard.measure import CommCounter
 
     torch._dynamo.reset()

@@ -1,5 +1,5 @@
 """fxshard.rehearse: an N-rank job's step in one process, each collective as long as a
-profile's network predicts (fxshard/driver/rehearsal.py). On the CPU here: what each
+profile's network predicts (fxshard/driver/run/rehearsal.py). On the CPU here: what each
 collective computes, the time it is given (from the profile's numbers, by hand), fxshard
 and FSDP2 training on it, and auto() choosing on it without keeping its trials alive.
 Nothing here times anything.
@@ -112,8 +112,8 @@ def _train(system: str) -> dict[str, Any]:
         if system == "fxshard":
             model = fxshard.compile(model, by_class(Block))
         elif system == "auto":
-            from fxshard.driver import runtime
-            from fxshard.driver.compiler import Driver
+            from fxshard.driver.compile.compiler import Driver
+            from fxshard.driver.run import runtime
 
             # Without the cyclic collector: what reference counting alone leaves. A trial held in
             # a cycle keeps its shards (on a GPU, device memory) until the collector happens to run.

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard.driver.report import LOSS_PHASE
+from fxshard.driver.report.step_report import LOSS_PHASE
 from fxshard.measure import CommCounter, peak_memory
 from fxshard.policies import by_class
 

@@ -148,7 +148,7 @@ def _check_content(events: list[dict[str, Any]], graphs: dict[str, fx.GraphModul
 ])
 def test_explain_trace_has_every_collective_and_free(layout: dict[str, Any], kinds: set[str],
                                                      tmp_path: Path) -> None:
-    from fxshard.driver.trace_events import write_trace
+    from fxshard.driver.report.trace_events import write_trace
 
     with torch.device("meta"):
         model = TinyGPT()
@@ -173,7 +173,7 @@ def test_offloads_copies_have_a_track_of_their_own(world_size: int) -> None:
     """With offload_policy, each host-to-device copy before a gather and device-to-host copy
     after a reduction is on the copy track, named by unit, with its bytes (at world size 1
     the copy is the whole chain)."""
-    from fxshard.driver.trace_events import chrome_trace
+    from fxshard.driver.report.trace_events import chrome_trace
     from fxshard.ir import meta
 
     with torch.device("meta"):
@@ -194,7 +194,9 @@ def test_offloads_copies_have_a_track_of_their_own(world_size: int) -> None:
     copies = [ev for ev in events if ev.get("cat") == "copy"]
     assert Counter((ev["name"], ev["args"]["graph"]) for ev in copies) == expected
     assert all(ev["tid"] == copy_tid and ev["args"]["bytes"] > 0 for ev in copies)
-    from fxshard.driver.timeline import _spans  # the picture's "host copy" lane: the same copies
+    from fxshard.driver.report.timeline import (
+        _spans,  # the picture's "host copy" lane: the same copies
+    )
 
     drawn = [kind for gm in e.graphs.values() for kind, *_ in _spans(gm, 0)[0]]
     assert drawn.count("copy") == sum(expected.values())
@@ -203,7 +205,7 @@ def test_offloads_copies_have_a_track_of_their_own(world_size: int) -> None:
 def test_collectives_in_flight_together_get_tracks_of_their_own() -> None:
     """fxshard's schedules keep one gather in flight at a time on this model; issued early by
     hand, the second one overlaps the first without nesting, which one track cannot hold."""
-    from fxshard.driver.trace_events import chrome_trace
+    from fxshard.driver.report.trace_events import chrome_trace
 
     with torch.device("meta"):
         model = TinyGPT()

@@ -1,6 +1,9 @@
-"""The driver layer: one compiler behind every front end (``compiler.Driver``).
+"""The driver layer: one compiler behind every front end (``compile.compiler.Driver``).
 
-Tracing (trace.py), the hooks AOTAutograd calls (codegen.py), runtime shards
-(runtime.py), the rank check (consistency.py), the report, dumps and the timeline.
-Imports the IR and the passes; the front ends (api, backend, explain) import it.
+Split by what it does: ``compile`` (trace, the hooks AOTAutograd calls, the
+compiled steps, the planners), ``run`` (the world, what running changes, the
+ranks' agreement), ``state`` (the shards, made and read back as state dicts)
+and ``report`` (predicted memory, communication and time; dumps, the timeline,
+the trace). Imports the IR and the passes; the front ends (api, backend,
+explain) import it.
 """

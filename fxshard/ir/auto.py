@@ -1,6 +1,6 @@
 """``policy=auto()``: the plans the planner compares, and what it chose (pure).
 
-The driver (``fxshard.driver.plan_auto``) traces the model once, rewrites that joint graph
+The driver (``fxshard.driver.compile.plan_auto``) traces the model once, rewrites that joint graph
 to each plan candidate's flat groups (``fxshard.passes.regroup``) and emits each schedule
 variant from it; the cost model (``fxshard.ir.cost``) predicts each
 variant's step time and the memory model its peak. The fastest whose peak is within

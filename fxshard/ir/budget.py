@@ -34,7 +34,7 @@ backward, where the peak is): the first that fits wins, else the search goes
 on from the lowest. A smaller budget thus evaluates every schedule a larger
 one could accept, so the lowest peak an error names is never beaten by a
 schedule some budget accepts. ``evaluate`` predicts a candidate's peak
-without running anything (driver/plan_budget.py: the passes and the liveness of
+without running anything (driver/compile/plan_budget.py: the passes and the liveness of
 ``report()`` on a copy of the traced graph).
 
 If even the last candidate (everything resharded, one gather in flight, every region fully recomputed) does not fit, the budget

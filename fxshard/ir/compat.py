@@ -90,7 +90,7 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   nothing, where it was half of each trial.
 - ``profiler_enabled`` (``torch.autograd.profiler._is_profiler_enabled``): torch's fast check
   that a profiler is recording; the eager graphs then run the copy with named ranges
-  (``driver/codegen.py``).
+  (``driver/compile/codegen.py``).
 - ``register_backend``, ``optimized_module_class``, ``innermost_backend``, ``original_module``,
   ``dynamo_exc`` (``torch._dynamo``): the torch.compile backend.
 - ``inductor_*`` (``torch._inductor``): ``compute="inductor"``.
@@ -106,7 +106,7 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   an optimizer's ``zero_grad(set_to_none=False)`` inside a ``no_sync`` accumulation.
 
 Beyond these names: 2.11's fake ``embedding`` accepts float indices, so the trace checks the
-indices that reach ``F.embedding`` itself (``driver/trace.py``), as 2.13's does. The emitted graphs differ
+indices that reach ``F.embedding`` itself (``driver/compile/trace.py``), as 2.13's does. The emitted graphs differ
 in one way: on 2.15 the reshape
 after each ``addmm`` of a linear layer is ``aten._unsafe_view`` where 2.11 and
 2.13 emit ``aten.view`` (docs/devices.md: the report is the same).
@@ -114,7 +114,7 @@ after each ``addmm`` of a linear layer is ``aten._unsafe_view`` where 2.11 and
 Replaced by public API (no longer imported): ``FakeStore`` from
 ``torch.testing._internal`` (``explain`` uses ``dist.HashStore``; the fake
 process group never reads its store) and ``torch.fx.graph._BoxedCodeGen``
-(``driver/codegen.py`` subclasses the public ``CodeGen``).
+(``driver/compile/codegen.py`` subclasses the public ``CodeGen``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``fxshard.compile``, ``fxshard.backend`` and ``fxshard.explain`` each turn
 their arguments into a ``CompileConfig`` with :func:`CompileConfig.build`, so
 every option is named, defaulted, validated and read from the environment in
-this one place. The driver (``fxshard.driver.compiler``) takes nothing else;
+this one place. The driver (``fxshard.driver.compile.compiler``) takes nothing else;
 the pass list is built from it (``fxshard.passes.pipeline.build_pipeline``).
 
 An option a front end cannot honour is refused here, with the reason.
@@ -104,7 +104,7 @@ class CompileConfig:
     mixed_precision: MixedPrecision | None = None
     # FSDP1's option: the module's parameters() are the original parameters, by their
     # names, each a 1-D view of the part this rank's flat shard holds, so optimizer
-    # groups can be chosen per parameter (fxshard/driver/orig_params.py). False: one
+    # groups can be chosen per parameter (fxshard/driver/run/orig_params.py). False: one
     # flat shard per unit and group.
     use_orig_params: bool = False
     # DDP's broadcast_buffers: rank 0's buffers (BatchNorm running statistics)
@@ -114,7 +114,7 @@ class CompileConfig:
     broadcast_buffers: bool = False
     # A model on the meta device is initialised module by module, each
     # module's own tensors by param_init_fn(module) or its reset_parameters()
-    # (fxshard/driver/init.py), on the process group's device.
+    # (fxshard/driver/state/init.py), on the process group's device.
     param_init_fn: Callable[[Any], None] | None = field(default=None, compare=False)
     # FSDP1's option: rank 0's parameters and buffers are broadcast to every
     # rank at compile (the others' may be on the meta device).

@@ -1,7 +1,7 @@
 """Time: how long one step takes, read off the emitted graphs and a set of rates.
 
 Pure: nothing here measures anything or touches a process group. The rates come
-from a measurement on the live group (``fxshard/driver/calibrate.py``) or from a
+from a measurement on the live group (``fxshard/driver/report/calibrate.py``) or from a
 named hardware profile (``hardware(name)``); given the same rates, every rank
 predicts the same times.
 
@@ -317,7 +317,7 @@ def flops(node: fx.Node) -> int:
 
 # Operators without a FLOP formula whose CPU kernels run well below the streaming bandwidth
 # (transcendentals, normalisations, softmax, pooling, random masks): calibration times each on
-# about a million elements (fxshard/driver/calibrate.py); every other operator streams its bytes.
+# about a million elements (fxshard/driver/report/calibrate.py); every other operator streams its bytes.
 PER_ELEMENT = (
     "tanh", "sigmoid", "exp", "gelu", "gelu_backward", "silu", "silu_backward",
     "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",

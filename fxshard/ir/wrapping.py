@@ -109,7 +109,7 @@ class AnyOf(Policy):
 class Auto(Policy):
     """``policy=auto()``: the units, buckets, prefetch depth and resharding that fxshard
     predicts fastest within ``memory_budget``, chosen from a trace of the model
-    (``fxshard.driver.plan_auto``). ``units`` pins the unit boundaries: then only buckets,
+    (``fxshard.driver.compile.plan_auto``). ``units`` pins the unit boundaries: then only buckets,
     prefetch and resharding are chosen. ``extrapolate``: a model most of whose parameters
     are a stack of many identical blocks (a ``ModuleList`` or ``Sequential`` of at least
     ``fxshard.ir.auto.MIN_BLOCKS``) is predicted from its first 3, 4 and 5 blocks and scaled

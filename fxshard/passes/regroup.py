@@ -3,7 +3,7 @@
 ``policy=auto()`` compares plans that differ in their units. Tracing the model once per
 plan costs AOTAutograd's capture each time (about 50 s for Llama-3-70B), so auto() traces
 once, under the *finest* plan (every module that owns parameters a unit of its own,
-``fxshard.driver.plan_auto.FINEST``), and rewrites that joint graph to each candidate's groups
+``fxshard.driver.compile.plan_auto.FINEST``), and rewrites that joint graph to each candidate's groups
 here. Every unit of any policy is a union of the finest plan's units, so every parameter
 of a candidate's group is a slot of one of the traced groups.
 

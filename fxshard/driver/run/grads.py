@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxshard.driver.runtime import comm_device
+from fxshard.driver.run.runtime import comm_device
 from fxshard.ir import compat
 
 

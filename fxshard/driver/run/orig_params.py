@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from fxshard.driver.grads import ShardGrad
+from fxshard.driver.run.grads import ShardGrad
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ParamSlot, ShardPlan
 

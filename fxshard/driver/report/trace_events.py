@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.driver.report import Report
+from fxshard.driver.report.step_report import Report
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains

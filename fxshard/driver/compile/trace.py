@@ -38,7 +38,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from fxshard.driver.guards import Recorder, recording
+from fxshard.driver.compile.guards import Recorder, recording
 from fxshard.ir import compat, meta
 from fxshard.ir.compat import aot_module_simplified, pytree
 from fxshard.ir.errors import FxShardError, SourceLine, TraceError
@@ -268,7 +268,7 @@ class StepFunction(TracedStep):
         self.precision = precision
         self.output_spec: OutputSpec | None = None
         self.failed_in: str | None = None
-        self.reads = Recorder()  # the constant attributes the forward read (fxshard.driver.guards)
+        self.reads = Recorder()  # the constant attributes the forward read (fxshard.driver.compile.guards)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tensors = parameter_views(

@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from fxshard.driver.consistency import agree, describe_step, with_buffer_broadcast
-from fxshard.driver.orig_params import OrigParams
-from fxshard.driver.runtime import Abandoned, World, broadcast_buffers, collective_failure
-from fxshard.driver.steps import CompiledStep, Schedule
+from fxshard.driver.run.consistency import agree, describe_step, with_buffer_broadcast
+from fxshard.driver.run.orig_params import OrigParams
+from fxshard.driver.run.runtime import Abandoned, World, broadcast_buffers, collective_failure
 from fxshard.ir import compat
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes.context import GradSync
+
+if TYPE_CHECKING:
+    from fxshard.driver.compile.steps import CompiledStep, Schedule  # the compile's values
 
 
 class RunState:

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxshard.driver.codegen import GraphCompiler, Splits
-from fxshard.driver.report import Report, build_report
-from fxshard.driver.runtime import World, comm_device
-from fxshard.driver.steps import Schedule
+from fxshard.driver.compile.codegen import GraphCompiler, Splits
+from fxshard.driver.compile.steps import Schedule
+from fxshard.driver.report.step_report import Report, build_report
+from fxshard.driver.run.runtime import World, comm_device
 from fxshard.ir import compat, meta
 from fxshard.ir.budget import MIB, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxshard.driver import rehearsal
+from fxshard.driver.run import rehearsal
 from fxshard.ir import compat
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ShardPlan

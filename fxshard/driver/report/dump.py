@@ -21,8 +21,8 @@ from pathlib import Path
 import networkx as nx
 import torch.fx as fx
 
-from fxshard.driver.report import Report
-from fxshard.driver.trace_events import write_trace
+from fxshard.driver.report.step_report import Report
+from fxshard.driver.report.trace_events import write_trace
 from fxshard.ir.plan import ShardPlan
 
 log = logging.getLogger("fxshard")
@@ -89,7 +89,7 @@ def write_dump(directory: Path, *, plan: ShardPlan, graphs: dict[str, fx.GraphMo
     write(directory / "units.dot", _dot(units))
     written.append(write_trace(directory / "trace.json", graphs, report))
     try:
-        from fxshard.driver.timeline import draw_timeline
+        from fxshard.driver.report.timeline import draw_timeline
     except ImportError as e:  # matplotlib is an optional extra
         log.warning("fxshard: no timeline picture (%s); install matplotlib (from a clone: "
                     "pip install -e \".[viz]\")", e)

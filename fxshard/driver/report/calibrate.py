@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxshard.driver import rehearsal
-from fxshard.driver.runtime import World, comm_device
+from fxshard.driver.run import rehearsal
+from fxshard.driver.run.runtime import World, comm_device
 from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
 from fxshard.ir.compat import pytree

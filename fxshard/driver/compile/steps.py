@@ -10,9 +10,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxshard.driver.dump import PassLog
-from fxshard.driver.guards import MAX_VARIANTS, Guards
-from fxshard.driver.trace import OutputSpec
+from fxshard.driver.compile.guards import MAX_VARIANTS, Guards
+from fxshard.driver.compile.trace import OutputSpec
+from fxshard.driver.report.dump import PassLog
 from fxshard.ir.auto import AutoChoice
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.checkpointing import Checkpointing

@@ -9,7 +9,6 @@ fxshard.measure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -53,7 +52,7 @@ class Report:
     buffer_bytes: int  # module buffers (BatchNorm statistics)
     input_bytes: int
     # Bus bytes per rank, per kind and "total". "agreement" is the ranks' 8-byte
-    # all_gather before each phase (driver/consistency.py); "broadcast" is rank
+    # all_gather before each phase (driver/run/consistency.py); "broadcast" is rank
     # 0's buffers, with broadcast_buffers (what each other rank receives).
     comm_bytes_per_step: dict[str, int]
     units: tuple[UnitReport, ...]
@@ -218,11 +217,6 @@ def timed(report: Report, time: StepTime, optimizer_seconds: float = 0.0) -> Rep
 
 _WHERE = {"shard": "inside the shard group", "replicate": "between replicas",
           "partition": "inside hpZ's partitions"}
-
-
-def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:
-    """"float32[4, 12], int64[4]": dtypes and shapes, as messages and reports show inputs."""
-    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
 
 
 def _tensor_bytes(tensors: list[torch.Tensor]) -> int:

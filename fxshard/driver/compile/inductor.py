@@ -30,7 +30,7 @@ graph names and resolves only when it runs (process groups by name, fxshard's
 operators) is resolved in the new process, hit or miss. A hit on one rank and a miss
 on another run the same collectives: each rank already compiles its own graph, and a
 hit returns what compiling that same graph with the same configuration and release
-made before; the ranks' agreement (``driver/consistency.py``) fingerprints the
+made before; the ranks' agreement (``driver/run/consistency.py``) fingerprints the
 emitted graphs, which the cache does not change.
 
 AOTAutograd's own cache (``torch._functorch.config.enable_autograd_cache``) does not

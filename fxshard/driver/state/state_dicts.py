@@ -46,14 +46,13 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxshard.driver.compiler import Driver
-from fxshard.driver.runtime import (
+from fxshard.driver.run.runtime import (
     World,
     comm_device,
     full_parameters,
@@ -73,6 +72,9 @@ from fxshard.ir.compat import (
 from fxshard.ir.compat import reparametrize_module as _reparametrize_module
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.plan import FlatGroup, ParamSlot
+
+if TYPE_CHECKING:
+    from fxshard.driver.compile.compiler import Driver  # whose plan, shards and world it reads
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 

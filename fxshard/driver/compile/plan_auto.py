@@ -39,12 +39,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import calibrate, plan_budget
-from fxshard.driver.codegen import GraphCompiler, Planner, Splits, layout_of
-from fxshard.driver.plan_budget import largest_over_ranks
-from fxshard.driver.report import Report
-from fxshard.driver.runtime import World
-from fxshard.driver.steps import CompiledStep, Schedule
+from fxshard.driver.compile import plan_budget
+from fxshard.driver.compile.codegen import GraphCompiler, Planner, Splits, layout_of
+from fxshard.driver.compile.plan_budget import largest_over_ranks
+from fxshard.driver.compile.steps import CompiledStep, Schedule
+from fxshard.driver.report import calibrate
+from fxshard.driver.report.step_report import Report
+from fxshard.driver.run.runtime import World
 from fxshard.ir.auto import (
     MIB,
     MIN_NODES,
@@ -76,7 +77,7 @@ FINEST = by_size(1)
 
 
 class Driver(Protocol):
-    """What this module uses of ``fxshard.driver.compiler.Driver`` (which imports this
+    """What this module uses of ``fxshard.driver.compile.compiler.Driver`` (which imports this
     module, so it is not imported here)."""
 
     config: CompileConfig

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxshard.driver.runtime import World, comm_device
+from fxshard.driver.run.runtime import World, comm_device
 from fxshard.ir import predicates as P
 from fxshard.ir.compat import OpOverload, TorchDispatchMode
 from fxshard.ir.errors import FxShardError

@@ -34,17 +34,20 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.driver import calibrate, grads, orig_params, plan_auto, plan_budget
-from fxshard.driver.codegen import GraphCompiler, Planner, layout_of
-from fxshard.driver.consistency import AGREEMENT_BYTES
-from fxshard.driver.dump import PassLog, write_dump
-from fxshard.driver.guards import Guards, guards_of
-from fxshard.driver.inductor import compile_graph
-from fxshard.driver.init import broadcast_shards, materialise_shards
-from fxshard.driver.orig_params import OrigParams
-from fxshard.driver.report import Report, build_report, describe_tensors, timed
-from fxshard.driver.run_state import RunState
-from fxshard.driver.runtime import (
+from fxshard.driver.compile import plan_auto, plan_budget
+from fxshard.driver.compile.codegen import GraphCompiler, Planner, layout_of
+from fxshard.driver.compile.guards import Guards, guards_of
+from fxshard.driver.compile.inductor import compile_graph
+from fxshard.driver.compile.steps import CompiledStep, Schedule, StepCache
+from fxshard.driver.compile.trace import StepFunction, TracedStep, trace_step
+from fxshard.driver.report import calibrate
+from fxshard.driver.report.dump import PassLog, write_dump
+from fxshard.driver.report.step_report import Report, build_report, timed
+from fxshard.driver.run import grads, orig_params
+from fxshard.driver.run.consistency import AGREEMENT_BYTES, describe_tensors
+from fxshard.driver.run.orig_params import OrigParams
+from fxshard.driver.run.run_state import RunState
+from fxshard.driver.run.runtime import (
     World,
     check_steps,
     comm_device,
@@ -56,8 +59,7 @@ from fxshard.driver.runtime import (
     strip_parameters,
     with_comm_groups,
 )
-from fxshard.driver.steps import CompiledStep, Schedule, StepCache
-from fxshard.driver.trace import StepFunction, TracedStep, trace_step
+from fxshard.driver.state.init import broadcast_shards, materialise_shards
 from fxshard.ir import compat
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
@@ -165,9 +167,9 @@ class Driver:
     def shard(self, module: nn.Module, *, allow_meta: bool = False, example_inputs: Any = None) -> list[nn.Parameter]:
         """Plan ``module`` and make this rank's flat shards: copied out of it (the module is
         unchanged), initialised module by module if it is on the meta device
-        (``fxshard.driver.init``), or broadcast from rank 0 (``sync_module_states``).
+        (``fxshard.driver.state.init``), or broadcast from rank 0 (``sync_module_states``).
         Under ``policy=auto()`` the plan and schedule are first chosen from traces of the
-        model on ``example_inputs`` (``fxshard.driver.plan_auto``)."""
+        model on ``example_inputs`` (``fxshard.driver.compile.plan_auto``)."""
         refuse_sharded_again(module)
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:

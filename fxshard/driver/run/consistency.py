@@ -19,14 +19,13 @@ a barrier) raises after the driver's timeout; see ``runtime.with_comm_groups``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxshard.driver.report import describe_tensors
-from fxshard.driver.runtime import World, comm_device, wait_within
+from fxshard.driver.run.runtime import World, comm_device, wait_within
 from fxshard.ir import compat
 from fxshard.ir.collectives import Collective
 from fxshard.ir.errors import CollectiveMismatchError, FxShardError
@@ -98,3 +97,8 @@ def _mismatch(descriptions: list[Description | None], world: World) -> str:
         "shapes may differ where they change no collective (a smaller last batch)."
     )
     return "\n".join(lines)
+
+
+def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:
+    """"float32[4, 12], int64[4]": dtypes and shapes, as messages and reports show inputs."""
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)

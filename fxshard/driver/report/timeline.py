@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
-from fxshard.driver.report import Report  # noqa: E402
+from fxshard.driver.report.step_report import Report  # noqa: E402
 from fxshard.ir import meta  # noqa: E402
 from fxshard.ir import predicates as P  # noqa: E402
 from fxshard.ir.analysis import aliases, order_of  # noqa: E402

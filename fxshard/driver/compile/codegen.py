@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxshard.driver.runtime import Abandoned, World, collective_failure, settle
-from fxshard.driver.steps import Schedule
+from fxshard.driver.compile.steps import Schedule
+from fxshard.driver.run.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import chains, new_chain_id
