@@ -7,6 +7,7 @@ ranks (in this process).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -273,3 +274,38 @@ def test_hsdp_with_hpz_inside_gathers_in_the_row_keeps_a_piece_per_partition_and
         assert reductions and all(c.lowering == "reduce_scatter_all_reduce"
                                   and _dimension(sharded, c) == ["shard", "replicate"]
                                   and ranks(c) == [[4, 5, 6, 7], [1, 5]] for c in reductions)
+
+
+def _gather_then_traced(site: Site, ctx: Any) -> fx.Node:
+    """A lowering whose dequantization is plain torch code, spliced in by ChainBuilder.traced."""
+    shard = ctx.layout.shard
+    b = ChainBuilder(site, Direction.GATHER, "gather_then_traced", ctx.unit_of(site.marker.group))
+    wait = b.collective(P.ALL_GATHER, (b.cast(site.value, site.marker.compute_dtype), shard.size, shard.name),
+                        Role.ALL_GATHER)
+    return b.traced(_SPLICED, wait, factor=2.0, role=Role.DEQUANTIZE)
+
+
+def _doubled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return (x * factor).view(-1).detach()
+
+
+def _with_a_constant(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * torch.tensor([factor])
+
+
+_SPLICED = _doubled
+
+
+def test_a_traced_function_is_spliced_in_as_the_chains_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ChainBuilder.traced: the function's ops become chain nodes with their role and fake
+    values (make_fx's detach is dropped); a function that makes a constant tensor is refused."""
+    monkeypatch.setitem(LOWERINGS, LoweringKey(Direction.GATHER, "sharded"), _gather_then_traced)
+    with fake_world(4):
+        sharded = _compiled()
+        for c in [c for c in chains(sharded.graphs["forward"].graph) if c.gathers]:
+            spliced = [n for n in c.tail if meta.role_of(n) is Role.DEQUANTIZE]
+            assert [n.target for n in spliced] == [torch.ops.aten.mul.Tensor, torch.ops.aten.view.default]
+            assert c.result is spliced[-1] and all(isinstance(n.meta["val"], torch.Tensor) for n in spliced)
+        monkeypatch.setattr(sys.modules[__name__], "_SPLICED", _with_a_constant)
+        with pytest.raises(Exception, match="may make no constant tensors"):
+            _compiled()

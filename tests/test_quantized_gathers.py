@@ -253,3 +253,43 @@ def test_bad_quantized_gathers_are_refused_with_the_fix() -> None:
     with pytest.raises(FxShardError, match="this plan gathers none: a NO_SHARD mesh"):
         fxshard.explain(MLP(), (torch.randn(2, 12),), by_class(nn.Linear), mesh_shape=(4, 1),
                         mixed_precision=_precision(torch.int8))
+
+
+def test_explain_predicts_the_quantized_bytes_at_any_world_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """The third front end: `fxshard explain --gather-dtype` at 8 ranks prints the quantized
+    groups in the plan and half of bf16's all-gather bytes."""
+    from fxshard import cli
+
+    def all_gather_mib(*extra: str) -> float:
+        assert cli.main(["explain", "tests/models.py:TinyGPT", "--world-size", "8", "--policy", "by_class(Block)",
+                         "--input-shape", "2,16", "--mixed-precision", "bf16", *extra]) == 0
+        out = capsys.readouterr().out
+        quantized = "gathered as int8/block" in out
+        assert quantized == bool(extra), out
+        return float(next(line.split()[1] for line in out.splitlines() if line.strip().startswith("all_gather ")))
+
+    bf16 = all_gather_mib()
+    int8 = all_gather_mib("--gather-dtype", "int8", "--gather-scaling", "block")
+    assert 0.45 * bf16 <= int8 <= 0.55 * bf16
+    assert cli.main(["explain", "tests/models.py:TinyGPT", "--world-size", "8", "--input-shape", "2,16",
+                     "--gather-scaling", "block"]) != 0
+    assert "--gather-scaling needs --gather-dtype" in capsys.readouterr().err
+
+
+def test_offload_and_hpz_wrap_a_quantized_gather_like_any_other() -> None:
+    """Offload's row copies the shard to the device first, inside the chain; hpZ keeps a piece
+    of the dequantized buffer and gathers it within the partition in backward (4 fake ranks,
+    every pass verified)."""
+    precision = _precision(torch.int8, "tensor")
+    offloaded, _ = _gathers(precision, offload_policy=fxshard.CPUOffloadPolicy())
+    found = [c for c in chains(offloaded.graphs["forward"].graph) if c.gathers]
+    assert found and all(c.lowering == "all_gather_quantized_tensor_from_host" for c in found)
+    for c in found:
+        assert meta.role_of(c.issue[0]) is Role.TO_DEVICE
+        assert [meta.role_of(n) for n in c.collectives] == [Role.ALL_REDUCE, Role.ALL_GATHER]
+    hpz, _ = _gathers(precision, reshard_after_forward=2)
+    kept = [c for c in chains(hpz.graphs["forward"].graph) if c.kept]
+    assert kept and all(c.lowering == "all_gather_quantized_tensor" for c in kept)
+    within = [c for c in chains(hpz.graphs["backward"].graph) if c.lowering == "all_gather_within"]
+    assert sorted(c.group for c in within) == sorted(c.group for c in kept)
+    assert all(c.result.meta["val"].dtype == torch.bfloat16 for c in within)

@@ -46,6 +46,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   rewritten joint graph to it.
 - ``boxed``, ``is_boxed`` (a function's ``_boxed_call``): AOTAutograd's calling convention
   for compiled graphs, which lets inputs die at their last use.
+- ``make_fx`` (``torch.fx.experimental.proxy_tensor``): a lowering's plain torch function traced
+  under the graph's fake mode into nodes it splices in (``ChainBuilder.traced``).
 - ``detect_fake_mode`` (``torch._guards``), ``fake_tensor`` (``torch._subclasses``): nodes'
   ``meta["val"]`` are computed under the trace's fake mode; its exceptions classify trace failures.
 - ``pytree`` (``torch.utils._pytree``): the flattening AOTAutograd and Dynamo use, with the types
@@ -150,6 +152,7 @@ from torch.distributed.checkpoint.state_dict_loader import (
 )
 from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
 from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
@@ -166,7 +169,7 @@ __all__ = [
     "flatten_state_dict", "foreach_norm", "functorch_config", "gloo_threads", "group_timeout",
     "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
     "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "lazy_graph_modules",
-    "load_state_dict_from_keys", "make_graph_module",
+    "load_state_dict_from_keys", "make_fx", "make_graph_module",
     "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
     "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",

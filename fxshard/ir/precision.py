@@ -41,8 +41,7 @@ QUANTIZED_MAX: dict[torch.dtype, float] = {
     torch.int8: 127.0,  # symmetric: -127..127
 }
 SCALINGS = ("tensor", "block")
-# "block": elements per block, at most (a block size that divides the shard, down to half of
-# this, is taken when there is one: no padding, and no copy after the gather).
+# "block": elements per block, at most (Quantized.block).
 QUANTIZE_BLOCK = 256
 
 
@@ -59,11 +58,13 @@ class Quantized:
         return QUANTIZED_MAX[self.dtype]
 
     def block(self, shard_numel: int) -> int:
-        """The block length for a shard of ``shard_numel`` elements ("block" scaling)."""
-        if shard_numel <= QUANTIZE_BLOCK:  # one block, a multiple of 4 elements (the scales' alignment)
-            return -(-shard_numel // 4) * 4
-        return next((b for b in range(QUANTIZE_BLOCK, QUANTIZE_BLOCK // 2 - 1, -4) if shard_numel % b == 0),
-                    QUANTIZE_BLOCK)
+        """The block length for a shard of ``shard_numel`` elements ("block" scaling): as few
+        blocks as hold at most ``QUANTIZE_BLOCK`` elements each, as equal as a multiple of 4
+        elements allows (the scales' alignment in the gathered bytes), so a shard is padded
+        by less than 4 elements a block."""
+        blocks = -(-shard_numel // QUANTIZE_BLOCK)
+        per_block = -(-shard_numel // blocks)
+        return -(-per_block // 4) * 4
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}/{self.scaling}"

@@ -16,11 +16,11 @@ gather     sharded           dtype       device     ``all_gather``: cast, all_ga
                                                     shard group, wait
 gather     partition         dtype       device     ``all_gather_within``: hpZ's kept piece
                                                     gathered over the partition (backward)
-gather     local, sharded,   quantized_  device     ``_quantized_tensor``: an amax per parameter,
+gather     local, sharded,   quantized_  device     ``all_gather_quantized_tensor``: an amax per parameter,
            hybrid            tensor                 all_reduced (MAX) over the shard group, the
                                                     shard quantized, its bytes gathered (uint8),
                                                     dequantized per parameter
-gather     local, sharded,   quantized_  device     ``_quantized_block``: the shard quantized in
+gather     local, sharded,   quantized_  device     ``all_gather_quantized_block``: the shard quantized in
            hybrid            block                  blocks with a scale each; data and scales in
                                                     one uint8 gather, dequantized per rank's row
 gather     partition         quantized_* device     ``all_gather_within``: hpZ's kept piece of
@@ -60,6 +60,7 @@ offload's and the quantized gathers'.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,12 +68,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.ir import meta
+from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.chains import new_chain_id, tag_of
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.meta import ChainTag, Direction, Role
 from fxshard.ir.nodes import call
+from fxshard.ir.plan import FlatGroup
+from fxshard.ir.precision import Quantized
 
 from .context import PassContext
 
@@ -142,6 +145,38 @@ class ChainBuilder:
             node = call(self.gm.graph, target, args, op_kwargs)
         node.meta.update(meta.provenance(self.like))
         return self.tag_node(node, role)
+
+    def traced(self, fn: Callable[..., torch.Tensor], *inputs: fx.Node, role: Role = Role.QUANTIZE,
+               **static: Any) -> fx.Node:
+        """``fn(*inputs, **static)``, plain torch code on the inputs' tensors, traced under the
+        graph's fake mode (``make_fx``) and spliced in before the chain's insertion point:
+        every node it makes is a node of this chain with ``role`` and the ``meta["val"]`` its
+        trace computed. ``static`` are the Python values it is specialised on (sizes, spans,
+        dtypes). Returns the node of its one result."""
+        values = [n.meta["val"] for n in inputs]
+        traced = compat.make_fx(functools.partial(fn, **static))(*values)
+        env: dict[fx.Node, fx.Node] = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
+        result: Any = None
+        with self.gm.graph.inserting_before(self.at):
+            for node in traced.graph.nodes:
+                if node.op == "output":
+                    result = fx.map_arg(node.args[0], env.__getitem__)
+                elif node.target is aten.detach.default:  # make_fx's, after a view of another dtype
+                    env[node] = env[node.args[0]]
+                elif node.op == "call_function":
+                    copy = self.gm.graph.node_copy(node, env.__getitem__)
+                    copy.meta = {"val": node.meta["val"], **meta.provenance(self.like)}
+                    env[node] = self.tag_node(copy, role)
+                elif node.op != "placeholder":
+                    raise GraphInvariantError(f"{fn.__name__} traced to a {node.op} node ({node.target}): "
+                                              "a lowering's function may make no constant tensors")
+        if not isinstance(result, fx.Node):
+            raise GraphInvariantError(f"{fn.__name__} must return one tensor, not {result!r}")
+        # What the trace made that nothing reads (a zero no parameter needed): pure ops, dropped.
+        for copy in reversed([n for n in env.values() if n not in inputs]):
+            if not copy.users and copy is not result:
+                self.gm.graph.erase_node(copy)
+        return result
 
     def cast(self, value: fx.Node, dtype: torch.dtype | None, role: Role = Role.CAST, *,
              before: fx.Node | None = None, after: fx.Node | None = None) -> fx.Node:
@@ -271,43 +306,37 @@ all_gather_sum = _terms("all_gather_sum")
 
 
 # -- quantized gathers (MixedPrecision(gather_dtype=...)) ------------------------------------
+#
+# What a quantized gather computes is written as plain torch code on tensors below, and
+# ChainBuilder.traced splices each function into the graph, traced under the graph's fake mode;
+# the lowerings only say where the collectives go between them.
 
 
-class _Quantizer:
-    """The nodes of one quantized gather, made by ``b`` (one chain), or untagged on one rank."""
-
-    def __init__(self, b: ChainBuilder, site: Site, ctx: PassContext):
-        self.b, self.group = b, ctx.plan.groups[site.marker.group]
-        assert self.group.quantized is not None
-        self.q = self.group.quantized
-        self.compute = self.group.compute_dtype
-
-    def op(self, target: Any, *args: Any, role: Role = Role.QUANTIZE) -> fx.Node:
-        return self.b.add(target, args, role)
-
-    def scales(self, amax: fx.Node) -> fx.Node:
-        """The scales (amax / the dtype's largest value), in the compute dtype: rounded once, and
-        then used both to quantize and to dequantize, so both sides agree on them."""
-        # A parameter (a block) of zeros: a scale of 1e-12 / max, which bfloat16 holds, not 0.
-        scale = self.op(aten.div.Tensor, self.op(aten.clamp_min.default, amax, 1e-12), self.q.max)
-        return self.b.cast(scale, self.compute, Role.QUANTIZE)
-
-    def bytes_of(self, value: fx.Node, scale: fx.Node) -> fx.Node:
-        """``value`` / ``scale``, rounded into the gather dtype (saturating at its largest
-        value), as uint8: what gloo and NCCL both carry."""
-        scaled = self.op(aten.div.Tensor, value, self.b.cast(scale, value.meta["val"].dtype, Role.QUANTIZE))
-        if self.q.dtype is torch.int8:
-            scaled = self.op(aten.round.default, scaled)
-        scaled = self.op(aten.clamp.default, scaled, -self.q.max, self.q.max)
-        return self.op(aten.view.dtype, self.op(CONVERT, scaled, self.q.dtype), torch.uint8)
-
-    def values(self, data: fx.Node) -> fx.Node:
-        """Gathered uint8 bytes back as values of the compute dtype (unscaled)."""
-        return self.op(CONVERT, self.op(aten.view.dtype, data, self.q.dtype, role=Role.DEQUANTIZE),
-                       self.compute, role=Role.DEQUANTIZE)
+def _scales(amax: torch.Tensor, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """amax / the dtype's largest value, rounded once to the compute dtype: then used both to
+    quantize and to dequantize, so both sides agree on it. A parameter (a block) of zeros
+    gets 1e-12 / max, which bfloat16 holds, not 0."""
+    return (amax.clamp_min(1e-12) / q.max).to(compute)
 
 
-def _spans(group: Any, lo: int, hi: int) -> list[tuple[int | None, int, int]]:
+def _bytes(values: torch.Tensor, scales: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """``values`` / ``scales``, rounded into the gather dtype (saturating at its largest
+    value), as uint8: what gloo and NCCL both carry."""
+    scaled = values / scales.to(values.dtype)
+    if q.dtype is torch.int8:
+        scaled = scaled.round()
+    return scaled.clamp(-q.max, q.max).to(q.dtype).view(torch.uint8)
+
+
+def _values(data: torch.Tensor, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """Gathered bytes back as values of the compute dtype, unscaled."""
+    return data.view(q.dtype).to(compute)
+
+
+Spans = list[tuple[int | None, int, int]]  # (parameter index or None for a gap, start, stop)
+
+
+def _spans(group: FlatGroup, lo: int, hi: int) -> Spans:
     """The parameters (their index in the group, or None for a gap or the padding) of the
     flat layout's range [lo, hi), as (index, start, stop) relative to ``lo``."""
     found, offset = [], 0
@@ -320,85 +349,95 @@ def _spans(group: Any, lo: int, hi: int) -> list[tuple[int | None, int, int]]:
     return found
 
 
-def _quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
+def _amax_per_parameter(shard: torch.Tensor, here: Spans, count: int) -> torch.Tensor:
+    """The largest magnitude of each of the group's ``count`` parameters in this shard (0 for
+    one it holds none of)."""
+    magnitude = shard.abs()
+    found = {i: magnitude[start:stop].amax() for i, start, stop in here if i is not None}
+    zero = magnitude.new_zeros(())
+    return torch.stack([found.get(i, zero) for i in range(count)])
+
+
+def _quantize_per_parameter(shard: torch.Tensor, scales: torch.Tensor, here: Spans, q: Quantized) -> torch.Tensor:
+    """The shard's bytes, each element scaled by its parameter's scale (1 in the gaps)."""
+    one = scales.new_ones(())
+    pieces = [(one if i is None else scales[i]).expand(stop - start) for i, start, stop in here]
+    return _bytes(shard, torch.cat(pieces) if len(pieces) > 1 else pieces[0], q)
+
+
+def _dequantize_per_parameter(data: torch.Tensor, scales: torch.Tensor, spans: Spans, q: Quantized,
+                              compute: torch.dtype) -> torch.Tensor:
+    """The gathered flat buffer in the compute dtype, each parameter multiplied by its scale."""
+    values = _values(data, q, compute)
+    pieces = [values[start:stop] if i is None else values[start:stop] * scales[i] for i, start, stop in spans]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     """torchao's float8 all-gather: a scale per parameter, from its largest magnitude over the
     ranks (an all_reduce, MAX, of this shard's per-parameter maxima), the shard quantized with
     it and its bytes gathered; each parameter's values are dequantized with its scale. The
     all_reduce, its wait and the quantization are declared part of the chain's issue, so
     prefetch moves them ahead with the gather."""
     m, layout = site.marker, ctx.layout
+    group = ctx.plan.groups[m.group]
+    q, compute = group.quantized, group.compute_dtype
+    assert q is not None
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(m.group))
-    z = _Quantizer(b, site, ctx)
-    group, shard = z.group, site.value
     lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
     here = _spans(group, lo, hi)
     with b.issuing():
-        magnitude = z.op(aten.abs.default, shard)
-        maxima = {i: z.op(aten.amax.default, z.op(aten.slice.Tensor, magnitude, 0, start, stop), [0])
-                  for i, start, stop in here if i is not None}
-        zero = None
-        columns = []
-        for k in range(len(group.params)):
-            if k not in maxima and zero is None:
-                zero = z.op(aten.new_zeros.default, magnitude, [])
-            columns.append(maxima.get(k, zero))
-        amax = z.op(aten.stack.default, columns)
+        amax = b.traced(_amax_per_parameter, site.value, here=here, count=len(group.params))
         if layout.communicates:
             amax = b.collective(P.ALL_REDUCE, (amax, "max", layout.shard.name), Role.ALL_REDUCE)
-        scales = z.scales(amax)
-        one = z.op(aten.new_ones.default, scales, []) if any(i is None for i, _, _ in here) else None
-        per_element = z.op(aten.cat.default, [
-            z.op(aten.expand.default, one if i is None else z.op(aten.select.int, scales, 0, i), [stop - start])
-            for i, start, stop in here])
-        data = z.bytes_of(shard, per_element)
+        scales = b.traced(_scales, amax, q=q, compute=compute)
+        data = b.traced(_quantize_per_parameter, site.value, scales, here=here, q=q)
     if layout.communicates:
         data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
-    values = z.values(data)
-    pieces = []
-    for i, start, stop in _spans(group, 0, group.padded_numel):
-        piece = z.op(aten.slice.Tensor, values, 0, start, stop, role=Role.DEQUANTIZE)
-        if i is not None:
-            piece = z.op(aten.mul.Tensor, piece, z.op(aten.select.int, scales, 0, i, role=Role.DEQUANTIZE),
-                         role=Role.DEQUANTIZE)
-        pieces.append(piece)
-    return z.op(aten.cat.default, pieces, role=Role.DEQUANTIZE) if len(pieces) > 1 else pieces[0]
+    return b.traced(_dequantize_per_parameter, data, scales, spans=_spans(group, 0, group.padded_numel),
+                    q=q, compute=compute, role=Role.DEQUANTIZE)
 
 
-def _quantized_block(site: Site, ctx: PassContext) -> fx.Node:
+def _quantize_blocks(shard: torch.Tensor, block: int, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """The shard padded to whole blocks, each block scaled by its own largest magnitude: its
+    bytes, then its scales' bytes, in one uint8 tensor."""
+    blocks = -(-shard.numel() // block)
+    if blocks * block != shard.numel():
+        shard = torch.nn.functional.pad(shard, (0, blocks * block - shard.numel()))
+    rows = shard.view(blocks, block)
+    scales = _scales(rows.abs().amax(1, keepdim=True), q, compute)
+    return torch.cat([_bytes(rows, scales, q).view(-1), scales.view(torch.uint8).view(-1)])
+
+
+def _dequantize_blocks(payload: torch.Tensor, ranks: int, length: int, block: int, q: Quantized,
+                       compute: torch.dtype) -> torch.Tensor:
+    """Every rank's row of the gathered bytes: its blocks' values times their scales, trimmed
+    to the shard's length, the rows end to end."""
+    blocks = -(-length // block)
+    table = payload.view(ranks, -1)
+    values = _values(table[:, :blocks * block], q, compute).view(ranks, blocks, block)
+    scales = table[:, blocks * block:].view(compute).view(ranks, blocks, 1)
+    full = (values * scales).view(ranks, blocks * block)
+    return full.view(-1) if blocks * block == length else full[:, :length].reshape(-1)
+
+
+def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     """ZeRO++'s qwZ: each shard quantized in blocks (``Quantized.block``), each block with
     its own scale; the data and the scales travel in one uint8 gather, so there is no other
     collective. Each rank's row is dequantized with its own scales."""
     m, layout = site.marker, ctx.layout
+    group = ctx.plan.groups[m.group]
+    q, compute = group.quantized, group.compute_dtype
+    assert q is not None
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(m.group))
-    z = _Quantizer(b, site, ctx)
     ranks = layout.shard.size if layout.communicates else 1
-    length = z.group.shard_numel if layout.communicates else z.group.padded_numel
-    block = z.q.block(length)
-    blocks = -(-length // block)
-    padded = blocks * block
-    shard = site.value
-    if padded != length:
-        shard = z.op(aten.constant_pad_nd.default, shard, [0, padded - length], 0.0)
-    rows = z.op(aten.view.default, shard, [blocks, block])
-    scales = z.scales(z.op(aten.amax.default, z.op(aten.abs.default, rows), [1], True))
-    data = z.op(aten.view.default, z.bytes_of(rows, scales), [padded])
-    scale_bytes = z.op(aten.view.default, z.op(aten.view.dtype, scales, torch.uint8), [-1])
-    payload = z.op(aten.cat.default, [data, scale_bytes])
-    width = payload.meta["val"].numel()
+    length = group.shard_numel if layout.communicates else group.padded_numel
+    block = q.block(length)
+    payload = b.traced(_quantize_blocks, site.value, block=block, q=q, compute=compute)
     if layout.communicates:
         payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)
-    table = z.op(aten.view.default, payload, [ranks, width], role=Role.DEQUANTIZE)
-    values = z.values(z.op(aten.slice.Tensor, table, 1, 0, padded, role=Role.DEQUANTIZE))
-    values = z.op(aten.view.default, values, [ranks, blocks, block], role=Role.DEQUANTIZE)
-    their_scales = z.op(aten.view.dtype, z.op(aten.slice.Tensor, table, 1, padded, width, role=Role.DEQUANTIZE),
-                        z.compute, role=Role.DEQUANTIZE)
-    their_scales = z.op(aten.view.default, their_scales, [ranks, blocks, 1], role=Role.DEQUANTIZE)
-    full = z.op(aten.mul.Tensor, values, their_scales, role=Role.DEQUANTIZE)
-    if padded == length:
-        return z.op(aten.view.default, full, [ranks * length], role=Role.DEQUANTIZE)
-    full = z.op(aten.view.default, full, [ranks, padded], role=Role.DEQUANTIZE)
-    trimmed = z.op(aten.slice.Tensor, full, 1, 0, length, role=Role.DEQUANTIZE)
-    return z.op(aten.reshape.default, trimmed, [ranks * length], role=Role.DEQUANTIZE)
+    return b.traced(_dequantize_blocks, payload, ranks=ranks, length=length, block=block, q=q, compute=compute,
+                    role=Role.DEQUANTIZE)
 
 
 def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
@@ -457,7 +496,7 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     # dequantized: the same numbers). hpZ's backward gather moves a piece of the dequantized
     # buffer, as it is.
     **{LoweringKey(G, topology, wire=f"quantized_{scaling}"): lowering
-       for scaling, lowering in (("tensor", _quantized_tensor), ("block", _quantized_block))
+       for scaling, lowering in (("tensor", all_gather_quantized_tensor), ("block", all_gather_quantized_block))
        for topology in ("local", "sharded", "hybrid")},
     LoweringKey(G, "partition", wire="quantized_tensor"): all_gather_within,
     LoweringKey(G, "partition", wire="quantized_block"): all_gather_within,

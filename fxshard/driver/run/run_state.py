@@ -230,7 +230,7 @@ class RunState:
         if torch.is_grad_enabled() and step.trains:
             self.track_accumulation(step)
         try:
-            flat = step.fn(*inputs)
+            flat = self.launch(step, inputs)
         except BaseException as e:
             self.abandoned.leave("the forward", e)
             failure = collective_failure(e, self.world, "forward")
@@ -246,6 +246,13 @@ class RunState:
 
                 torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
         return step.output_spec.unflatten(flat)
+
+    def launch(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
+        """The step's device work and nothing else: its compiled forward (the backward runs
+        from autograd). This is the seam where a whole-step CUDA graph would replay a capture;
+        everything else ``run`` does around it (the checks, the agreement, the buffer
+        broadcast, the backward's hook) is per-step host work that stays outside."""
+        return step.fn(*inputs)
 
     def agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
               broadcast: bool = False) -> None:
