@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from fxshard.driver.compile.codegen import layout_of
 from fxshard.ir import analysis, meta
 from fxshard.ir import predicates as P
 from fxshard.ir.analysis import order_of
@@ -53,7 +52,7 @@ def _by_graph(sharded: Any) -> dict[str, list[Chain]]:
 
 def _dimension(sharded: Any, chain: Chain) -> list[str]:
     driver = sharded._driver
-    dims = layout_of(driver.world, bool(driver.config.inflight_groups)).dimensions()
+    dims = driver.layout.dimensions()
     return [dims[name][0] for name in chain.group_names]
 
 

@@ -62,7 +62,7 @@ class GraphCompiler:
     GraphModule itself, in the boxed calling convention).
     """
 
-    def __init__(self, plan: ShardPlan, world: World, schedule: Schedule,
+    def __init__(self, plan: ShardPlan, world: World, layout: Layout, schedule: Schedule,
                  on_pass: PassHook | None = None,
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
                  grad_sync: GradSync = REDUCE,
@@ -71,6 +71,7 @@ class GraphCompiler:
                  planner: Planner | None = None):
         self.plan = plan
         self.world = world
+        self.layout = layout  # the driver's, built once (Driver.layout)
         self.world_size = world.size
         self.group_name = world.group_name
         # What the passes run with: ``schedule``, or what ``planner`` returns from the joint
@@ -96,7 +97,7 @@ class GraphCompiler:
         return self.schedule.checkpointing
 
     def context(self, graph: GraphKind, num_user_outputs: int | None = None) -> PassContext:
-        return PassContext(self.plan, layout_of(self.world, bool(self.config.inflight_groups)), graph,
+        return PassContext(self.plan, self.layout, graph,
                            num_user_outputs=num_user_outputs, verify=self.config.verify,
                            options=self.config.options, grad_sync=self.grad_sync, accumulators=self.accumulators,
                            checkpointing=self.checkpointing, compute=self.config.compute)

@@ -120,6 +120,9 @@ class Driver:
         slots = config.options.max_inflight_gathers + 2 if config.inflight_groups else 1
         hpz = config.options.hpz_size(world.size) if world.size > 1 and not config.no_shard else None
         self.world: World = given or with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
+        # The passes' view of the world (ir/layout.py), built once: the shard group, HSDP's
+        # replicas, hpZ's partition, the in-flight slots' groups, this rank's place.
+        self.layout = layout_of(self.world, bool(config.inflight_groups))
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
@@ -389,7 +392,7 @@ class Driver:
                 return self._plan_budget(joint, joint_inputs, n, kwargs, buffer_bytes,
                                          sum(x.numel() * x.element_size() for x in inputs),
                                          describe_tensors(inputs), grad_sync, accumulators)
-        compiler = GraphCompiler(self.plan, self.world, self.schedule, on_pass=recorder,
+        compiler = GraphCompiler(self.plan, self.world, self.layout, self.schedule, on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync, accumulators=accumulators,
                                  abandoned=self.state.abandoned, planner=planner)
@@ -409,7 +412,7 @@ class Driver:
                 plan = self.plan.ordered_by_first_use(first_use_order(first.graph))
         compiled = CompiledStep(
             fn, graphs, step.output_spec,
-            step_collectives(graphs, layout_of(self.world, bool(self.config.inflight_groups)).dimensions()),
+            step_collectives(graphs, self.layout.dimensions()),
             compiler.num_user_outputs,
             recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
@@ -441,7 +444,7 @@ class Driver:
         (fxshard.ir.budget), kept for every later trace. The units it offloads move to the
         host now, and the trace's shards with them."""
         schedule = plan_budget.choose(
-            self.config, self.plan, self.world, self.budget_regions, self.shards, joint, joint_inputs,
+            self.config, self.plan, self.world, self.layout, self.budget_regions, self.shards, joint, joint_inputs,
             num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs,
             library_bytes=calibrate.library_bytes(self.device))
         assert schedule.budget is not None
@@ -492,8 +495,7 @@ class Driver:
         if rates is not None:
             # On the CPU, each matmul and convolution timed here once (calibrate.with_node_times).
             rates = self.rates = calibrate.with_node_times(rates, emitted_graphs(step.graphs), self.device)
-            layout = layout_of(self.world, bool(self.config.inflight_groups))
-            time = predict_step(emitted_graphs(step.graphs), rates, dimensions=layout.dimensions(),
+            time = predict_step(emitted_graphs(step.graphs), rates, dimensions=self.layout.dimensions(),
                                 units=[u.name for u in self.plan.units],
                                 agreement=(AGREEMENT_BYTES, self.world.job_size)
                                 if self.world.job_size > 1 else None)

@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.compile import plan_budget
-from fxshard.driver.compile.codegen import GraphCompiler, Planner, Splits, layout_of
+from fxshard.driver.compile.codegen import GraphCompiler, Planner, Splits
 from fxshard.driver.compile.plan_budget import largest_over_ranks
 from fxshard.driver.compile.steps import CompiledStep, Schedule
 from fxshard.driver.report import calibrate
@@ -67,6 +67,7 @@ from fxshard.ir.compat import pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.cost import PROFILES, Rates
 from fxshard.ir.errors import BudgetError, FxShardError, TraceError
+from fxshard.ir.layout import Layout
 from fxshard.ir.plan import ShardPlan, make_plan
 from fxshard.ir.wrapping import Auto, Policy, by_size
 from fxshard.passes.context import REDUCE
@@ -84,6 +85,7 @@ class Driver(Protocol):
     device: torch.device
     world: World
     rates: Rates | None
+    layout: Layout
     shards: list[nn.Parameter]
     budget_regions: Checkpointing | None
     trial_planner: Planner | None
@@ -261,7 +263,7 @@ def _whole(sample: Sample, candidate: Candidate, module: nn.Module, traced: Trac
     # ladder finds the fewest changes from it that fit (the first units resharded, the rest
     # kept), between the variants above; where none of them fits, it is the only way in.
     try:
-        laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.budget_regions,
+        laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.layout, trial.budget_regions,
                                       trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
                                       sample.input_bytes, library_bytes=calibrate.library_bytes(trial.device))
     except BudgetError as e:
@@ -506,9 +508,9 @@ def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_input
     """``schedule``'s graphs emitted from ``joint`` and predicted as ``report()`` predicts a
     step: the largest over the ranks. ``splits``: this plan's partitions of ``joint`` so far
     (``codegen.Splits``)."""
-    compiler = GraphCompiler(trial.plan, trial.world, schedule, grad_sync=REDUCE)
+    compiler = GraphCompiler(trial.plan, trial.world, trial.layout, schedule, grad_sync=REDUCE)
     graphs = (splits or Splits()).emit(compiler, joint, joint_inputs, n, kwargs)
-    dims = layout_of(trial.world, bool(trial.config.inflight_groups)).dimensions()
+    dims = trial.layout.dimensions()
     step = CompiledStep(_nothing, graphs, None, step_collectives(graphs, dims),  # type: ignore[arg-type]
                         n, [], input_bytes, buffer_bytes, schedule=schedule)
     report: Report = trial.report(step)

@@ -26,6 +26,7 @@ from fxshard.ir import compat, meta
 from fxshard.ir.budget import MIB, Candidate, Prediction, search
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.config import CompileConfig
+from fxshard.ir.layout import Layout
 from fxshard.ir.meta import Direction, Role
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes.context import REDUCE, GradSync
@@ -37,7 +38,7 @@ ACTIVATIONS = "activations and temporaries"
 STATE = "optimizer state"
 
 
-def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkpointing | None,
+def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout, regions: Checkpointing | None,
            shards: Sequence[torch.Tensor], joint: fx.GraphModule, joint_inputs: Any,
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
            input_bytes: int, grad_sync: GradSync = REDUCE,
@@ -65,7 +66,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, regions: Checkp
         # Checked once on the emitted graphs (always); after every pass only for the
         # schedule that runs (FXSHARD_VERIFY), not for each trial.
         trial_config = trial_config.with_options(verify=False)
-        trial = GraphCompiler(plan, world, Schedule.of(trial_config, checkpointing),
+        trial = GraphCompiler(plan, world, layout, Schedule.of(trial_config, checkpointing),
                               grad_sync=grad_sync, accumulators=accumulators)
         graphs = splits.emit(trial, joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
