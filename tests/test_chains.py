@@ -131,8 +131,8 @@ def _gather_then_scale(site: Site, ctx: Any) -> fx.Node:
     """A lowering with one node more than "all_gather" after the wait: a stand-in for an fp8
     gather's dequantization (a multiply by the scale)."""
     shard = ctx.layout.shard
-    b = ChainBuilder(site, Direction.GATHER, "gather_then_scale", ctx.unit_of(site.marker.group))
-    source = b.cast(site.value, site.marker.compute_dtype)
+    b = ChainBuilder(site, Direction.GATHER, "gather_then_scale", ctx.unit_of(site.group))
+    source = b.cast(site.value, site.compute_dtype)
     wait = b.collective(P.ALL_GATHER, (source, shard.size, shard.name), Role.ALL_GATHER)
     return b.add(torch.ops.aten.mul.Tensor, (wait, 1.0), Role.CAST_BACK, after=wait)
 
@@ -176,8 +176,8 @@ def _agree_then_gather(site: Site, ctx: Any) -> fx.Node:
     back after the wait (a stand-in for a quantized gather's amax, quantization and
     dequantization). The lowering declares the agreement part of the chain's issue."""
     shard = ctx.layout.shard
-    b = ChainBuilder(site, Direction.GATHER, "agree_then_gather", ctx.unit_of(site.marker.group))
-    source = b.cast(site.value, site.marker.compute_dtype)
+    b = ChainBuilder(site, Direction.GATHER, "agree_then_gather", ctx.unit_of(site.group))
+    source = b.cast(site.value, site.compute_dtype)
     with b.issuing():
         amax = b.add(torch.ops.aten.amax.default, (b.add(torch.ops.aten.abs.default, (source,), Role.CAST), [0]),
                      Role.CAST)
@@ -278,8 +278,8 @@ def test_hsdp_with_hpz_inside_gathers_in_the_row_keeps_a_piece_per_partition_and
 def _gather_then_traced(site: Site, ctx: Any) -> fx.Node:
     """A lowering whose dequantization is plain torch code, spliced in by ChainBuilder.traced."""
     shard = ctx.layout.shard
-    b = ChainBuilder(site, Direction.GATHER, "gather_then_traced", ctx.unit_of(site.marker.group))
-    wait = b.collective(P.ALL_GATHER, (b.cast(site.value, site.marker.compute_dtype), shard.size, shard.name),
+    b = ChainBuilder(site, Direction.GATHER, "gather_then_traced", ctx.unit_of(site.group))
+    wait = b.collective(P.ALL_GATHER, (b.cast(site.value, site.compute_dtype), shard.size, shard.name),
                         Role.ALL_GATHER)
     return b.traced(_SPLICED, wait, factor=2.0, role=Role.DEQUANTIZE)
 

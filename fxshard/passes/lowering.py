@@ -96,14 +96,29 @@ class LoweringKey:
 
 @dataclass(frozen=True)
 class Site:
-    """Where a lowering works: the marker (or, for hpZ's backward gather, the saved piece) it
-    lowers, the value it gathers or reduces (a ``no_sync`` flush's sum), and the node its
-    nodes go before."""
+    """Where a lowering works and what it is told: the flat group; the node whose place it
+    takes and whose provenance its nodes carry (a marker, or for hpZ's backward gather the
+    saved piece); the value it gathers or reduces (a ``no_sync`` flush's sum); the node its
+    nodes go before; and the dtypes a marker carries (None: no cast)."""
 
     gm: fx.GraphModule
-    marker: P.Marker
+    group: int
+    like: fx.Node
     value: fx.Node
     before: fx.Node
+    compute_dtype: torch.dtype | None = None  # a gather's: what the unit computes in
+    reduce_dtype: torch.dtype | None = None  # a reduction's: what the gradient is summed in
+    out_dtype: torch.dtype | None = None  # a reduction's: the shard gradient's
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, m: P.Marker, value: fx.Node | None = None) -> Site:
+        """The site of marker ``m``: its place, its value (or ``value``), its dtypes."""
+        return cls(gm, m.group, m.node, value or m.value, m.node, m.compute_dtype, m.reduce_dtype, m.out_dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the lowered value computes: the device of the node it takes the place of."""
+        return self.like.meta["val"].device
 
 
 class ChainBuilder:
@@ -118,8 +133,8 @@ class ChainBuilder:
     starts the tail."""
 
     def __init__(self, site: Site, direction: Direction, lowering: str, unit: str):
-        self.gm, self.like, self.at = site.gm, site.marker.node, site.before
-        self.group, self.unit = site.marker.group, unit
+        self.gm, self.like, self.at = site.gm, site.like, site.before
+        self.group, self.unit = site.group, unit
         self.tag = ChainTag(new_chain_id(site.gm.graph), direction, lowering)
         self._issuing = False
 
@@ -209,42 +224,41 @@ Lowering = Callable[[Site, PassContext], fx.Node]
 
 
 def keep_whole(site: Site, ctx: PassContext) -> fx.Node:
-    m = site.marker
-    return untagged_cast(site.gm, site.value, m.compute_dtype, site.before, m.group, ctx.unit_of(m.group))
+    return untagged_cast(site.gm, site.value, site.compute_dtype, site.before, site.group, ctx.unit_of(site.group))
 
 
 def all_gather(site: Site, ctx: PassContext) -> fx.Node:
     shard = ctx.layout.shard
-    b = ChainBuilder(site, Direction.GATHER, "all_gather", ctx.unit_of(site.marker.group))
-    source = b.cast(site.value, site.marker.compute_dtype)  # gather half the bytes
+    b = ChainBuilder(site, Direction.GATHER, "all_gather", ctx.unit_of(site.group))
+    source = b.cast(site.value, site.compute_dtype)  # gather half the bytes
     return b.collective(P.ALL_GATHER, (source, shard.size, shard.name), Role.ALL_GATHER)
 
 
 def all_gather_within(site: Site, ctx: PassContext) -> fx.Node:
     partition = ctx.layout.partition
     assert partition is not None
-    b = ChainBuilder(site, Direction.GATHER, "all_gather_within", ctx.unit_of(site.marker.group))
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_within", ctx.unit_of(site.group))
     return b.collective(P.ALL_GATHER, (site.value, partition.size, partition.name), Role.ALL_GATHER)
 
 
 def keep_local(site: Site, ctx: PassContext) -> fx.Node:
     """One rank: the gradient is the shard's, rounded to the reduce dtype as a reduction would."""
-    m, unit = site.marker, ctx.unit_of(site.marker.group)
-    grad = untagged_cast(site.gm, site.value, m.reduce_dtype, site.before, m.group, unit)
-    return untagged_cast(site.gm, grad, m.out_dtype, site.before, m.group, unit)
+    unit = ctx.unit_of(site.group)
+    grad = untagged_cast(site.gm, site.value, site.reduce_dtype, site.before, site.group, unit)
+    return untagged_cast(site.gm, grad, site.out_dtype, site.before, site.group, unit)
 
 
 def _scaled(b: ChainBuilder, site: Site, ctx: PassContext) -> fx.Node:
     """The gradient in its reduce dtype, divided by the ranks it is averaged over (DDP's order:
     divide, then sum). ``scale_in_place_pass`` divides a fresh one in place, last."""
-    grad = b.cast(site.value, site.marker.reduce_dtype)
+    grad = b.cast(site.value, site.reduce_dtype)
     return b.add(aten.div.Tensor, (grad, ctx.layout.grad_divisor), Role.SCALE)
 
 
 def _reduction(name: str, first: str) -> Lowering:
     def lower(site: Site, ctx: PassContext) -> fx.Node:
         shard, replicate = ctx.layout.shard, ctx.layout.replicate
-        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.marker.group))
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.group))
         scaled = _scaled(b, site, ctx)
         if first == "reduce_scatter":
             wait = b.collective(P.REDUCE_SCATTER, (scaled, "sum", shard.size, shard.name),
@@ -254,7 +268,7 @@ def _reduction(name: str, first: str) -> Lowering:
         if replicate is not None:  # HSDP: then over the ranks holding the same shard
             wait = b.collective(P.ALL_REDUCE, (wait, "sum", replicate.name), Role.ALL_REDUCE,
                                 after=wait)
-        return b.cast(wait, site.marker.out_dtype, Role.CAST_BACK, after=wait)
+        return b.cast(wait, site.out_dtype, Role.CAST_BACK, after=wait)
     lower.__name__ = name
     return lower
 
@@ -278,10 +292,10 @@ def _terms(name: str) -> Lowering:
     in the mesh's row-major order: the job's rank order for ``init_device_mesh``'s."""
     def lower(site: Site, ctx: PassContext) -> fx.Node:
         shard, replicate = ctx.layout.shard, ctx.layout.replicate
-        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.marker.group))
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.group))
         scaled = _scaled(b, site, ctx)
         numel = scaled.meta["val"].numel()
-        if ctx.plan.groups[site.marker.group].replicated:
+        if ctx.plan.groups[site.group].replicated:
             terms = b.collective(P.ALL_GATHER, (scaled, shard.size, shard.name), Role.ALL_GATHER)
         else:
             splits = [numel // shard.size] * shard.size
@@ -292,7 +306,7 @@ def _terms(name: str) -> Lowering:
                                  after=terms)
             count *= replicate.size
         total = _summed_in_rank_order(b, terms, count)  # before the marker, so after the waits
-        return b.cast(total, site.marker.out_dtype, Role.CAST_BACK)
+        return b.cast(total, site.out_dtype, Role.CAST_BACK)
     lower.__name__ = name
     return lower
 
@@ -379,11 +393,10 @@ def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     it and its bytes gathered; each parameter's values are dequantized with its scale. The
     all_reduce, its wait and the quantization are declared part of the chain's issue, so
     prefetch moves them ahead with the gather."""
-    m, layout = site.marker, ctx.layout
-    group = ctx.plan.groups[m.group]
+    layout, group = ctx.layout, ctx.plan.groups[site.group]
     q, compute = group.quantized, group.compute_dtype
     assert q is not None
-    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(m.group))
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(site.group))
     lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
     here = _spans(group, lo, hi)
     with b.issuing():
@@ -425,11 +438,10 @@ def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     """ZeRO++'s qwZ: each shard quantized in blocks (``Quantized.block``), each block with
     its own scale; the data and the scales travel in one uint8 gather, so there is no other
     collective. Each rank's row is dequantized with its own scales."""
-    m, layout = site.marker, ctx.layout
-    group = ctx.plan.groups[m.group]
+    layout, group = ctx.layout, ctx.plan.groups[site.group]
     q, compute = group.quantized, group.compute_dtype
     assert q is not None
-    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(m.group))
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(site.group))
     ranks = layout.shard.size if layout.communicates else 1
     length = group.shard_numel if layout.communicates else group.padded_numel
     block = q.block(length)
@@ -458,9 +470,8 @@ def _from_host(inner: Lowering, name: str) -> Lowering:
     computes on, then ``inner`` gathers the copy; the copy is the chain's first node, so
     prefetch moves it ahead with the gather."""
     def lower(site: Site, ctx: PassContext) -> fx.Node:
-        m = site.marker
-        b = ChainBuilder(site, Direction.GATHER, name, ctx.unit_of(m.group))
-        device = m.node.meta["val"].device  # the marker's buffer: where the unit computes
+        b = ChainBuilder(site, Direction.GATHER, name, ctx.unit_of(site.group))
+        device = site.device  # the marker's buffer: where the unit computes
         copy = b.add(aten._to_copy.default, (site.value,), Role.TO_DEVICE,
                      op_kwargs={"device": device, "non_blocking": True})
         result = inner(replace(site, value=copy), ctx)
@@ -474,11 +485,10 @@ def _to_host(inner: Lowering, name: str) -> Lowering:
     """Offload: ``inner`` reduces the gradient on the device, and the shard's gradient is
     copied to the host, where the shard and the optimizer step are."""
     def lower(site: Site, ctx: PassContext) -> fx.Node:
-        m = site.marker
         result = inner(site, ctx)
-        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(m.group))  # a chain number after inner's
+        b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.group))  # a chain number after inner's
         _joined(b, site.gm, result)
-        device = torch.device(ctx.placement(m.group))  # "cpu": the host
+        device = torch.device(ctx.placement(site.group))  # "cpu": the host
         return b.add(aten._to_copy.default, (result,), Role.TO_HOST,
                      op_kwargs={"device": device, "non_blocking": True})
     lower.__name__ = name
@@ -537,7 +547,7 @@ def key_for(m: P.Marker, ctx: PassContext, topology: str | None = None) -> Lower
 def lower(gm: fx.GraphModule, m: P.Marker, ctx: PassContext, value: fx.Node | None = None) -> fx.Node:
     """Lower marker ``m`` by its table entry (``value``: what it reduces, if not the marker's
     own); its readers read the result, and it is erased."""
-    result = lowering_for(key_for(m, ctx))(Site(gm, m, value or m.value, m.node), ctx)
+    result = lowering_for(key_for(m, ctx))(Site.of(gm, m, value), ctx)
     m.node.replace_all_uses_with(result)
     gm.graph.erase_node(m.node)
     return result

@@ -111,8 +111,7 @@ def _gather_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         buffer.meta["val"] = full.new_empty(length)  # what forward now saves (fake)
         meta.set_info(buffer, meta.NodeInfo(Role.PIECE, chain.group, chain.unit))  # an input
         readers = list(buffer.users)
-        marker = P.Marker(P.MarkerKind.UNSHARD, buffer, buffer, chain.group, partition.size)
-        wait = gather(Site(gm, marker, buffer, first), ctx)
+        wait = gather(Site(gm, chain.group, buffer, buffer, first), ctx)
         if tuple(wait.meta["val"].shape) != tuple(full.shape):
             raise GraphInvariantError(f"{buffer.name}: gathered back to {tuple(wait.meta['val'].shape)}, "
                                       f"not the {tuple(full.shape)} forward gathered")
