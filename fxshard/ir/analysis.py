@@ -212,7 +212,7 @@ def gathers_without_overlap(graph: fx.Graph) -> list[fx.Node]:
 
     bare = []
     for chain in gathering:
-        for gather, wait in zip(chain.collectives, chain.waits):
-            if not any(compute(n) for n in nodes[where[gather] + 1:where[wait]]):
+        for gather, wait in zip(chain.collectives, chain.waits):  # the gathers, not an amax all_reduce
+            if P.is_all_gather(gather) and not any(compute(n) for n in nodes[where[gather] + 1:where[wait]]):
                 bare.append(gather)
     return bare

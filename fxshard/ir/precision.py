@@ -13,7 +13,7 @@ say) are kept in their own flat groups, gathered and computed in their own
 dtype, as FSDP1's ``_module_classes_to_ignore`` and FSDP2's per-module
 policies allow.
 
-``gather_dtype`` quantizes the weight gathers (docs/precision.md): each flat
+``gather_dtype`` quantizes the weight gathers (docs/recipe.md): each flat
 group's shard is scaled and cast to ``torch.float8_e4m3fn``,
 ``torch.float8_e5m2`` or ``torch.int8``, its bytes gathered as uint8, and the
 gathered buffer dequantized to the compute dtype. ``gather_scaling="tensor"``
@@ -57,14 +57,16 @@ class Quantized:
     def max(self) -> float:
         return QUANTIZED_MAX[self.dtype]
 
-    def block(self, shard_numel: int) -> int:
+    def block(self, shard_numel: int, scale_bytes: int = 4) -> int:
         """The block length for a shard of ``shard_numel`` elements ("block" scaling): as few
-        blocks as hold at most ``QUANTIZE_BLOCK`` elements each, as equal as a multiple of 4
-        elements allows (the scales' alignment in the gathered bytes), so a shard is padded
-        by less than 4 elements a block."""
+        blocks as hold at most ``QUANTIZE_BLOCK`` elements each, as equal as a multiple of
+        ``max(4, scale_bytes)`` elements allows (the scales, of that many bytes each, follow
+        the data in the gathered bytes and are read in place), so a shard is padded by less
+        than that many elements a block."""
+        align = max(4, scale_bytes)
         blocks = -(-shard_numel // QUANTIZE_BLOCK)
         per_block = -(-shard_numel // blocks)
-        return -(-per_block // 4) * 4
+        return -(-per_block // align) * align
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}/{self.scaling}"

@@ -188,7 +188,7 @@ class ChainBuilder:
         if not isinstance(result, fx.Node):
             raise GraphInvariantError(f"{fn.__name__} must return one tensor, not {result!r}")
         # What the trace made that nothing reads (a zero no parameter needed): pure ops, dropped.
-        for copy in reversed([n for n in env.values() if n not in inputs]):
+        for copy in reversed(list(dict.fromkeys(n for n in env.values() if n not in inputs))):
             if not copy.users and copy is not result:
                 self.gm.graph.erase_node(copy)
         return result
@@ -336,7 +336,7 @@ def _scales(amax: torch.Tensor, q: Quantized, compute: torch.dtype) -> torch.Ten
 def _bytes(values: torch.Tensor, scales: torch.Tensor, q: Quantized) -> torch.Tensor:
     """``values`` / ``scales``, rounded into the gather dtype (saturating at its largest
     value), as uint8: what gloo and NCCL both carry."""
-    scaled = values / scales.to(values.dtype)
+    scaled = values.float() / scales.float()  # in fp32, whatever the shard's dtype: one rounding
     if q.dtype is torch.int8:
         scaled = scaled.round()
     return scaled.clamp(-q.max, q.max).to(q.dtype).view(torch.uint8)
@@ -444,7 +444,7 @@ def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(site.group))
     ranks = layout.shard.size if layout.communicates else 1
     length = group.shard_numel if layout.communicates else group.padded_numel
-    block = q.block(length)
+    block = q.block(length, compute.itemsize)
     payload = b.traced(_quantize_blocks, site.value, block=block, q=q, compute=compute)
     if layout.communicates:
         payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)

@@ -337,9 +337,16 @@ def build_report(
                 peak, phase, at_peak = step, "optimizer step", {}
     peak_graph = forward if phase.startswith("forward") else graphs.get("backward", forward)
     node_of: dict[str, fx.Node] = {n.name: n for n in peak_graph.graph.nodes} if at_peak else {}
-    gathered = sum(b for name, b in at_peak.items() if P.is_all_gather(node_of[name]))
+    def gathering(node: fx.Node) -> bool:  # a gather's buffer, or a quantized gather's dequantized one
+        info = meta.get_info(node)
+        return info is not None and info.chain is not None and info.chain.direction is meta.Direction.GATHER
+
+    gathered = sum(b for name, b in at_peak.items()
+                   if P.is_all_gather(node_of[name])
+                   or (meta.role_of(node_of[name]) is meta.Role.DEQUANTIZE and gathering(node_of[name])))
     reducing = sum(b for name, b in at_peak.items()
-                   if P.is_reduce_scatter(node_of[name]) or P.is_all_reduce(node_of[name]))
+                   if (P.is_reduce_scatter(node_of[name]) or P.is_all_reduce(node_of[name]))
+                   and not gathering(node_of[name]))
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]

@@ -51,7 +51,7 @@ def _spans(gm: fx.GraphModule, offset: int, time: StepTime | None = None, graph:
             if meta.role_of(node) in (meta.Role.TO_DEVICE, meta.Role.TO_HOST):
                 comms.append(("copy", chain.unit, at[node][0], at[node][1]))
         if chain.gathers:
-            start = at[(chain.waits or (chain.result,))[0]][1]  # ready: after its wait (offloaded: the copy)
+            start = at[(chain.waits or (chain.result,))[-1]][1]  # ready: after its last wait (offloaded: the copy)
             uses = [at[u][1] for v in aliases(chain.result) for u in v.users if not P.is_free(u)]
             windows.append((chain.unit, start, max(uses, default=start)))
     compute = [at[n][0] for n in gm.graph.nodes
