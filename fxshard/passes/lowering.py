@@ -381,9 +381,11 @@ def _quantize_per_parameter(shard: torch.Tensor, scales: torch.Tensor, here: Spa
 
 def _dequantize_per_parameter(data: torch.Tensor, scales: torch.Tensor, spans: Spans, q: Quantized,
                               compute: torch.dtype) -> torch.Tensor:
-    """The gathered flat buffer in the compute dtype, each parameter multiplied by its scale."""
-    values = _values(data, q, compute)
-    pieces = [values[start:stop] if i is None else values[start:stop] * scales[i] for i, start, stop in spans]
+    """The gathered flat buffer in the compute dtype, each parameter multiplied by its scale:
+    converted span by span, so one span's unscaled values are alive at a time, not the
+    whole buffer's."""
+    pieces = [_values(data[start:stop], q, compute) if i is None
+              else _values(data[start:stop], q, compute) * scales[i] for i, start, stop in spans]
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
