@@ -295,6 +295,7 @@ def _with_a_constant(x: torch.Tensor, factor: float) -> torch.Tensor:
 _SPLICED = _doubled
 
 
+@pytest.mark.release  # make_fx records .detach() as detach on 2.11 and 2.13, alias on 2.15
 def test_a_traced_function_is_spliced_in_as_the_chains_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     """ChainBuilder.traced: the function's ops become chain nodes with their role and fake
     values (make_fx's detach is dropped); a function that makes a constant tensor is refused."""

@@ -182,6 +182,7 @@ def test_a_quantized_gather_is_one_chain_prefetched_whole_and_counted_in_its_byt
     assert (got.get("all_reduce", 0) > 0) == (scaling == "tensor")
 
 
+@pytest.mark.release  # the float8 and int8 casts, and make_fx's trace, on every release
 @pytest.mark.parametrize(("dtype", "stored"), [(torch.float8_e4m3fn, torch.float32), (torch.int8, torch.float32),
                                                (torch.int8, torch.bfloat16)])
 @pytest.mark.parametrize("scaling", ["tensor", "block"])

@@ -28,7 +28,7 @@ is rounded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -91,7 +91,7 @@ class MixedPrecision:
     # Where a quantized gather's scales come from: "tensor" (per parameter, agreed over the
     # ranks by an all_reduce before the gather: torchao's float8 all-gather) or "block" (per
     # block of each shard, gathered with it: ZeRO++'s qwZ). None: "tensor".
-    gather_scaling: str | None = field(default=None)
+    gather_scaling: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):

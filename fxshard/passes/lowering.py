@@ -121,6 +121,11 @@ class Site:
         return self.like.meta["val"].device
 
 
+# What make_fx records for ``.detach()`` (after a view of another dtype, say): detach on torch
+# 2.11 and 2.13, alias on 2.15. Nothing in a lowering needs either: spliced as its input.
+_TRACED_NO_OPS = (aten.detach.default, aten.alias.default)
+
+
 class ChainBuilder:
     """Makes the nodes of one chain, each tagged with it, a role, and the provenance (stack
     trace, module path, partitioner tag) of the node it lowers.
@@ -176,7 +181,7 @@ class ChainBuilder:
             for node in traced.graph.nodes:
                 if node.op == "output":
                     result = fx.map_arg(node.args[0], env.__getitem__)
-                elif node.target is aten.detach.default:  # make_fx's, after a view of another dtype
+                elif node.target in _TRACED_NO_OPS:
                     env[node] = env[node.args[0]]
                 elif node.op == "call_function":
                     copy = self.gm.graph.node_copy(node, env.__getitem__)

@@ -268,25 +268,19 @@ class Driver:
         host = options.offloaded_groups(self.plan.groups)
         return [self.shard_device if g.index in host else self.device for g in self.plan.groups]
 
-    def place_shards(self, options: ShardingOptions) -> list[int]:
-        """Each shard where the options keep it: an offloaded unit's on the host (pinned where
-        the device is an accelerator: the copies then overlap compute), the others on the
-        device. A move keeps the ``nn.Parameter`` (an optimizer already built over the shards
-        stays valid). Returns the indices of the groups moved."""
+    def place_shards(self, options: ShardingOptions) -> None:
+        """Move each shard where ``placement`` keeps it under ``options``, pinned on the host
+        where the device is an accelerator (the copies then overlap compute). A move keeps the
+        ``nn.Parameter`` (an optimizer already built over the shards stays valid)."""
         if self.device.type == "meta" or self.shard_device == self.device:
-            return []
+            return
         offload = options.offload_policy
-        host = options.offloaded_groups(self.plan.groups)
-        moved = []
-        for g, shard in zip(self.plan.groups, self.shards):
-            target = self.shard_device if g.index in host else self.device
-            pin = g.index in host and offload is not None and offload.pin_memory and self.runs
+        pin = offload is not None and offload.pin_memory and self.runs
+        for shard, target in zip(self.shards, self.placement(options)):
             if shard.device != target:
-                moved.append(g.index)
                 shard.data = shard.data.to(target)
-            if pin and not shard.is_pinned():
+            if pin and target == self.shard_device and not shard.is_pinned():
                 shard.data = shard.data.pin_memory()
-        return moved
 
     @property
     def offloaded_to(self) -> torch.device | None:
