@@ -331,3 +331,20 @@ def test_blocks_round_trip_in_every_compute_dtype(compute: torch.dtype) -> None:
         back = lowering._dequantize_blocks(payload, 3, length, block, q, compute)
         assert back.dtype == compute and back.shape == (3 * length,)
         assert torch.allclose(back.double(), shards.flatten(), atol=shards.abs().max().item() / 100)
+
+
+def test_under_hsdp_the_scales_are_agreed_within_the_row() -> None:
+    """An (R, S) = (2, 2) mesh on 4 fake ranks: the gather and its amax all_reduce run over the
+    shard group (the replicas hold the same shards), every pass verified."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4, rank=1):
+        torch.manual_seed(0)
+        sharded = fxshard.compile(MLP(hidden=64), policy=by_class(nn.Linear), verify_passes=True,
+                                  mixed_precision=_precision(torch.float8_e4m3fn, "tensor"),
+                                  mesh=init_device_mesh("cpu", (2, 2)))
+        F.mse_loss(sharded(torch.randn(2, 12)).float(), torch.randn(2, 5)).backward()
+        dims = sharded._driver.layout.dimensions()
+        found = [c for c in chains(sharded.graphs["forward"].graph) if c.gathers]
+        assert found and all(c.lowering == "all_gather_quantized_tensor" for c in found)
+        assert all([dims[name][0] for name in c.group_names] == ["shard", "shard"] for c in found)
