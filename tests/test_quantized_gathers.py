@@ -74,23 +74,14 @@ def _train(rank: int, front: str, gather_dtype: torch.dtype | None, scaling: str
         opt.zero_grad()
         losses.append(loss.item())
     if front == "compile":
-        from fxshard.measure import peak_memory
-
-        def step() -> None:
-            F.cross_entropy(run(x).flatten(0, 1).float(), x.roll(-1, 1).flatten()).backward()
-
-        measured_peak = peak_memory(step, run, x)
-        opt.zero_grad()
         report = run.report()
         steps = run._driver.steps
     else:
         (report,) = be.reports()
         steps = be.steps()
-        measured_peak = None
     gathered = {c.dtype for s in steps for c in s.collectives if c.kind == "all_gather"}
     return {"losses": losses, "measured": measured, "predicted": report.comm_bytes_per_step["all_gather"],
-            "agreement": report.comm_bytes_per_step["agreement"], "gathered": gathered,
-            "predicted_peak": report.predicted_peak_bytes, "measured_peak": measured_peak}
+            "agreement": report.comm_bytes_per_step["agreement"], "gathered": gathered}
 
 
 def _all(rank: int, world_size: int) -> dict[Any, Any]:
@@ -106,8 +97,7 @@ def _all(rank: int, world_size: int) -> dict[Any, Any]:
 def test_a_gpt_trains_within_3_percent_of_bf16_with_at_most_055x_its_gather_bytes() -> None:
     """Each quantized gather, through both front ends, on 2 gloo ranks: 12 AdamW steps within
     3% of bf16 mixed precision's loss at every step, its all-gather bytes at most 0.55x
-    bf16's, and the report predicting the bytes the collectives moved and (within the 3%
-    test_report holds every step to) the peak MemTracker measures."""
+    bf16's, and the report predicting the bytes the collectives moved."""
     results = run_ranks(_all, 2)
     for rank in results:
         for front in ("compile", "backend"):
@@ -124,9 +114,6 @@ def test_a_gpt_trains_within_3_percent_of_bf16_with_at_most_055x_its_gather_byte
                 if front == "compile":  # the counter also sees the agreement's 8-byte all_gathers
                     for r in (got, bf16):
                         assert r["measured"] == r["predicted"] + r["agreement"]
-                    # The dequantization's buffers are in the predicted peak (MemTracker's).
-                    assert abs(got["predicted_peak"] - got["measured_peak"]) <= 0.03 * got["measured_peak"], \
-                        (dtype, scaling, got["predicted_peak"], got["measured_peak"])
                 assert got["predicted"] == rank["compile", dtype, scaling]["predicted"]
 
 
