@@ -23,6 +23,7 @@ from fxshard.ir.cost import (
     Network,
     Rates,
     flops,
+    fresh_pages,
     hardware,
     node_cost,
     predict_step,
@@ -334,6 +335,18 @@ def test_collectives_in_flight_together_share_their_wires_or_queue_on_their_grou
     assert t.exposed_comm_seconds == pytest.approx(end_a + max(0.0, end_b - end_a - m))
 
 
+@pytest.mark.parametrize("sharing", [0.0, 0.5, 1.0])
+def test_latencies_in_flight_together_pass_one_after_the_other_as_far_as_they_share(sharing: float) -> None:
+    """gather A on g0 and B on g1, issued together: their 1 ms latencies pass at
+    1/(1 + sharing) of their pace while both wait, so both reach their data at
+    (1 + sharing) ms; then each moves its 20 kB at half the wire's bandwidth."""
+    w = 5000 * 4 / BETA
+    rates = replace(_rates(), latency_sharing=sharing)
+    t = predict_step({"forward": _two_in_flight("g1")}, rates,
+                     dimensions={"g0": ("shard", 0), "g1": ("shard", 1)}, units=["a", "b"])
+    assert [c.end for c in t.collectives] == pytest.approx([(1 + sharing) * ALPHA + 2 * w] * 2)
+
+
 def test_the_timeline_picture_places_each_collective_at_its_predicted_milliseconds(tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
     from fxshard.driver.report.timeline import _spans
@@ -400,6 +413,90 @@ def test_the_agreement_before_each_graph_is_waited_for() -> None:
 
 
 
+@pytest.mark.parametrize("starvation", [0.0, 1.0, 3.0])
+def test_a_collective_whose_latency_waits_for_compute_starts_moving_data_late(starvation: float) -> None:
+    """gather A, a 1 ms matmul that does not need it, wait A. With starvation s, A's 1 ms
+    latency passes at 1/(1+s) of its pace during the matmul: 1/(1+s) ms of it, the rest after;
+    then its 20 ms of data. Compute itself is not slowed (contention 0)."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    gather = b.gather(b.input("a", 5000), "a", "g0")
+    y = b.op(torch.ops.aten.mm.default, x, x)
+    b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
+    gm = b.done(y)
+    fp32 = 2 * 100 ** 3 / 1e-3  # the matmul: 1 ms
+    rates = Rates("starved", _device(fp32=fp32), Network("test", {"all_gather": Link(ALPHA, BETA)}),
+                  starvation=starvation)
+    t = predict_step({"forward": gm}, rates, dimensions={"g0": ("shard", 0)})
+    data = 5000 * 4 / BETA
+    latency_left = ALPHA - 1e-3 / (1 + starvation)
+    assert t.collectives[0].end == pytest.approx(1e-3 + latency_left + data)
+    assert t.compute_seconds == pytest.approx(1e-3)
+    assert t.seconds == pytest.approx(1e-3 + latency_left + data)
+
+
+def test_fresh_pages_follow_the_heap_watermark() -> None:
+    """glibc's heap: the live bytes rising above what is mapped are faulted in; the top is
+    returned once more than twice the mmap threshold (the largest tensor's size) lies free."""
+    mib = 1 << 20
+    device = DeviceRates("cpu", {"float32": GFLOP}, 1e9, 0.0, fresh_bytes=32 * mib, fresh_bandwidth=1e9)
+    forward = [10 * mib, 11 * mib, 13 * mib, 13 * mib]
+    backward = [12 * mib, 10 * mib, 19 * mib // 2]
+    # Largest tensor 1 MiB: the trim threshold is 2 MiB. Backward's fall from 13 to 10 MiB (3 MiB
+    # free at the top) trims the heap to 10 MiB; the next step's forward faults 1 + 2 MiB again.
+    assert fresh_pages([forward, backward], mib, device) == [[0, mib, 2 * mib, 0], [0, 0, 0]]
+    # Largest tensor 4 MiB: 8 MiB may lie free, the heap keeps its 13 MiB, nothing is faulted.
+    assert fresh_pages([forward, backward], 4 * mib, device) == [[0, 0, 0, 0], [0, 0, 0]]
+    # A tensor above the allocator's largest threshold (32 MiB) caps it: 64 MiB may lie free.
+    assert fresh_pages([[0, 80 * mib], [0]], 100 * mib, device) == [[0, 80 * mib], [0]]
+    assert fresh_pages([[0, 50 * mib], [0]], 100 * mib, device) == [[0, 0], [0]]
+    # No fresh pages (a caching allocator, a profile): nothing is charged.
+    plain = replace(device, fresh_bytes=None)
+    assert fresh_pages([forward, backward], mib, plain) == [[0] * 4, [0] * 3]
+
+
+def test_a_step_pays_for_the_pages_it_faults_in() -> None:
+    """x @ x, then + x, as forward and again as backward; the live bytes given rise by 4 MB at
+    each of forward's nodes and fall to 0 in backward (more than twice the threshold, 128 KiB
+    for tensors of 40 kB): each step faults 8 MB in again, at 1 GB/s 8 ms, on forward's nodes."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    y = b.op(torch.ops.aten.mm.default, x, x)
+    gm = b.done(b.op(torch.ops.aten.add.Tensor, y, x))
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "call_function", "output"]
+    mm = 2 * 100 ** 3 / GFLOP  # 2 ms
+    device = DeviceRates("cpu", {"float32": GFLOP}, 1e18, 0.0, fresh_bytes=32 << 20, fresh_bandwidth=1e9)
+    memory = {"forward": (0, 4_000_000, 8_000_000, 8_000_000), "backward": (8_000_000, 0, 0, 0)}
+    t = predict_step({"forward": gm, "backward": gm}, Rates("r", device, Network.free()), memory=memory)
+    assert t.seconds == pytest.approx(2 * mm + 8e-3)
+    spans = {(s.graph, s.node): s.end - s.start for s in t.nodes}
+    mm_node, add_node = (n.name for n in gm.graph.nodes if n.op == "call_function")
+    assert spans[("forward", mm_node)] == pytest.approx(mm + 4e-3)
+    assert spans[("forward", add_node)] == pytest.approx(4e-3)
+    assert spans[("backward", mm_node)] == pytest.approx(mm)
+    unfaulted = predict_step({"forward": gm, "backward": gm}, Rates("r", replace(device, fresh_bytes=None),
+                                                                   Network.free()), memory=memory)
+    assert unfaulted.seconds == pytest.approx(2 * mm)
+
+
+def test_fresh_boundary_finds_where_every_larger_allocation_is_slow() -> None:
+    from fxshard.driver.report.calibrate import fresh_boundary
+
+    mib = 1 << 20
+    sizes = [mib << k for k in range(7)]  # 1 to 64 MiB
+    probed: list[int] = []
+
+    def slow(nbytes: int) -> bool:
+        probed.append(nbytes)
+        return nbytes > 30 * mib or nbytes == 2 * mib  # 2 MiB: a noisy probe, fast above it
+
+    low = fresh_boundary(slow, sizes)
+    assert low is not None and 28 * mib <= low <= 30 * mib  # 1/8 of the octave (16, 32] MiB
+    assert all(n % 4096 == 0 for n in probed)
+    assert fresh_boundary(lambda n: False, sizes) is None
+    assert fresh_boundary(lambda n: True, sizes) == 0  # every size slow: from the first byte
+
+
 def test_an_asynchronous_device_runs_behind_the_host_that_launches_its_kernels() -> None:
     """CUDA's model: the host pays each node's launch, the device its kernel, in order."""
     b = Builder()
@@ -461,8 +558,19 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
         measured.append("contention")
         return 0.25 * (1 + rank)
 
+    def starvation(group: Any, link: Link) -> float:
+        measured.append("starvation")
+        return 1.5 * (1 + rank)
+
     calibrate.measure_device, calibrate.measure_network = device, network  # type: ignore[assignment]
     calibrate.measure_contention = contention  # type: ignore[assignment]
+    calibrate.measure_starvation = starvation  # type: ignore[assignment]
+
+    def sharing(world: Any) -> float:
+        measured.append("sharing")
+        return 0.5 * rank
+
+    calibrate.measure_latency_sharing = sharing  # type: ignore[assignment]
     torch.manual_seed(0)
     sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear),
                               optimizer=torch.optim.AdamW)
@@ -473,7 +581,8 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     assert again == driver.rates
     report = sharded.report()
     return dict(report=report, measured=first, again=measured[len(first):], text=str(report),
-                contention=driver.rates.contention,
+                contention=driver.rates.contention, starvation=driver.rates.starvation,
+                sharing=driver.rates.latency_sharing,
                 collectives=len(step_collectives(sharded.graphs)),
                 trace=chrome_trace(sharded.graphs, report))
 
@@ -482,8 +591,10 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     ranks = run_ranks(_report_worker, 2, str(tmp_path))
     for out in ranks:
         # Measured once (injected here), then from the process's memo: one all_reduce per driver.
-        assert out["measured"] == ["device", "network", "contention"] and out["again"] == []
-        assert out["contention"] == 0.5  # rank 1's, the larger
+        assert out["measured"] == ["device", "network", "contention", "starvation", "sharing"]
+        assert out["again"] == []
+        # rank 1's, the larger
+        assert (out["contention"], out["starvation"], out["sharing"]) == (0.5, 3.0, 0.5)
     r0, r1 = ranks[0]["report"], ranks[1]["report"]
     t = r0.time
     assert t is not None and r0.predicted_step_seconds > 0 and r0.exposed_comm_seconds > 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,6 +95,13 @@ class DeviceRates:
     # convolutions, whose rate depends on their shapes and layouts more than on their FLOPs); the
     # node costs that, plus its overhead, in place of its roofline.
     node_seconds: Mapping[str, float] = field(default_factory=dict)
+    # Fresh memory (the CPU): memory the allocator takes from the system anew is faulted in,
+    # page by page, as it is first written, at ``fresh_bandwidth`` bytes/s on top of the write.
+    # ``fresh_bytes``: the largest mmap threshold of the allocator (glibc: 32 MiB), from which
+    # an allocation is mapped afresh every time (``fresh_pages`` models the rest). None: every
+    # allocation reuses memory (a caching allocator; a profile).
+    fresh_bytes: int | None = None
+    fresh_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or min(self.matmul_flops.values()) <= 0 or self.bandwidth <= 0:
@@ -200,13 +207,25 @@ class Rates:
     # as calibration measures on the CPU). Compute runs at 1 / (1 + contention) of its speed
     # while any collective is in flight.
     contention: float = 0.0
+    # How much longer a collective's latency takes while compute runs: 0, as long (the
+    # profiles); on the CPU, gloo's thread waits for a core to wake on, so a small collective
+    # issued before compute barely moves until the compute stops (calibration measures it).
+    # The latency passes at 1 / (1 + starvation) of its pace while compute runs.
+    starvation: float = 0.0
+    # How far the latencies of collectives in flight at once add up: 0, they pass together
+    # (NCCL's kernels, the profiles); 1, one after the other (gloo's threads on the CPU wait
+    # for the same cores: two small collectives on two groups at once take as long as one
+    # after the other, or longer). k latencies at once pass at 1 / (1 + sharing (k - 1)).
+    latency_sharing: float = 0.0
 
     def __str__(self) -> str:
         d, lines = self.device, [f"rates {self.name}"]
         lines.append(f"  device {d.name}: " + ", ".join(
             f"{dtype} {rate / 1e12:.3g} TFLOP/s" for dtype, rate in d.matmul_flops.items())
             + f"; memory {d.bandwidth / 1e9:.3g} GB/s; {d.overhead * 1e6:.3g} us per operator"
-            + f" ({d.view_overhead * 1e6:.3g} us per view)")
+            + f" ({d.view_overhead * 1e6:.3g} us per view)"
+            + (f"; fresh pages faulted in at {d.fresh_bandwidth / 1e9:.3g} GB/s (mmap threshold up to "
+               f"{d.fresh_bytes / (1 << 20):.3g} MiB)" if d.fresh_bytes is not None else ""))
         for dtype, curve in d.matmul_curve.items():
             lines.append(f"    {dtype} by a matmul's size: " + ", ".join(
                 f"{flops / 1e6:.3g} MFLOP at {rate / 1e9:.3g} GFLOP/s" for flops, rate in curve))
@@ -223,6 +242,12 @@ class Rates:
         if self.contention:
             lines.append(f"  contention {self.contention:.2f}: compute runs at 1/{1 + self.contention:.2f} of "
                          "its speed while a collective is in flight")
+        if self.starvation:
+            lines.append(f"  starvation {self.starvation:.2f}: a collective's latency passes at "
+                         f"1/{1 + self.starvation:.2f} of its pace while compute runs")
+        if self.latency_sharing:
+            lines.append(f"  latency sharing {self.latency_sharing:.2f}: k latencies at once pass at "
+                         f"1/(1 + {self.latency_sharing:.2f} (k - 1)) of their pace")
         lines += [f"  source: {s}" for s in self.sources]
         return "\n".join(lines)
 
@@ -381,6 +406,49 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     return NodeCost(count, moved, seconds + device.overhead, device.overhead)
 
 
+# The smallest mmap threshold of glibc's malloc (its default, before any free raises it).
+MMAP_THRESHOLD_MIN = 128 << 10
+
+
+def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRates) -> list[list[int]]:
+    """The bytes the allocator faults in afresh at each node, in the steady state of a step
+    whose live bytes after each node are ``curves`` (a graph each, in the order they run; the
+    report's ``memory_curve``) and whose largest tensor is ``largest`` bytes.
+
+    glibc's malloc, as the CPU's allocator: an allocation at or above its mmap threshold is
+    mapped afresh each time; a free of one raises the threshold to its size, up to
+    ``fresh_bytes``, so in the steady state the threshold is the step's largest tensor's (or
+    ``fresh_bytes``) and the heap holds the rest. The heap returns its top to the system when
+    more than twice the threshold lies free there. So the heap is a watermark: the live bytes
+    rising above it are faulted in, and it falls to the live bytes when it stands more than
+    twice the threshold above them (backward frees forward's activations, the next forward
+    faults them in again). Frees land at the top where they are the latest allocations:
+    forward's activations, freed in reverse by backward, are. Two steps are walked; the
+    second's faults are returned; none on a device without fresh pages."""
+    if device.fresh_bytes is None:
+        return [[0] * len(c) for c in curves]
+    trim = 2 * min(device.fresh_bytes, max(largest, MMAP_THRESHOLD_MIN))
+    mapped = curves[0][0] if curves and curves[0] else 0
+    faults: list[list[int]] = []
+    for _ in range(2):
+        faults = []
+        for curve in curves:
+            row = []
+            for live in curve:
+                grown = max(0, live - mapped)
+                row.append(grown)
+                mapped = live if grown or mapped - live > trim else mapped
+            faults.append(row)
+    return faults
+
+
+def largest_tensor(graphs: Sequence[fx.GraphModule]) -> int:
+    """The bytes of the largest tensor a node of ``graphs`` allocates (not a view, not in place)."""
+    return max((t.numel() * t.element_size() for gm in graphs for node in gm.graph.nodes
+                if node.op == "call_function" and not P.is_view(node) and not P.mutates(node)
+                for t in _tensors(node.meta.get("val"))), default=0)
+
+
 def optimizer_seconds(state: OptimizerState, shard_bytes: Sequence[int], device: DeviceRates) -> float:
     """The optimizer step over shards of ``shard_bytes`` (those with gradients), memory-bound:
     the passes over a shard's size its operators make, one operator each. torch's Adam and
@@ -492,35 +560,49 @@ class _Flight:
     issued: float
     start: float = math.nan
     end: float = math.nan
+    pending: float = 0.0  # latency left: it moves no data until that has passed
     left: float = 0.0  # work left
 
-    def in_data(self, now: float) -> bool:
-        return self.start + self.latency <= now + _EPS * max(1.0, now)
+    def begin(self, at: float) -> None:
+        self.start, self.pending, self.left = at, self.latency, self.work
+
+    def in_data(self) -> bool:
+        return self.pending <= 0.0
 
 
 class _Streams:
     """The communication streams: one FIFO per process group; collectives in flight at once
-    on one link share its bandwidth equally (processor sharing)."""
+    on one link share its bandwidth equally (processor sharing). A collective's latency
+    passes at ``pace`` (1, or slower while compute runs where its wake-ups wait for a core:
+    ``Rates.starvation``), divided among the latencies passing at once as ``sharing`` says
+    (``Rates.latency_sharing``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharing: float = 0.0) -> None:
         self.now = 0.0
+        self.pace = 1.0
+        self.sharing = sharing
         self.queues: dict[str, deque[_Flight]] = {}
+
+    def _latency_pace(self, active: list[_Flight]) -> float:
+        waiting = sum(1 for f in active if not f.in_data())
+        return self.pace / (1.0 + self.sharing * max(0, waiting - 1))
 
     def _active(self) -> list[_Flight]:
         return [q[0] for q in self.queues.values() if q]
 
-    def _next_event(self) -> tuple[float, _Flight | None]:
-        active = self._active()
+    def _sharing(self, active: list[_Flight]) -> dict[str, int]:
         sharing: dict[str, int] = {}
         for f in active:
-            if f.in_data(self.now):
+            if f.in_data():
                 sharing[f.link] = sharing.get(f.link, 0) + 1
+        return sharing
+
+    def _next_event(self) -> tuple[float, _Flight | None]:
+        active = self._active()
+        sharing, pace = self._sharing(active), self._latency_pace(active)
         best, who = math.inf, None
         for f in active:
-            if not f.in_data(self.now):
-                at = f.start + f.latency
-            else:
-                at = self.now + f.left * sharing[f.link]
+            at = self.now + (f.pending / pace if not f.in_data() else f.left * sharing[f.link])
             if at < best:
                 best, who = at, f
         return best, who
@@ -528,27 +610,30 @@ class _Streams:
     def _step(self, until: float) -> bool:
         """Advance to the next event or ``until``, whichever is first; True if an event."""
         at, who = self._next_event()
+        latency_ends = who is not None and not who.in_data()  # else its data does
         target = min(at, until)
         active = self._active()
-        sharing: dict[str, int] = {}
+        sharing, pace = self._sharing(active), self._latency_pace(active)
+        elapsed = max(0.0, target - self.now)
         for f in active:
-            if f.in_data(self.now):
-                sharing[f.link] = sharing.get(f.link, 0) + 1
-        for f in active:
-            if f.in_data(self.now):
-                f.left -= (target - self.now) / sharing[f.link]
-        finishing = who is not None and at <= until and who.in_data(self.now)
+            if not f.in_data():
+                f.pending -= elapsed * pace
+            else:
+                f.left -= elapsed / sharing[f.link]
         self.now = max(self.now, target)
         if who is None or at > until:
             return False
-        if finishing:  # exactly: rounding must not leave a sliver of work that never ends
+        # Exactly: rounding must not leave a sliver of latency or work that never ends.
+        if latency_ends:
+            who.pending = 0.0
+        else:
             who.left = 0.0
         for q in self.queues.values():  # everything done by now leaves its queue
-            while q and q[0].in_data(self.now) and q[0].left <= _EPS * max(q[0].work, 1e-9):
+            while q and q[0].in_data() and q[0].left <= _EPS * max(q[0].work, 1e-9):
                 done = q.popleft()
                 done.end = self.now
                 if q:
-                    q[0].start = max(self.now, q[0].issued)
+                    q[0].begin(max(self.now, q[0].issued))
         return True
 
     def advance(self, t: float) -> None:
@@ -560,25 +645,33 @@ class _Streams:
         self.advance(f.issued)
         q = self.queues.setdefault(f.group, deque())
         if not q:
-            f.start = f.issued
-        f.left = f.work
+            f.begin(f.issued)
         q.append(f)
 
-    def compute(self, now: float, seconds: float, contention: float) -> float:
+    def compute(self, now: float, seconds: float, contention: float, starvation: float = 0.0) -> float:
         """When ``seconds`` of compute that start at ``now`` end: slowed by ``1 + contention``
-        while any collective is in flight (those already issued: nothing is issued meanwhile)."""
+        while any collective is in flight (those already issued: nothing is issued meanwhile),
+        the collectives' latencies passing at ``1 / (1 + starvation)`` of their pace meanwhile."""
         self.advance(now)
-        while seconds > 0:
-            if not contention or not self._active():
-                return now + seconds
-            at, _ = self._next_event()
-            slow = seconds * (1 + contention)
-            if now + slow <= at:
-                return now + slow
-            seconds -= (at - now) / (1 + contention)
-            self.advance(at)
-            now = at
-        return now
+        if not contention and not starvation:
+            return now + seconds
+        self.pace = 1.0 / (1.0 + starvation)
+        try:
+            while seconds > 0:
+                if not self._active():
+                    self.now = now + seconds
+                    return now + seconds
+                at, _ = self._next_event()
+                slow = seconds * (1 + contention)
+                if now + slow <= at:
+                    self.advance(now + slow)
+                    return now + slow
+                seconds -= (at - now) / (1 + contention)
+                self.advance(at)
+                now = at
+            return now
+        finally:
+            self.pace = 1.0
 
     def finish(self, f: _Flight) -> float:
         while math.isnan(f.end):
@@ -604,17 +697,25 @@ def unit_of(node: fx.Node, units: Sequence[str]) -> str:
 
 def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                  dimensions: Mapping[str, tuple[str, int]] | None = None,
-                 units: Sequence[str] = (), agreement: tuple[int, int] | None = None) -> StepTime:
+                 units: Sequence[str] = (), agreement: tuple[int, int] | None = None,
+                 memory: Mapping[str, Sequence[int]] | None = None) -> StepTime:
     """Simulate ``graphs`` ("forward" or "inference", then "backward") one after the other.
 
     ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
     which link it runs on; ``units``: the plan's unit names, to attribute compute to;
     ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
-    compute stream waits for (None: no agreement).
+    compute stream waits for (None: no agreement); ``memory``: the live bytes after each
+    node, by phase (the report's ``memory_curve``), from which a device with fresh pages
+    (the CPU) charges each node the pages it faults in (``fresh_pages``).
     """
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
-    net = _Streams()
+    faulted: dict[str, list[int]] = {}
+    if memory is not None and device.fresh_bytes is not None:
+        phases = [p for p in ("forward", "loss", "backward", "optimizer step") if p in memory]
+        largest = largest_tensor([graphs[n] for n in names])
+        faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device)))
+    net = _Streams(rates.latency_sharing)
     now = 0.0  # the compute stream's clock
     host = 0.0  # where the host has launched up to (an asynchronous device's; else ``now``)
     compute = exposed = agreed = peak = 0.0
@@ -636,16 +737,19 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             exposed += waited
         issued: dict[fx.Node, tuple[_Flight, Collective]] = {}
         info = {node: c for node, c in collective_nodes(name, gm, dimensions)}
-        for node in gm.graph.nodes:
+        fresh = faulted.get("forward" if name == "inference" else name, [])
+        for i, node in enumerate(gm.graph.nodes):
             cost = node_cost(node, device)
+            if i < len(fresh) and fresh[i]:
+                cost = replace(cost, seconds=cost.seconds + fresh[i] / device.fresh_bandwidth)
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
                 if device.asynchronous:  # launched by the host, then run when the stream is free
                     host += cost.launch
                     start, kernel = max(now, host), cost.seconds - cost.launch
-                    end = net.compute(start, kernel, rates.contention) if kernel > 0 else start
+                    end = net.compute(start, kernel, rates.contention, rates.starvation) if kernel > 0 else start
                 else:
-                    end = net.compute(now, cost.seconds, rates.contention)
+                    end = net.compute(now, cost.seconds, rates.contention, rates.starvation)
                 node_spans.append(NodeSpan(name, node.name, unit, now, end))
                 compute += end - now
                 per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += end - now

@@ -275,6 +275,12 @@ def is_view(node: fx.Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
+def mutates(node: fx.Node) -> bool:
+    """An aten op that writes to an argument (its schema is mutable: ``add_``, ``copy_``)."""
+    target = node.target
+    return is_call(node) and isinstance(target, compat.OpOverload) and compat.schema(target).is_mutable
+
+
 def written_arguments(op: object, args: Sequence[Any]) -> list[Any]:
     """The positional ``args`` an operator writes to (its schema's mutable arguments); none
     for anything but an OpOverload. Works on fx nodes' args and on run-time tensors alike."""

@@ -117,10 +117,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3,
-             best: bool = True) -> float:
+             best: bool = True, mean: bool = False) -> float:
     """The time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds: the
     fastest (the device's own speed, whatever else the machine runs a moment), or with
-    ``best=False`` the median."""
+    ``best=False`` the median, or with ``mean=True`` the mean (what a run of many such calls
+    pays, its slow calls included)."""
     fn()
     _sync(device)
     times: list[float] = []
@@ -130,6 +131,8 @@ def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
+    if mean:
+        return statistics.fmean(times)
     return min(times) if best else statistics.median(times)
 
 
@@ -171,8 +174,67 @@ def measure_device(device: torch.device) -> DeviceRates:
     overhead = _seconds(adds, device) / 100
     per_element = {name: _seconds(run, device) / count
                    for name, (run, count) in _per_element_ops(device).items()}
+    fresh_bytes, fresh_bandwidth = measure_fresh(device)
     return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
-                       per_element, asynchronous=device.type != "cpu", measured=True)
+                       per_element, asynchronous=device.type != "cpu", measured=True,
+                       fresh_bytes=fresh_bytes, fresh_bandwidth=fresh_bandwidth)
+
+
+FRESH_LARGEST = 64 << 20  # the largest allocation probed for fresh pages
+
+
+def measure_fresh(device: torch.device) -> tuple[int | None, float]:
+    """Where the CPU's allocator stops reusing memory (``DeviceRates.fresh_bytes``) and what a
+    fresh allocation costs on top of writing it (``fresh_bandwidth``), in about half a
+    second: a tensor allocated, filled and freed, against the same fill into a tensor kept. A
+    size is slow where the fresh fill takes over four times the kept one (page faults cost
+    about ten times a write; a kept tensor in the caches, up to twice as fast); sizes double
+    from 1 MiB to ``FRESH_LARGEST`` and ``fresh_boundary`` finds where slow begins. On an
+    accelerator, or where no size up to ``FRESH_LARGEST`` is slow: (None, inf)."""
+    if device.type != "cpu":
+        return None, math.inf
+
+    @functools.cache
+    def costs(nbytes: int) -> tuple[float, float]:
+        numel = nbytes // 4
+        kept = torch.empty(numel)
+        reused = _seconds(lambda: kept.fill_(1.0), device, least=0.0, calls=3)
+        fresh = _seconds(lambda: torch.empty(numel).fill_(1.0), device, least=0.0, calls=3)
+        return fresh, reused
+
+    def slow(nbytes: int) -> bool:
+        fresh, reused = costs(nbytes)
+        return fresh > 4 * reused
+
+    sizes = [1 << k for k in range(20, FRESH_LARGEST.bit_length())]
+    for nbytes in sizes:  # as a step leaves the allocator: each size allocated and freed once
+        torch.empty(nbytes // 4).fill_(1.0)
+    low = fresh_boundary(slow, sizes)
+    if low is None:
+        return None, math.inf
+    fresh, reused = costs(FRESH_LARGEST)
+    return low + 1, FRESH_LARGEST / max(fresh - reused, 1e-9)
+
+
+def fresh_boundary(slow: Callable[[int], bool], sizes: list[int]) -> int | None:
+    """The largest size found fast below the smallest of ``sizes`` (ascending) from which every
+    larger one is ``slow``, bisected to 1/8 of that octave (multiples of 4 KiB pages); None
+    where the largest is fast. A slow size with fast ones above it is noise, and ignored."""
+    slows = [slow(nbytes) for nbytes in sizes]
+    if not slows[-1]:
+        return None
+    first = len(slows) - 1
+    while first > 0 and slows[first - 1]:
+        first -= 1
+    low, high = (sizes[first - 1] if first else 0), sizes[first]
+    step = (high - low) // 8
+    while high - low > step:
+        middle = (low + high) // 2 // 4096 * 4096
+        if slow(middle):
+            high = middle
+        else:
+            low = middle
+    return low
 
 
 def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
@@ -237,7 +299,8 @@ def _device_entry(rates: DeviceRates) -> dict[str, Any]:
     return {"name": rates.name, "matmul_flops": dict(rates.matmul_flops), "bandwidth": rates.bandwidth,
             "overhead": rates.overhead, "view_overhead": rates.view_overhead,
             "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()},
-            "per_element": dict(rates.per_element), "asynchronous": rates.asynchronous}
+            "per_element": dict(rates.per_element), "asynchronous": rates.asynchronous,
+            "fresh_bytes": rates.fresh_bytes, "fresh_bandwidth": rates.fresh_bandwidth}
 
 
 def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
@@ -247,7 +310,9 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
                            {k: tuple((float(f), float(r)) for f, r in v)
                             for k, v in entry["matmul_curve"].items()},
                            {k: float(v) for k, v in entry["per_element"].items()},
-                           asynchronous=bool(entry["asynchronous"]), measured=True)
+                           asynchronous=bool(entry["asynchronous"]), measured=True,
+                           fresh_bytes=None if entry["fresh_bytes"] is None else int(entry["fresh_bytes"]),
+                           fresh_bandwidth=float(entry["fresh_bandwidth"]))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry of an older fxshard: measured again
 
@@ -276,7 +341,9 @@ def fit(points: list[tuple[float, float]]) -> Link:
 
 def _sizes(device: torch.device) -> tuple[int, ...]:
     """Full-buffer bytes measured: up to where bandwidth, not latency, decides."""
-    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 23)
+    # On the CPU up to 16 MiB: gloo's bandwidth falls as buffers outgrow the caches (an 8 MiB
+    # reduce_scatter moves its bytes 1.2 times as fast as a 16 MiB one here).
+    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 24)
 
 
 def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
@@ -293,7 +360,7 @@ def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
     three sizes each, through the functional collectives the emitted graphs run; about a
-    tenth of a second on gloo between two processes of one host."""
+    third of a second on gloo between two processes of one host."""
     device = comm_device(group)
     n, name = group.size(), group.group_name
     links: dict[str, Link] = {}
@@ -305,10 +372,13 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             shard = torch.ones(numel // n, device=device)
             run, given = _collective(kind, full, shard, n, name)
             # The same number of calls on every rank: a rank never waits on a call others skip.
-            # The median: a collective waits on its peers, whose own delays are part of its time.
-            # Twice the calls at the smallest size, which decides the latency and costs least.
-            calls = 2 * CALLS if size == _sizes(device)[0] else CALLS
-            seconds = _seconds(run, device, least=0.0, calls=calls, best=False)
+            # The mean: a step pays every call, and on a shared host a few in ten small ones
+            # take several times the median (gloo on 2 cores: the mean of a 256 KiB
+            # reduce_scatter twice its median); a collective waits on its peers, whose own
+            # delays are part of its time. More calls at the smaller sizes, which decide the
+            # latency, vary most, and cost least.
+            calls = CALLS * (len(_sizes(device)) - _sizes(device).index(size))
+            seconds = _seconds(run, device, least=0.0, calls=calls, mean=True)
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
@@ -348,10 +418,73 @@ def measure_contention(group: dist.ProcessGroup) -> float:
     return min(1.0, max(0.0, (statistics.median(overlapped) - alone) / comm)) if comm > 0 else 0.0
 
 
+def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
+    """How much longer a small collective's latency takes while compute runs
+    (``Rates.starvation``): an all_gather of 256 KiB, alone and issued before a loop of small
+    matmuls about four times its length that polls it after each matmul; the delay in its
+    completion over ``link``'s latency, between 0 and 8 (0 on an accelerator, where NCCL's
+    kernels need no host thread). On the CPU gloo's thread must be woken on a core the
+    compute holds."""
+    device = comm_device(group)
+    if device.type != "cpu":
+        return 0.0
+    n = group.size()
+    numel = (1 << 18) // 4 // n * n
+    shard, full = torch.ones(numel // n), torch.empty(numel)
+    a = torch.randn(64, 64)
+    # The same collectives on every rank, in the same order; the loops are each rank's own.
+    alone = _seconds(lambda: compat.all_gather_single(full, shard, group=group), device,
+                     least=0.0, calls=5, best=False)
+    repeats = max(1, math.ceil(4 * alone / _seconds(lambda: torch.mm(a, a), device)))
+    done = []
+    for _ in range(5):
+        dist.barrier(group=group)
+        work = compat.all_gather_single(full, shard, group=group, async_op=True)
+        assert work is not None
+        start, ended = time.perf_counter(), None
+        for _ in range(repeats):
+            torch.mm(a, a)
+            if ended is None and work.is_completed():
+                ended = time.perf_counter() - start
+        work.wait()
+        done.append(ended if ended is not None else time.perf_counter() - start)
+    return min(8.0, max(0.0, (statistics.median(done) - alone) / link.latency)) if link.latency > 0 else 0.0
+
+
+def measure_latency_sharing(world: World) -> float:
+    """How far two small collectives on two of the job's process groups at once take as long as
+    one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
+    two groups of the shard dimension's slots, one after the other and both in flight, 24
+    times each (the mean); (together - alone) / (one after the other - alone), alone being
+    the slower one by itself, between 0 and 1. 0 where the job has one such group (nothing
+    is in flight at once) or an accelerator's (NCCL's kernels run side by side)."""
+    if len(world.comm) < 2:
+        return 0.0
+    first, second = world.comm[0], world.comm[1]
+    device = comm_device(first)
+    if device.type != "cpu":
+        return 0.0
+    ops = compat.c10d_functional
+    n = first.size()
+    shard = torch.ones((1 << 16) // 4 // n, device=device)
+
+    def gather(group: dist.ProcessGroup) -> torch.Tensor:
+        return ops.all_gather_into_tensor(shard, n, group.group_name)
+
+    def mean(fn: Callable[[], object]) -> float:
+        return _seconds(fn, device, least=0.0, calls=24, mean=True)
+
+    alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
+    serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
+    together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
+    return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
+
+
 # -- agreeing ---------------------------------------------------------------------------------
 
 
-def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0) -> list[float]:
+def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
+          starvation: float = 0.0, sharing: float = 0.0) -> list[float]:
     """Seconds per unit of work, so that the MAX over ranks is the slowest rank's. Every rank
     measures the same sizes (its device type's), so the vectors line up."""
     values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
@@ -362,11 +495,13 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0)
     for d in DTYPES:
         values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
     values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
-    return [*values, contention]
+    # The MAX over ranks: the smallest allocation any rank maps afresh, the slowest fault rate.
+    values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
+    return [*values, contention, starvation, sharing]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
-            network_name: str) -> tuple[DeviceRates, Network, float]:
+            network_name: str) -> tuple[DeviceRates, Network, float, float, float]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     links = {kind: Link(values[5 + 2 * i], 1.0 / values[6 + 2 * i]) for i, kind in enumerate(KINDS)}
@@ -374,9 +509,12 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
     for d in DTYPES:
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
+    inverse_fresh, fault = next(rest), next(rest)
     return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
-                        per_element, asynchronous=like.asynchronous, measured=like.measured),
-            Network(network_name, links), next(rest))
+                        per_element, asynchronous=like.asynchronous, measured=like.measured,
+                        fresh_bytes=round(1.0 / inverse_fresh) if inverse_fresh > 0 else None,
+                        fresh_bandwidth=1.0 / fault if fault > 0 else math.inf),
+            Network(network_name, links), next(rest), next(rest), next(rest))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -425,28 +563,32 @@ def calibrate(world: World, device: torch.device) -> Rates:
         start = time.perf_counter()
         group = measured_group(world)
         measured, contention = measure_network(group), measure_contention(group)
-        _NETWORKS[key] = _network_entry(measured, contention)
+        starvation = measure_starvation(group, measured.link("all_gather", group.size()))
+        sharing = measure_latency_sharing(world)
+        _NETWORKS[key] = _network_entry(measured, contention, starvation, sharing)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
-        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention))]
+        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention, starvation, sharing))]
     elif entry is not None:
         _NETWORKS[key] = entry
-    device_rates_, network, contention = _unpack(
+    device_rates_, network, contention, starvation, sharing = _unpack(
         agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
         f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
-                 (f"measured on this job's ranks; cached in {cache_path()}",), contention)
+                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing)
 
 
-def _network_entry(network: Network, contention: float) -> dict[str, Any]:
+def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
     return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth}
-               for kind, link in network.links.items()}, "contention": contention}
+               for kind, link in network.links.items()},
+            "contention": contention, "starvation": starvation, "latency_sharing": sharing}
 
 
-def _network_from(entry: dict[str, Any]) -> tuple[Network, float] | None:
+def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] | None:
     try:
         return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]))
-                                   for kind in KINDS}), float(entry["contention"]))
+                                   for kind in KINDS}),
+                float(entry["contention"]), float(entry["starvation"]), float(entry["latency_sharing"]))
     except (KeyError, TypeError, ValueError):
         return None  # an entry of an older fxshard: measured again
 
