@@ -622,3 +622,29 @@ def test_checkpoint_activations_recomputes_a_region_in_backward() -> None:
     assert len(gm.graph.nodes) == n_before + 1
     # Without a region nothing changes.
     assert checkpoint_activations_pass(gm, ctx("joint")) is gm
+
+
+def test_a_copied_factory_node_gets_its_value_under_the_original_nodes_fake_mode() -> None:
+    """A recomputed region can hold a factory (a causal mask's ``aten.ones``): its backward copy
+    has no input to find the fake mode on, so it takes the copied node's (auto() under a
+    memory budget recomputed a TinyGPT block's mask and raised GraphInvariantError)."""
+    from fxshard.ir.nodes import refresh_value
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(4, 4))
+    g = fx.Graph()
+    xp = g.placeholder("x")
+    xp.meta["val"] = x
+    ones = g.call_function(torch.ops.aten.ones.default, ([4, 4],), {"dtype": torch.bool})
+    with mode:
+        ones.meta["val"] = torch.ops.aten.ones.default([4, 4], dtype=torch.bool)
+    g.output(g.call_function(torch.ops.aten.masked_fill.Scalar, (xp, ones, 0.0)))
+    copy = g.node_copy(ones)
+    copy.meta = {}
+    with pytest.raises(GraphInvariantError, match="none of its inputs holds a fake tensor"):
+        refresh_value(copy)
+    refresh_value(copy, like=ones.meta["val"])
+    value = copy.meta["val"]
+    assert value.shape == (4, 4) and value.dtype == torch.bool and value.fake_mode is mode
+    refresh_value(ones)  # a node refreshed in place: its own value's mode
+    assert ones.meta["val"].fake_mode is mode

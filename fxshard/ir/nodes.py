@@ -14,12 +14,17 @@ from fxshard.ir.compat import detect_fake_mode, pytree
 from fxshard.ir.errors import GraphInvariantError
 
 
-def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-    """What ``target(*args, **kwargs)`` returns, computed on the inputs' fake values."""
+def fake_value(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+               like: Any = None) -> Any:
+    """What ``target(*args, **kwargs)`` returns, computed on the inputs' fake values; where no
+    input holds a fake tensor (a factory: ``aten.ones``, ``aten.arange``), under the fake mode
+    of ``like`` (the value of the node it copies)."""
     kwargs = kwargs or {}
     tensors: list[torch.Tensor] = []
     fake_args, fake_kwargs = _values(args, tensors), _values(kwargs, tensors)
     mode = detect_fake_mode(tensors)
+    if mode is None and like is not None:
+        mode = detect_fake_mode([t for t in pytree.tree_leaves(like) if isinstance(t, torch.Tensor)])
     if mode is None:
         raise GraphInvariantError(
             f"cannot compute meta['val'] of a new {target} node: none of its inputs holds a fake "
@@ -59,9 +64,11 @@ def call(graph: fx.Graph, target: Any, args: tuple[Any, ...],
     return node
 
 
-def refresh_value(node: fx.Node) -> None:
-    """Recompute ``node.meta["val"]`` from its inputs (after its inputs were replaced)."""
-    node.meta["val"] = fake_value(node.target, node.args, node.kwargs)
+def refresh_value(node: fx.Node, like: Any = None) -> None:
+    """Recompute ``node.meta["val"]`` from its inputs (after its inputs were replaced); a node
+    with no tensor input under the fake mode of ``like``, or of its own value before."""
+    node.meta["val"] = fake_value(node.target, node.args, node.kwargs,
+                                  like if like is not None else node.meta.get("val"))
 
 
 def attribute(gm: fx.GraphModule, name: str, tensor: torch.Tensor, like: fx.Node) -> fx.Node:

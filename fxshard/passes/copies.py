@@ -43,7 +43,7 @@ class BackwardCopies:
             if make is not None:
                 new.meta["val"] = made  # ``make`` computed it
             else:
-                refresh_value(new)
+                refresh_value(new, like=node.meta.get("val"))  # a factory copied has no fake input
             meta.tag_backward(new)
             meta.mark_copy(new, node)
             self.copies[node] = new
