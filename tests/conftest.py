@@ -76,6 +76,19 @@ SLOW_FOR_TIME = (
     "tests/test_consistency.py::test_a_peer_stalled_inside_a_step_gives_a_clear_error_within_the_timeout",
     "tests/test_checkpoint.py::test_resume_at_another_world_size_continues[3]",
     "tests/test_recipe.py::test_the_optimizers_zero_grad_drops_no_syncs_sums_as_ddps_does",
+    # The README's test step reached 528 s in CI (its budget: 8 minutes): about 125 s of tests
+    # moved here, each with a sibling that stays in the fast tier: selective and backend_full
+    # recomputation; a checkpoint of another shape refused through fxshard.load; budgets of
+    # 560 and 600 KiB; the HF Trainer's best model and second train; the MNIST demo's own
+    # failure and data tests (the README's demo command runs the demo); the volume of every
+    # other setup.
+    "tests/test_checkpointing.py::test_checkpointing_trains_bit_for_bit_like_without[full]",
+    "tests/test_checkpoint.py::test_bad_input_raises_on_every_rank_and_changes_nothing[checkpoint_of_another_model]",
+    "tests/test_budget.py::test_a_budget_above_a_reachable_peak_is_met[540]",
+    "tests/test_hf_trainer.py::test_fxshard_trainer_trains_as_the_trainers_ddp_run",
+    "tests/test_examples.py::test_mnist_demo_trains_prints_graphs_and_saves",
+    "tests/test_examples.py::test_mnist_compare_ddp_prints_both_systems_with_equal_losses",
+    "tests/test_report.py::test_communication_is_the_theoretical_volume_exactly[2-mlp-zero3]",
 )
 
 
