@@ -375,16 +375,21 @@ def test_a_step_of_hours_is_simulated_as_exactly_as_one_of_milliseconds() -> Non
     assert t.seconds == pytest.approx(ALPHA + 2 * w + 2 * 2 * 100 ** 3 / GFLOP)
 
 
-@pytest.mark.parametrize("fp32", [GFLOP, GFLOP / 100])
-def test_a_collective_that_takes_its_time_from_compute_slows_what_overlaps_it(fp32: float) -> None:
-    """contention=1 (gloo on the compute's cores): compute runs at half speed while the
-    gather is in flight. gather A, a matmul that does not need it, wait A."""
+def _gather_beside_a_matmul() -> fx.GraphModule:
+    """gather A (a 20 kB shard on g0), a 100x100 matmul that does not need it, wait A."""
     b = Builder()
     x = b.input("x", 100, 100)
     gather = b.gather(b.input("a", 5000), "a", "g0")
     y = b.op(torch.ops.aten.mm.default, x, x)
     b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
-    gm = b.done(y)
+    return b.done(y)
+
+
+@pytest.mark.parametrize("fp32", [GFLOP, GFLOP / 100])
+def test_a_collective_that_takes_its_time_from_compute_slows_what_overlaps_it(fp32: float) -> None:
+    """contention=1 (gloo on the compute's cores): compute runs at half speed while the
+    gather is in flight. gather A, a matmul that does not need it, wait A."""
+    gm = _gather_beside_a_matmul()
     link = Link(ALPHA, BETA)
     rates = Rates("contended", _device(fp32=fp32), Network("test", {"all_gather": link}), contention=1.0)
     a, m = ALPHA + 5000 * 4 / BETA, 2 * 100 ** 3 / fp32  # 21 ms of gather; 2 ms or 200 ms of matmul
@@ -418,12 +423,7 @@ def test_a_collective_whose_latency_waits_for_compute_starts_moving_data_late(st
     """gather A, a 1 ms matmul that does not need it, wait A. With starvation s, A's 1 ms
     latency passes at 1/(1+s) of its pace during the matmul: 1/(1+s) ms of it, the rest after;
     then its 20 ms of data. Compute itself is not slowed (contention 0)."""
-    b = Builder()
-    x = b.input("x", 100, 100)
-    gather = b.gather(b.input("a", 5000), "a", "g0")
-    y = b.op(torch.ops.aten.mm.default, x, x)
-    b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
-    gm = b.done(y)
+    gm = _gather_beside_a_matmul()
     fp32 = 2 * 100 ** 3 / 1e-3  # the matmul: 1 ms
     rates = Rates("starved", _device(fp32=fp32), Network("test", {"all_gather": Link(ALPHA, BETA)}),
                   starvation=starvation)
