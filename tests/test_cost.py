@@ -177,6 +177,32 @@ def test_calibration_fits_latency_and_bandwidth_by_least_squares() -> None:
     assert through_zero.latency == 0.0 and through_zero.bandwidth > 0
 
 
+def test_calibration_times_by_the_mean_of_its_calls_the_slow_ones_included(monkeypatch: Any) -> None:
+    from fxshard.driver.report import calibrate
+
+    # A scripted clock: the warm-up call, then calls of 1, 1, 4 and 2 ms. A step pays every
+    # call, so the device's and the network's rates take their mean (2 ms), not the fastest
+    # (1 ms, what calibration took before) nor the median (1.5 ms).
+    durations = iter([0.0, 1e-3, 1e-3, 4e-3, 2e-3])
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        return clock[0]
+
+    def call() -> None:
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", perf_counter)
+    seconds = calibrate._seconds(call, torch.device("cpu"), least=0.0, calls=4)
+    assert seconds == pytest.approx(2e-3)
+    for how, expected in (("fastest", 1e-3), ("median", 1.5e-3)):
+        durations, clock[0] = iter([0.0, 1e-3, 1e-3, 4e-3, 2e-3]), 0.0
+        assert calibrate._seconds(call, torch.device("cpu"), least=0.0, calls=4, how=how) == \
+            pytest.approx(expected)
+    # A cached entry measured another way is measured again: the method is in every key.
+    assert f"method {calibrate.METHOD}" in calibrate.device_key(torch.device("cpu"))
+
+
 def test_hardware_profiles_by_name_and_an_unknown_name_lists_them() -> None:
     h100 = hardware("h100-ib")
     assert h100.device.matmul_flops["bfloat16"] > 1e14 and any("datasheet" in s for s in h100.sources)

@@ -48,7 +48,13 @@ log = logging.getLogger("fxshard")
 CACHE_ENV = "FXSHARD_CACHE_DIR"
 DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-CALLS = 7  # timed calls of each collective at each size (their median), after one to warm up
+# Timed calls of each collective at each of ``_sizes`` (their mean), after one to warm up: many
+# at the smallest size, which decides the latency, varies most (on a shared host a tenth of
+# small calls take four times the median, and a mean of 20 moved by half between runs) and
+# costs least; few at the largest, which cost tens of milliseconds each.
+CALLS = (60, 20, 5)
+# How the rates are measured; a cache entry measured otherwise is measured again.
+METHOD = 2
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -105,7 +111,8 @@ def device_name(device: torch.device) -> str:
 
 
 def device_key(device: torch.device) -> str:
-    return f"device | {device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return (f"device | {device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+            f" | method {METHOD}")
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -117,11 +124,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3,
-             best: bool = True, mean: bool = False) -> float:
-    """The time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds: the
-    fastest (the device's own speed, whatever else the machine runs a moment), or with
-    ``best=False`` the median, or with ``mean=True`` the mean (what a run of many such calls
-    pays, its slow calls included)."""
+             how: str = "mean") -> float:
+    """The time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds: by
+    default the mean, what a run of many such calls pays, its slow calls included (on a shared
+    host an operator's mean is 5-15% above its fastest call, a small collective's twice its
+    median); ``how="median"`` the median, ``how="fastest"`` the fastest call (where only an
+    order of magnitude is wanted: how many calls fill a loop)."""
     fn()
     _sync(device)
     times: list[float] = []
@@ -131,9 +139,9 @@ def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    if mean:
-        return statistics.fmean(times)
-    return min(times) if best else statistics.median(times)
+    if how == "fastest":
+        return min(times)
+    return statistics.median(times) if how == "median" else statistics.fmean(times)
 
 
 def matmul_sizes(device: torch.device) -> tuple[int, ...]:
@@ -142,7 +150,8 @@ def matmul_sizes(device: torch.device) -> tuple[int, ...]:
 
 
 def measure_device(device: torch.device) -> DeviceRates:
-    """This device's rates, in about half a second (the CPU at its thread count)."""
+    """This device's rates, in about half a second (the CPU at its thread count), each the
+    mean of its calls (``_seconds``)."""
     flops: dict[str, float] = {}
     curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
@@ -198,8 +207,8 @@ def measure_fresh(device: torch.device) -> tuple[int | None, float]:
     def costs(nbytes: int) -> tuple[float, float]:
         numel = nbytes // 4
         kept = torch.empty(numel)
-        reused = _seconds(lambda: kept.fill_(1.0), device, least=0.0, calls=3)
-        fresh = _seconds(lambda: torch.empty(numel).fill_(1.0), device, least=0.0, calls=3)
+        reused = _seconds(lambda: kept.fill_(1.0), device, least=0.0, calls=3, how="fastest")
+        fresh = _seconds(lambda: torch.empty(numel).fill_(1.0), device, least=0.0, calls=3, how="fastest")
         return fresh, reused
 
     def slow(nbytes: int) -> bool:
@@ -359,8 +368,8 @@ def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
 
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
-    three sizes each, through the functional collectives the emitted graphs run; about a
-    third of a second on gloo between two processes of one host."""
+    three sizes each, through the functional collectives the emitted graphs run; about two
+    thirds of a second on gloo between two processes of one host."""
     device = comm_device(group)
     n, name = group.size(), group.group_name
     links: dict[str, Link] = {}
@@ -375,10 +384,9 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             # The mean: a step pays every call, and on a shared host a few in ten small ones
             # take several times the median (gloo on 2 cores: the mean of a 256 KiB
             # reduce_scatter twice its median); a collective waits on its peers, whose own
-            # delays are part of its time. More calls at the smaller sizes, which decide the
-            # latency, vary most, and cost least.
-            calls = CALLS * (len(_sizes(device)) - _sizes(device).index(size))
-            seconds = _seconds(run, device, least=0.0, calls=calls, mean=True)
+            # delays are part of its time.
+            calls = CALLS[_sizes(device).index(size)]
+            seconds = _seconds(run, device, least=0.0, calls=calls)
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
@@ -398,14 +406,14 @@ def measure_contention(group: dist.ProcessGroup) -> float:
     a = torch.randn(size, size, device=device)
     # The same collectives on every rank, in the same order; the loops are each rank's own.
     comm = _seconds(lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, n, name)), device,
-                    least=0.0, calls=3, best=False)
-    repeats = max(1, math.ceil(2 * comm / _seconds(lambda: torch.mm(a, a), device)))
+                    least=0.0, calls=3, how="median")
+    repeats = max(1, math.ceil(2 * comm / _seconds(lambda: torch.mm(a, a), device, how="fastest")))
 
     def loop() -> None:
         for _ in range(repeats):
             torch.mm(a, a)
 
-    alone = _seconds(loop, device, least=0.0, calls=3, best=False)
+    alone = _seconds(loop, device, least=0.0, calls=3, how="median")
     overlapped = []
     for _ in range(3):
         dist.barrier(group=group)
@@ -434,8 +442,8 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
     a = torch.randn(64, 64)
     # The same collectives on every rank, in the same order; the loops are each rank's own.
     alone = _seconds(lambda: compat.all_gather_single(full, shard, group=group), device,
-                     least=0.0, calls=5, best=False)
-    repeats = max(1, math.ceil(4 * alone / _seconds(lambda: torch.mm(a, a), device)))
+                     least=0.0, calls=5, how="median")
+    repeats = max(1, math.ceil(4 * alone / _seconds(lambda: torch.mm(a, a), device, how="fastest")))
     done = []
     for _ in range(5):
         dist.barrier(group=group)
@@ -472,7 +480,7 @@ def measure_latency_sharing(world: World) -> float:
         return ops.all_gather_into_tensor(shard, n, group.group_name)
 
     def mean(fn: Callable[[], object]) -> float:
-        return _seconds(fn, device, least=0.0, calls=24, mean=True)
+        return _seconds(fn, device, least=0.0, calls=24)
 
     alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
     serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
@@ -534,7 +542,7 @@ def measured_group(world: World) -> dist.ProcessGroup:
 def network_key(world: World) -> str:
     group = measured_group(world)
     return (f"network | {dist.get_backend(group)} | {group.size()} ranks | {socket.gethostname()} | "
-            f"torch {torch.__version__} | {torch.get_num_threads()} threads")
+            f"torch {torch.__version__} | {torch.get_num_threads()} threads | method {METHOD}")
 
 
 def calibrate(world: World, device: torch.device) -> Rates:
@@ -625,7 +633,7 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
 
 def _time_node(node: fx.Node, device: torch.device) -> float | None:
     """One run of ``node`` on tensors of its arguments' shapes, strides and dtypes (random
-    values) on ``device``: the fastest of a few; None where it does not run on them."""
+    values) on ``device``: the mean of a few (``_seconds``); None where it does not run on them."""
 
     def real(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
