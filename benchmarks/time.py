@@ -13,7 +13,7 @@ its own: the first measurement, what a user's first run gets), then:
   forward + loss + backward alone, against the prediction's graphs, and the
   optimizer step alone, against its prediction;
 - every distinct collective of more than 1 MB the step issues (kind, input size):
-  measured alone on the group the step runs it on (the median of 5, after one
+  measured alone on the group the step runs it on (the mean of 20, after one
   to warm up), against the model's time for it alone, and beside the time the
   prediction gives it inside the step (where collectives in flight together
   share the wires).
@@ -64,8 +64,9 @@ def spec(name: str) -> dict[str, Any]:
                 inputs=lambda g: (torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)))
 
 
-def _collective_alone(driver: Any, c: Any, reps: int = 5) -> float:
-    """The median seconds of collective ``c`` alone, on the process group the step runs it on."""
+def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
+    """The mean seconds of collective ``c`` alone over ``reps`` calls, on the process group the
+    step runs it on: the statistic the model predicts (a step pays every call)."""
     from fxshard.ir import compat
 
     ops = compat.c10d_functional
@@ -80,7 +81,7 @@ def _collective_alone(driver: Any, c: Any, reps: int = 5) -> float:
         ops.wait_tensor(run())
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str) -> None:
@@ -195,7 +196,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
             f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} |")
     lines += ["", "Collectives of more than 1 MB, each distinct kind and size once: measured alone on the "
-              "step's process group (median of 5), the model's time for it alone, and its predicted span "
+              "step's process group (the mean of 20), the model's time for it alone, and its predicted span "
               "inside the step (collectives in flight together share the wires).", "",
               "| model | kind | unit | input MB | measured alone ms | predicted alone ms | error | "
               "predicted in the step ms |", "|---|---|---|---:|---:|---:|---:|---:|"]

@@ -54,7 +54,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # costs least; few at the largest, which cost tens of milliseconds each.
 CALLS = (60, 20, 5)
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 2
+METHOD = 3
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -124,12 +124,14 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3,
-             how: str = "mean") -> float:
+             how: str = "median") -> float:
     """The time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds: by
-    default the mean, what a run of many such calls pays, its slow calls included (on a shared
-    host an operator's mean is 5-15% above its fastest call, a small collective's twice its
-    median); ``how="median"`` the median, ``how="fastest"`` the fastest call (where only an
-    order of magnitude is wanted: how many calls fill a loop)."""
+    default the median, a typical call (on a shared host an operator's typical call is 5-15%
+    above its fastest, which is what calibration took before; and one call in three slowed by
+    something else moves a mean of three, not their median); ``how="mean"`` the mean, what a
+    run of many such calls pays, its slow calls included (a small collective's: twice its
+    median, and frequent enough that many calls measure it); ``how="fastest"`` the fastest
+    call (where only an order of magnitude is wanted: how many calls fill a loop)."""
     fn()
     _sync(device)
     times: list[float] = []
@@ -151,7 +153,7 @@ def matmul_sizes(device: torch.device) -> tuple[int, ...]:
 
 def measure_device(device: torch.device) -> DeviceRates:
     """This device's rates, in about half a second (the CPU at its thread count), each the
-    mean of its calls (``_seconds``)."""
+    median of its calls (``_seconds``)."""
     flops: dict[str, float] = {}
     curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
@@ -386,7 +388,7 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             # reduce_scatter twice its median); a collective waits on its peers, whose own
             # delays are part of its time.
             calls = CALLS[_sizes(device).index(size)]
-            seconds = _seconds(run, device, least=0.0, calls=calls)
+            seconds = _seconds(run, device, least=0.0, calls=calls, how="mean")
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
@@ -480,7 +482,7 @@ def measure_latency_sharing(world: World) -> float:
         return ops.all_gather_into_tensor(shard, n, group.group_name)
 
     def mean(fn: Callable[[], object]) -> float:
-        return _seconds(fn, device, least=0.0, calls=24)
+        return _seconds(fn, device, least=0.0, calls=24, how="mean")
 
     alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
     serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
@@ -633,7 +635,7 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
 
 def _time_node(node: fx.Node, device: torch.device) -> float | None:
     """One run of ``node`` on tensors of its arguments' shapes, strides and dtypes (random
-    values) on ``device``: the mean of a few (``_seconds``); None where it does not run on them."""
+    values) on ``device``: the median of a few (``_seconds``); None where it does not run on them."""
 
     def real(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
