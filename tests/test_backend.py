@@ -149,21 +149,30 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
     for name in ("gpt", "mlp", "broken"):
         torch._dynamo.reset()
         out[name] = _train(name, rank)
-    if world_size == 2:  # no_sync and Inductor compute, in the same spawn
+    if world_size == 2:  # the state dicts and no_sync, in the same spawn
         torch._dynamo.reset()
         out["state_dicts"] = _state_dicts(rank)
         for name, fsdp2_name in (("gpt", False), ("broken", True)):
             torch._dynamo.reset()
             out[f"no_sync_{name}"] = _no_sync(name, rank, fsdp2_name)
-        torch._dynamo.reset()
-        out["inductor"] = _train("gpt", rank, compute="inductor")
-        out["inductor_dropout"] = _inductor_dropout(rank)
     return out
 
 
 @cache
 def results(world_size: int) -> list[dict[str, Any]]:
     return run_ranks(worker, world_size)
+
+
+def inductor_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    return {"inductor": _train("gpt", rank, compute="inductor"), "inductor_dropout": _inductor_dropout(rank)}
+
+
+@cache
+def inductor_results() -> list[dict[str, Any]]:
+    """Inductor compute in a spawn of its own: compiling its kernels from a cold cache took most
+    of the file's time, and only the slow tier reads it (tests/conftest.py)."""
+    return run_ranks(inductor_worker, 2)
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp", "broken"])
@@ -208,7 +217,7 @@ def test_state_dicts_of_a_backend_compiled_model() -> None:
 def test_inductor_compute_matches_ddp() -> None:
     # The GPT segfaulted while fxshard still emitted explicit frees under Inductor,
     # which may move a read of a buffer's view past the free; Inductor frees buffers itself.
-    for r in (res["inductor"] for res in results(2)):
+    for r in (res["inductor"] for res in inductor_results()):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
                                    rtol=1e-4, atol=1e-5)
         assert r["frees"] == 0
@@ -298,7 +307,7 @@ def test_inductor_compute_trains_with_dropout() -> None:
     # run before fxshard partitions): the masks are not eager's, so there is no
     # DDP parity to check; training must still run, agree across ranks, and
     # the sharded eval forward must be the gathered model's.
-    r0, r1 = (res["inductor_dropout"] for res in results(2))
+    r0, r1 = (res["inductor_dropout"] for res in inductor_results())
     assert all(math.isfinite(v) for v in r0["losses"] + r1["losses"])
     assert r0["losses"][-1] < r0["losses"][0]  # the same batch each step: it is learning
     for k, v in r0["full"].items():

@@ -125,13 +125,16 @@ def integrity_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     extra = fxshard.checkpoint.load(good, fresh, fresh_opt)  # the undamaged one still loads
     return {"flips": results, "plain_loads": plain_loads, "extra": extra,
             "loads": _same(_snapshot(fresh, fresh_opt), _snapshot(sharded, opt)),
-            "record": (good / RECORD).exists()}
+            "record": (good / RECORD).exists(),
+            # In the same spawn, to spare the suite one: its failed loads leave the group usable.
+            "sources": sources_worker(rank, world_size, str(Path(root) / "sources"))}
 
 
 @cache
 def integrity_runs() -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="fxshard-integrity-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # the consolidation tests read `good`
+    (Path(root) / "sources").mkdir()  # sources_worker's root, whose listing it checks
     return {"root": root, "ranks": run_ranks(integrity_worker, 2, root)}
 
 
@@ -237,13 +240,8 @@ def sources_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "wrote": sorted(os.listdir(root))}
 
 
-@cache
 def sources_runs() -> list[dict[str, Any]]:
-    root = tempfile.mkdtemp(prefix="fxshard-sources-")
-    try:
-        return run_ranks(sources_worker, 2, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return [r["sources"] for r in integrity_runs()["ranks"]]
 
 
 DIFFERENT = {

@@ -150,13 +150,48 @@ def _buffers(rank: int) -> dict[str, Any]:
             "buffer_bytes": sum(b.numel() * b.element_size() for b in ddp.module.buffers())}
 
 
+@torch.library.custom_op("fxshard_test::tls_probe", mutates_args=())
+def tls_probe(x: torch.Tensor) -> torch.Tensor:
+    """Records whether a Python Context is in the thread-local state that collectives issued
+    here would copy into their Works."""
+    has_key = getattr(torch._C, "_is_key_in_tls", None)
+    tls_probe.seen.append(bool(has_key("context")) if has_key is not None else False)  # type: ignore[attr-defined]
+    return x.clone()
+
+
+tls_probe.seen = []  # type: ignore[attr-defined]
+
+
+@tls_probe.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+tls_probe.register_autograd(lambda ctx, grad: torch.ops.fxshard_test.tls_probe(grad))
+
+
+class ProbesItsBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.ops.fxshard_test.tls_probe(self.a(x)))
+
+
+def _collectives_of_a_backward_hold_no_python_context(rank: int, world_size: int) -> list[bool]:
+    sharded = fxshard.compile(ProbesItsBackward(), policy=by_class(nn.Linear))
+    for _ in range(2):
+        sharded(torch.randn(2, 8)).sum().backward()
+    return list(tls_probe.seen)  # type: ignore[attr-defined]
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     # Each case leaves the process group usable: a mismatch is found by
     # collectives every rank takes part in.
-    return {"divergent": _divergent(rank), "partial": _partial_last_batch(rank),
-            "varying": _every_model_with_varying_batches(rank),
-            "eval": _one_rank_evaluates(rank), "skip": _one_rank_skips_backward(rank),
-            "buffers": _buffers(rank)}
+    return {"partial": _partial_last_batch(rank), "eval": _one_rank_evaluates(rank),
+            "skip": _one_rank_skips_backward(rank), "buffers": _buffers(rank),
+            "no_python_context": _collectives_of_a_backward_hold_no_python_context(rank, world_size)}
 
 
 @cache
@@ -164,8 +199,19 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(worker, 2)
 
 
+def slow_tier_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return {"divergent": _divergent(rank), "varying": _every_model_with_varying_batches(rank)}
+
+
+@cache
+def slow_tier_results() -> list[dict[str, Any]]:
+    """The cases only the slow tier's tests read (tests/conftest.py), in ranks of their own: every
+    model of the suite trained at varying batch sizes took most of the file's time."""
+    return run_ranks(slow_tier_worker, 2)
+
+
 def test_divergent_ranks_raise_instead_of_hanging() -> None:
-    for msg in (r["divergent"] for r in results()):
+    for msg in (r["divergent"] for r in slow_tier_results()):
         assert "collective #0 of the step differs" in msg, msg
         assert "rank 0: forward: all_gather(float32[156]" in msg
         assert "rank 1: forward: all_gather(float32[163]" in msg
@@ -179,7 +225,7 @@ def test_partial_last_batch_trains_exactly_like_ddp() -> None:
 
 
 def test_every_model_trains_like_ddp_when_batch_sizes_differ_per_rank_every_step() -> None:
-    for rank, result in enumerate(results()):
+    for rank, result in enumerate(slow_tier_results()):
         assert result["varying"].keys() == CASES.keys()
         for name, error in result["varying"].items():
             assert error <= 1e-5, (rank, name, error)
@@ -212,6 +258,16 @@ def test_a_skipped_backward_raises_on_every_rank() -> None:
         # A backward runs with grad mode off; its step is still a grad-on training step.
         assert "rank 0: backward of a train step, grad on" in msg, msg
         assert "rank 1: forward of a train step, grad on" in msg, msg
+
+
+@pytest.mark.release("no_python_context")
+def test_collectives_of_the_compiled_graphs_hold_no_python_context() -> None:
+    # torch stashes a contextvars.Context in the thread-local state of every backward, and a
+    # gloo collective copies that state into its Work. A gloo worker that then drops the last
+    # Work after the interpreter began finalizing died in std::terminate at exit ("terminate
+    # called without an active exception"). The compiled graphs run without it.
+    for seen in (r["no_python_context"] for r in results()):  # ranks that exit through teardown
+        assert len(seen) == 4 and not any(seen), seen  # forward and backward, two steps
 
 
 # -- timeouts: each case breaks its process group, so it gets its own ranks ----------------------
@@ -364,49 +420,3 @@ def test_a_peer_that_died_is_reported_at_once_without_claiming_a_timeout() -> No
     assert r0["seconds"] < 60, r0
     assert "did not reach the forward of this step (the wait failed after" in r0["error"], r0
     assert "1800s" not in r0["error"], r0
-
-
-@torch.library.custom_op("fxshard_test::tls_probe", mutates_args=())
-def tls_probe(x: torch.Tensor) -> torch.Tensor:
-    """Records whether a Python Context is in the thread-local state that collectives issued
-    here would copy into their Works."""
-    has_key = getattr(torch._C, "_is_key_in_tls", None)
-    tls_probe.seen.append(bool(has_key("context")) if has_key is not None else False)  # type: ignore[attr-defined]
-    return x.clone()
-
-
-tls_probe.seen = []  # type: ignore[attr-defined]
-
-
-@tls_probe.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-tls_probe.register_autograd(lambda ctx, grad: torch.ops.fxshard_test.tls_probe(grad))
-
-
-class ProbesItsBackward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.ops.fxshard_test.tls_probe(self.a(x)))
-
-
-def _collectives_of_a_backward_hold_no_python_context(rank: int, world_size: int) -> list[bool]:
-    sharded = fxshard.compile(ProbesItsBackward(), policy=by_class(nn.Linear))
-    for _ in range(2):
-        sharded(torch.randn(2, 8)).sum().backward()
-    return list(tls_probe.seen)  # type: ignore[attr-defined]
-
-
-@pytest.mark.release("no_python_context")
-def test_collectives_of_the_compiled_graphs_hold_no_python_context() -> None:
-    # torch stashes a contextvars.Context in the thread-local state of every backward, and a
-    # gloo collective copies that state into its Work. A gloo worker that then drops the last
-    # Work after the interpreter began finalizing died in std::terminate at exit ("terminate
-    # called without an active exception"). The compiled graphs run without it.
-    for seen in run_ranks(_collectives_of_a_backward_hold_no_python_context, 2):
-        assert len(seen) == 4 and not any(seen), seen  # forward and backward, two steps

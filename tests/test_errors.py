@@ -7,6 +7,7 @@ import datetime
 import inspect
 import time
 from collections.abc import Callable, Iterator
+from functools import cache
 from typing import Any
 
 import pytest
@@ -355,7 +356,7 @@ def _ddp_over_sharded(rank: int, world_size: int) -> tuple[str, str, bool]:
 
 @pytest.mark.release  # reads the attribute DDP's constructor reads first
 def test_ddp_over_a_sharded_module_is_refused_before_anything_is_broadcast() -> None:
-    for rank, (error, message, unchanged) in enumerate(run_ranks(_ddp_over_sharded, 2)):
+    for rank, (error, message, unchanged) in enumerate(r["ddp"] for r in refusals()):
         assert error == "FxShardError", (rank, error, message)
         assert "DistributedDataParallel" in message and "already reduces" in message, message
         assert "fxshard.compile(model)" in message, message
@@ -384,8 +385,18 @@ def _clip_the_original(rank: int, world_size: int) -> tuple[list[tuple[str, str]
     return results, len(after) == len(before) > 0 and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+def refusals_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return {"ddp": _ddp_over_sharded(rank, world_size), "clip": _clip_the_original(rank, world_size)}
+
+
+@cache
+def refusals() -> list[dict[str, Any]]:
+    """Both refusals in one spawn: each leaves the process group as it found it."""
+    return run_ranks(refusals_worker, 2)
+
+
 def test_clipping_the_original_modules_parameters_is_refused() -> None:
-    for rank, (results, unchanged) in enumerate(run_ranks(_clip_the_original, 2)):
+    for rank, (results, unchanged) in enumerate(r["clip"] for r in refusals()):
         for error, message in results:
             assert error == "FxShardError", (rank, error, message)
             assert f"rank {rank}" in message and "no gradient" in message, message

@@ -100,10 +100,14 @@ def _pair(out: str, data: Tokens, **changes: Any) -> tuple[Trainer, CountingTrai
     return ddp, sharded
 
 
-def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
+def _torchrun_environment(rank: int, world_size: int) -> None:
     # What torchrun sets; Accelerate reads them, and finds the process group initialised.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+
+
+def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    _torchrun_environment(rank, world_size)
     data = Tokens(2 * 2 * world_size * STEPS)
 
     # max_grad_norm=1.0 stays above every step's norm: the norm is computed, nothing is scaled.
@@ -118,13 +122,8 @@ def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=f"{out}/exact/fx/checkpoint-2")
     resumed_state = resumed.model_wrapped.state_dict()  # a collective
 
-    # Every step clips (its norm is above 0.5). Without accumulation: one step to trace, not two.
-    ddp_clip, sharded_clip = _pair(f"{out}/clip", data, max_grad_norm=0.5, gradient_accumulation_steps=1)
-    clipped_state = sharded_clip.model_wrapped.state_dict()
-
     result: dict[str, Any] = {
-        "ddp": _history(ddp), "fx": _history(sharded), "resumed": _history(resumed),
-        "ddp_clip": _history(ddp_clip), "fx_clip": _history(sharded_clip), "evaluated": evaluated,
+        "ddp": _history(ddp), "fx": _history(sharded), "resumed": _history(resumed), "evaluated": evaluated,
         "micro_batches": sharded.micro_batches, "gathers": gathers, "units": len(wrapped.plan.units),
     }
     if rank == 0:
@@ -134,7 +133,6 @@ def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
             checkpoint_files=sorted(os.listdir(f"{out}/exact/fx/checkpoint-2")),
             ddp_state=ddp.model.state_dict(), saved_state=reloaded.state_dict(),
             resumed_state=resumed_state,
-            ddp_clip_state=ddp_clip.model.state_dict(), clipped_state=clipped_state,
         )
     return result
 
@@ -143,6 +141,29 @@ def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
 def results() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
         return run_ranks(worker, 2, out)
+
+
+def clip_worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    _torchrun_environment(rank, world_size)
+    data = Tokens(2 * 2 * world_size * STEPS)
+    unclipped = Trainer(model=_model(), args=_args(f"{out}/ddp"), train_dataset=data)
+    unclipped.train()  # worker()'s DDP run: what clipping changes
+    # Every step clips (its norm is above 0.5). Without accumulation: one step to trace, not two.
+    ddp_clip, sharded_clip = _pair(f"{out}/clip", data, max_grad_norm=0.5, gradient_accumulation_steps=1)
+    clipped_state = sharded_clip.model_wrapped.state_dict()  # a collective
+    result: dict[str, Any] = {"ddp_clip": _history(ddp_clip), "fx_clip": _history(sharded_clip)}
+    if rank == 0:
+        result.update(ddp_state=unclipped.model.state_dict(), ddp_clip_state=ddp_clip.model.state_dict(),
+                      clipped_state=clipped_state)
+    return result
+
+
+@cache
+def clip_results() -> list[dict[str, Any]]:
+    """Ranks of their own: test_clipping_scales_the_gradients_as_ddp_does, their only reader, is
+    in the slow tier (tests/conftest.py), and the fast tier's tests need not wait for them."""
+    with tempfile.TemporaryDirectory() as out:
+        return run_ranks(clip_worker, 2, out)
 
 
 @pytest.mark.release
@@ -181,10 +202,10 @@ def test_clipping_scales_the_gradients_as_ddp_does() -> None:
     # may too, so this agrees to float32 rounding, not bit for bit (docs/devices.md,
     # "Numerics"): losses and norms to 1e-5, weights to 1e-5 and 1e-6 absolute (a ten-
     # thousandth of one step's size, the learning rate).
-    for r in results():
+    for r in clip_results():
         assert all(norm > 0.5 for _, norm in r["ddp_clip"])
         torch.testing.assert_close(r["fx_clip"], r["ddp_clip"], rtol=1e-5, atol=0)
-    r = results()[0]
+    r = clip_results()[0]
     for name, value in r["ddp_clip_state"].items():
         torch.testing.assert_close(r["clipped_state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(value, r["ddp_state"][name]) or value.dim() == 1, name  # clipping changed it

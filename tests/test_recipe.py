@@ -458,24 +458,30 @@ def _autocast_against_fsdp2(rank: int) -> dict[str, Any]:
 
 
 def precision_worker(rank: int, world_size: int) -> dict[str, Any]:
-    results: dict[str, Any] = {"gpt": _bf16_against_fsdp2(rank, "gpt")}
-    if world_size == 2:
-        results["net"] = _bf16_against_fsdp2(rank, "net")
-        results["rotary"] = _bf16_against_fsdp2(rank, "rotary")
-        results["fp16"] = _fp16_scaler(rank)
-        results["backend"] = _bf16_backend_against_fsdp2(rank)
-        results["autocast"] = _autocast_against_fsdp2(rank)
-    return results
+    return {"fp16": _fp16_scaler(rank), "backend": _bf16_backend_against_fsdp2(rank),
+            "autocast": _autocast_against_fsdp2(rank)}
 
 
 @cache
-def precision_results(world_size: int) -> list[dict[str, Any]]:
-    return run_ranks(precision_worker, world_size)
+def precision_results() -> list[dict[str, Any]]:
+    return run_ranks(precision_worker, 2)
+
+
+def bf16_worker(rank: int, world_size: int) -> dict[str, Any]:
+    names = ("gpt", "net", "rotary") if world_size == 2 else ("gpt",)
+    return {name: _bf16_against_fsdp2(rank, name) for name in names}
+
+
+@cache
+def bf16_results(world_size: int) -> list[dict[str, Any]]:
+    """Ranks of their own: test_bf16_matches_fsdp2_mixed_precision, their only reader, is in the
+    slow tier (tests/conftest.py), and the fast tier's precision tests need not wait for them."""
+    return run_ranks(bf16_worker, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
-    for results in precision_results(world_size):
+    for results in bf16_results(world_size):
         # rotary: the root computes an fp32 rotary table and passes it to every block,
         # which casts it to bf16 on entry, as FSDP2's cast_forward_inputs does.
         for name in ("gpt", "net", "rotary") if world_size == 2 else ("gpt",):
@@ -496,7 +502,7 @@ def test_bf16_matches_fsdp2_mixed_precision(world_size: int) -> None:
 
 
 def test_bf16_through_the_backend_matches_fsdp2_mixed_precision() -> None:
-    for r in (res["backend"] for res in precision_results(2)):
+    for r in (res["backend"] for res in precision_results()):
         assert r["gathered"] == {torch.bfloat16} and r["reduced"] == {torch.float32}
         # Dynamo's graph of the same model: the same bf16 arithmetic, within bf16 rounding.
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-3)
@@ -505,7 +511,7 @@ def test_bf16_through_the_backend_matches_fsdp2_mixed_precision() -> None:
 
 
 def test_a_forward_under_autocast_trains_like_fsdp2_under_the_same_autocast() -> None:
-    for r in (res["autocast"] for res in precision_results(2)):
+    for r in (res["autocast"] for res in precision_results()):
         # Bit for bit: the same bf16 casts of the same fp32 weights, then the same sums.
         assert r["losses"] == r["ref_losses"]
         for k, v in r["ref_state"].items():
@@ -514,7 +520,7 @@ def test_a_forward_under_autocast_trains_like_fsdp2_under_the_same_autocast() ->
 
 
 def test_fp16_grad_scaler_skips_an_overflow_on_every_rank() -> None:
-    ranks = [r["fp16"] for r in precision_results(2)]
+    ranks = [r["fp16"] for r in precision_results()]
     for r in ranks:
         assert r["skipped"] == [True, False]  # the inf was on rank 1 only; both skip, both go on
         assert r["unchanged_after_inf"]
