@@ -65,8 +65,10 @@ def spec(name: str) -> dict[str, Any]:
 
 
 def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
-    """The mean seconds of collective ``c`` alone over ``reps`` calls, on the process group the
-    step runs it on: the statistic the model predicts (a step pays every call)."""
+    """The mean seconds of collective ``c`` alone over ``reps`` calls (after one to warm up), on
+    the process group the step runs it on: the statistic the model predicts, timed as
+    calibration times the network."""
+    from fxshard.driver.report.calibrate import _seconds
     from fxshard.ir import compat
 
     ops = compat.c10d_functional
@@ -75,13 +77,7 @@ def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
     run = {"all_gather": lambda: ops.all_gather_into_tensor(x, n, name),
            "reduce_scatter": lambda: ops.reduce_scatter_tensor(x, c.reduce_op or "sum", n, name),
            "all_reduce": lambda: ops.all_reduce(x, c.reduce_op or "sum", name)}[c.kind]
-    times = []
-    for i in range(reps + 1):
-        start = time.perf_counter()
-        ops.wait_tensor(run())
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.fmean(times)
+    return _seconds(lambda: ops.wait_tensor(run()), x.device, least=0.0, calls=reps, how="mean")
 
 
 def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str) -> None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # Timed calls of each collective at each of ``_sizes`` (their mean), after one to warm up: many
 # at the smallest size, which decides the latency, varies most (on a shared host a tenth of
-# small calls take four times the median, and a mean of 20 moved by half between runs) and
+# small calls take four times the median, and a mean of 21 moved by half between runs) and
 # costs least; few at the largest, which cost tens of milliseconds each.
 CALLS = (60, 20, 5)
 # How the rates are measured; a cache entry measured otherwise is measured again.
@@ -124,7 +124,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3,
-             how: str = "median") -> float:
+             how: Literal["median", "mean", "fastest"] = "median") -> float:
     """The time of one call of ``fn``, over at least ``calls`` calls and ``least`` seconds: by
     default the median, a typical call (on a shared host an operator's typical call is 5-15%
     above its fastest, which is what calibration took before; and one call in three slowed by
