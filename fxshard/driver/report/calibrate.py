@@ -48,11 +48,15 @@ log = logging.getLogger("fxshard")
 CACHE_ENV = "FXSHARD_CACHE_DIR"
 DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-# Timed calls of each collective at each of ``_sizes`` (their mean), after one to warm up: many
-# at the smallest size, which decides the latency, varies most (on a shared host a tenth of
-# small calls take four times the median, and a mean of 21 moved by half between runs) and
-# costs least; few at the largest, which cost tens of milliseconds each.
-CALLS = (60, 20, 5)
+# The collectives' sizes (full-buffer bytes) and timed calls at each (their mean), after one to
+# warm up: many at the smallest size, which decides the latency, varies most (on a shared host a
+# tenth of small calls take four times the median, and a mean of 21 moved by half between runs)
+# and costs least; few at the largest, which cost tens of milliseconds each. On the CPU up to
+# 16 MiB: gloo's bandwidth falls as buffers outgrow the caches. (A fourth size, 10 calls of
+# 4 MiB, and 8 calls of 16 MiB cost a third of a second more and left the bandwidth's swing
+# between calibrations as it was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
+NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
+                 "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # How the rates are measured; a cache entry measured otherwise is measured again.
 METHOD = 3
 
@@ -350,11 +354,10 @@ def fit(points: list[tuple[float, float]]) -> Link:
     return Link(latency, 1.0 / slope)
 
 
-def _sizes(device: torch.device) -> tuple[int, ...]:
-    """Full-buffer bytes measured: up to where bandwidth, not latency, decides."""
-    # On the CPU up to 16 MiB: gloo's bandwidth falls as buffers outgrow the caches (an 8 MiB
-    # reduce_scatter moves its bytes 1.2 times as fast as a 16 MiB one here).
-    return (1 << 20, 1 << 24, 1 << 27) if device.type != "cpu" else (1 << 16, 1 << 20, 1 << 24)
+def network_sizes(device: torch.device) -> tuple[tuple[int, int], ...]:
+    """(full-buffer bytes, timed calls) of each size measured: up to where bandwidth, not
+    latency, decides."""
+    return NETWORK_SIZES["cpu" if device.type == "cpu" else "accelerator"]
 
 
 def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
@@ -377,7 +380,7 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     links: dict[str, Link] = {}
     for kind in KINDS:
         points = []
-        for size in _sizes(device):
+        for size, calls in network_sizes(device):
             numel = size // 4 // n * n
             full = torch.ones(numel, device=device)
             shard = torch.ones(numel // n, device=device)
@@ -387,7 +390,6 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             # take several times the median (gloo on 2 cores: the mean of a 256 KiB
             # reduce_scatter twice its median); a collective waits on its peers, whose own
             # delays are part of its time.
-            calls = CALLS[_sizes(device).index(size)]
             seconds = _seconds(run, device, least=0.0, calls=calls, how="mean")
             points.append((float(bus_bytes(kind, given, n)), seconds))
         links[kind] = fit(points)
