@@ -4,6 +4,7 @@ a native abort or a wrong number; a smaller last batch trains exactly like DDP."
 from __future__ import annotations
 
 import copy
+import datetime
 import time
 from functools import cache
 from typing import Any
@@ -186,12 +187,47 @@ def _collectives_of_a_backward_hold_no_python_context(rank: int, world_size: int
     return list(tls_probe.seen)  # type: ignore[attr-defined]
 
 
+def _checked_on_the_device(rank: int) -> dict[str, Any]:
+    """The agreement as a device's backend runs it (gloo's ranks made to check on the
+    "device"), on a process group of its own that the last case leaves unusable: steady-state
+    phases are checked without the host waiting; rank 1 then evaluates while rank 0 trains."""
+    from fxshard.driver.run import consistency
+
+    consistency.checks_on_device = lambda device: True  # type: ignore[assignment]
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT))
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), process_group=group)
+    agreement = sharded._driver.state.agreement
+    x = torch.randn(4, 12)
+    outstanding, losses = [], []
+    for _ in range(3):
+        loss = sharded(x).sum()
+        outstanding.append(len(agreement.outstanding))  # after the forward's agreement
+        loss.backward()
+        losses.append(loss.item())
+    out: dict[str, Any] = {"outstanding": outstanding, "losses": losses}
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            sharded.eval()
+            with torch.no_grad():
+                sharded(x)
+        else:
+            sharded(x).sum().backward()
+        out["error"] = "no error"
+    except CollectiveMismatchError as e:
+        out["error"], out["unusable"] = str(e), e.groups_unusable
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     # Each case leaves the process group usable: a mismatch is found by
-    # collectives every rank takes part in.
+    # collectives every rank takes part in (the last case breaks a group of its own).
     return {"partial": _partial_last_batch(rank), "eval": _one_rank_evaluates(rank),
             "skip": _one_rank_skips_backward(rank), "buffers": _buffers(rank),
-            "no_python_context": _collectives_of_a_backward_hold_no_python_context(rank, world_size)}
+            "no_python_context": _collectives_of_a_backward_hold_no_python_context(rank, world_size),
+            "on_device": _checked_on_the_device(rank)}
 
 
 @cache
@@ -251,6 +287,24 @@ def test_one_rank_in_eval_mode_raises_on_every_rank_naming_each_step() -> None:
         assert "rank 0: forward of a train step, grad on, inputs float32[4, 12]" in msg, msg
         assert "rank 1: forward of a eval/inference step, grad off" in msg, msg
         assert "rank 0: forward: all_gather" in msg and "rank 1: inference: all_gather" in msg
+
+
+def test_steady_steps_are_checked_on_the_device_and_a_changed_step_still_raises_on_every_rank() -> None:
+    r0, r1 = (r["on_device"] for r in results())
+    # A step's first phases are checked on the host; from the second step on (the fingerprints
+    # sent two exchanges before) the host goes on and reads the result at a later phase.
+    for r in (r0, r1):
+        assert r["outstanding"] == [0, 1, 1], r
+    assert r0["losses"] == r1["losses"]
+    # Rank 1's step changed: it checks on the host, sees rank 0 went on, and raises at once,
+    # saying what it ran.
+    assert r1["unusable"] and "Rank 0 ran the step it had run before" in r1["error"], r1
+    assert "rank 1 would run this rank's step, rank 0 another" in r1["error"], r1
+    assert "This rank's step: forward of a eval/inference step, grad off" in r1["error"], r1
+    # Rank 0 went on into its forward, whose gather never completes; it raises the mismatch,
+    # not a timeout, when that gather fails.
+    assert r0["unusable"] and "rank 0 would run this rank's step, rank 1 another" in r0["error"], r0
+    assert r0["seconds"] < TIMEOUT + 5, r0
 
 
 def test_a_skipped_backward_raises_on_every_rank() -> None:

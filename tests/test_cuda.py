@@ -237,3 +237,49 @@ def test_predicted_peak_within_three_percent_of_cudas_on_the_fake_process_group(
         del sharded, optimizer
     torch.cuda.empty_cache()
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured, str(report))
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_a_steady_steps_agreement_does_not_stop_the_host_on_cuda(on_device: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a rehearsal on the GPU (a device's backend): after the first step, the ranks'
+    agreement before forward and backward makes no synchronizing CUDA call (torch's sync debug
+    mode); made to check on the host, as gloo does, it makes them (what the test would see)."""
+    import warnings
+
+    from fxshard.driver.run import consistency
+
+    if not on_device:
+        monkeypatch.setattr(consistency, "checks_on_device", lambda device: False)
+    rehearsal = fxshard.rehearse(2, "h100-nvlink", device=CUDA)
+    try:
+        torch.manual_seed(0)
+        sharded = fxshard.compile(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(CUDA),
+                                  by_class(nn.Linear))
+        x = torch.randn(16, 64, device=CUDA)
+        sharded(x).sum().backward()  # the first phases are checked on the host
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(2):
+                    sharded(x).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        agreement = sharded._driver.state.agreement
+        synced = [f"{w.filename}:{w.lineno}" for w in seen
+                  if "consistency.py" in str(w.filename) and "synchroniz" in str(w.message)]
+        if on_device:
+            assert agreement.on_device and agreement.outstanding, agreement.outstanding
+            assert agreement.outstanding[-1].event is not None
+            assert synced == [], synced
+            agreement.settle()  # every result read: they all agreed
+            assert not agreement.outstanding
+        else:
+            assert not agreement.on_device and not agreement.outstanding
+            assert synced, [str(w.message)[:80] for w in seen]
+        assert len(rehearsal.log) > 0
+    finally:
+        dist.destroy_process_group()

@@ -704,7 +704,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
     which link it runs on; ``units``: the plan's unit names, to attribute compute to;
     ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
-    compute stream waits for (None: no agreement); ``memory``: the live bytes after each
+    compute stream waits for, and the host too unless the device is asynchronous (None: no
+    agreement); ``memory``: the live bytes after each
     node, by phase (the report's ``memory_curve``), from which a device with fresh pages
     (the CPU) charges each node the pages it faults in (``fresh_pages``).
     """
@@ -729,10 +730,15 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
         gm = graphs[name]
         begin = now
         if agreement is not None and agreement[1] > 1:
-            # The host reads the agreement's result: it waits for the device to get there.
+            # The compute stream waits for the exchange, which starts where both the host and
+            # the device have got to. On a synchronous device the host then reads its result;
+            # an asynchronous one (a device's backend) compares on the device in steady state,
+            # and the host runs on (driver/run/consistency.py).
             waited = network.seconds("agreement", agreement[0], agreement[1])
             compute += max(0.0, host - now)  # the device idle until the host got here
-            now = host = max(now, host) + waited
+            now = max(now, host) + waited
+            if not device.asynchronous:
+                host = now
             agreed += waited
             exposed += waited
         issued: dict[fx.Node, tuple[_Flight, Collective]] = {}

@@ -53,7 +53,11 @@ class GraphInvariantError(FxShardError):
 
 
 class CollectiveMismatchError(FxShardError):
-    """Ranks disagree on the collectives they are about to issue."""
+    """Ranks disagree on the collectives they are about to issue. ``groups_unusable``: some
+    rank went on into the phase's collectives (it checked on the device), so the process
+    groups cannot be used again; else every rank raised before any collective of the phase."""
+
+    groups_unusable: bool = False
 
 
 class BudgetError(FxShardError):

@@ -424,6 +424,7 @@ def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: A
         except BaseException as e:
             abandoned.leave(f"the {kind} graph", e)
             settle(None, *world.all_comm)
+            abandoned.explain(e)
             failure = collective_failure(e, world, f"{kind} graph")
             if failure is None:
                 raise

@@ -14,12 +14,45 @@ exchange the wrong bytes silently.
 
 A rank whose peers never arrive (gone, stalled, in another collective such as
 a barrier) raises after the driver's timeout; see ``runtime.with_comm_groups``.
+
+Without stopping the host (``Agreement``). On a device backend (nccl, xccl, a
+rehearsal on a GPU) reading the exchange's result on the host would make the host
+wait for the device before every phase, so it could never run ahead. There, in
+steady state, the comparison runs on the device instead: the rank still exchanges
+its fingerprint (every rank exchanges one before every phase, whichever way it
+checks), and the result comes back to pinned host memory by itself; the host
+reads it at the next phase that finds it arrived, and waits for it only when
+``LAG`` phases' results are outstanding. Steady state is a fingerprint equal to
+the one this rank sent ``PERIOD`` exchanges earlier on the same job group (a
+training step's forward and backward; or forward after forward), counted over
+every driver that agrees on that group. Two ranks that both check on the device
+therefore send what they both sent ``PERIOD`` exchanges before, which was the same
+on every rank or someone raised there: they cannot differ from each other. A rank
+whose fingerprint changed (its first steps, a new input signature, eval after
+train) checks on the host as before. One bit of each fingerprint says which way
+its rank checks:
+
+- every rank on the host: a mismatch raises on every rank with every rank's
+  description, before any collective of the phase, as above;
+- a rank on the host sees a mismatch with a rank that checks on the device (a
+  rank whose step changed while the others ran theirs again): it raises at once,
+  naming the ranks whose steps differ; the ranks checking on the device have
+  issued the phase's collectives by then, which can never complete (the rank
+  that raised issues none), and raise ``CollectiveMismatchError`` at their next
+  phase, or when a wait of the phase fails. The groups are unusable afterwards on
+  every rank (``Abandoned``).
+
+The host backend (gloo) checks on the host always: the host runs its collectives,
+so it waits for them anyway.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,32 +65,175 @@ from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 
 Description = dict[str, Any]
 AGREEMENT_BYTES = 8  # each rank's contribution to the agreement all_gather
+ON_DEVICE = 1  # the fingerprint's lowest bit: its rank checks this phase on the device
+LAG = 2  # phases whose device-side check may be outstanding before the host waits for one
+PERIOD = 2  # a fingerprint sent this many exchanges before on the same group: steady state
+# The fingerprints this process last sent on each job group (the last PERIOD of them).
+_SENT: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
 
 
-def agree(phase: str, fingerprint: bytes, describe: Callable[[], Description], world: World) -> None:
-    """Every rank about to run ``phase`` with ``fingerprint`` meets here; raise unless all agree."""
-    if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
-        return  # nobody to agree with (torch's fake process group communicates nothing)
-    group = world.job_group
-    device = comm_device(group)
-    mine = torch.frombuffer(bytearray(fingerprint), dtype=torch.int64).clone().to(device)
-    everyone = torch.empty(world.job_size, dtype=torch.int64, device=device)
-    with compat.no_python_context():  # the backward's agreement runs inside a backward
-        work = compat.all_gather_single(everyone, mine, group=group, async_op=True)
-    seconds = world.timeout.total_seconds() if world.timeout is not None else None
-    wait_within(work, seconds, lambda what: FxShardError(
-        f"{world.who()}: the other ranks did not reach the {phase} of this step {what}: "
-        "a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
-        "some ranks only). Every rank must call the model the same number of times, in the "
-        "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
-        "process group's timeout)."
-    ), group)
-    if bool((everyone == mine).all()):
-        return
-    descriptions: list[Description | None] = [None] * world.job_size
-    with compat.no_python_context():
-        dist.all_gather_object(descriptions, describe(), group=group)
-    raise CollectiveMismatchError(_mismatch(descriptions, world))
+def checks_on_device(device: torch.device) -> bool:
+    """Whether a job whose steps' backend takes tensors on ``device`` checks steady-state
+    phases on the device (a device's backend), not on the host (gloo)."""
+    return device.type != "cpu"
+
+
+@dataclass
+class _Outstanding:
+    """A phase's exchange checked on the device; its result arrives in ``flag`` when ``done``."""
+
+    phase: str
+    mine: int
+    everyone: torch.Tensor  # the exchanged fingerprints (on the comm device)
+    work: Any  # the exchange (the host backend's: done when it completes)
+    event: Any  # recorded after the comparison (a device's; None on the host)
+    flag: torch.Tensor  # 1 where some rank's fingerprint differs (pinned host memory)
+    since: float  # time.monotonic() when issued
+
+    def done(self) -> bool:
+        return bool(self.event.query()) if self.event is not None else bool(self.work.is_completed())
+
+    def differs(self) -> bool:
+        if self.event is None:
+            return _differs(self.everyone, self.mine)
+        return bool(self.flag.item())
+
+
+class Agreement:
+    """The ranks' agreement as a driver runs it: on the host for a new fingerprint, on the
+    device (without stopping the host) for one this rank agreed on before; see the module's
+    docstring. ``on_device``: whether the steps' backend is a device's (default: the job
+    group's ``comm_device`` is not the CPU)."""
+
+    def __init__(self, world: World, on_device: bool | None = None):
+        self.world = world
+        self.outstanding: list[_Outstanding] = []
+        self.active = not (world.group is None or world.job_size == 1
+                           or dist.get_backend(world.group) == "fake")
+        # torch's fake process group communicates nothing: nobody to agree with
+        self.device = comm_device(world.job_group) if self.active else torch.device("cpu")
+        self.on_device = checks_on_device(self.device) if on_device is None else on_device
+
+    def agree(self, phase: str, fingerprint: bytes, describe: Callable[[], Description]) -> None:
+        """Every rank about to run ``phase`` with ``fingerprint`` meets here. Raises
+        ``CollectiveMismatchError`` unless all agree (at once, or for a phase checked on the
+        device, at a later phase: ``settle``)."""
+        if not self.active:
+            return
+        self.settle(wait=False)
+        group = self.world.job_group
+        mine = int.from_bytes(fingerprint[:AGREEMENT_BYTES], "little", signed=True) & ~ON_DEVICE
+        sent = _SENT.setdefault(group, [])
+        lazy = self.on_device and len(sent) == PERIOD and sent[0] == mine
+        sent[:] = [*sent, mine][-PERIOD:]
+        if lazy:
+            mine |= ON_DEVICE
+        value = torch.full((1,), mine, dtype=torch.int64, device=self.device)  # no copy: no host wait
+        everyone = torch.empty(self.world.job_size, dtype=torch.int64, device=self.device)
+        with compat.no_python_context():  # the backward's agreement runs inside a backward
+            work = compat.all_gather_single(everyone, value, group=group, async_op=True)
+        if lazy:
+            self._outstanding(phase, mine, everyone, work)
+            return
+        self._wait(work, phase, time.monotonic())
+        if not _differs(everyone, mine):
+            return
+        sent.clear()  # nothing is steady after a mismatch
+        fingerprints = everyone.tolist()
+        if any(f & ON_DEVICE for f in fingerprints):  # some ranks went on into the phase
+            raise self._abandon(phase, mine, fingerprints, describe)
+        descriptions: list[Description | None] = [None] * self.world.job_size
+        with compat.no_python_context():
+            dist.all_gather_object(descriptions, describe(), group=group)
+        raise CollectiveMismatchError(_mismatch(descriptions, self.world))
+
+    def settle(self, wait: bool = True) -> None:
+        """Read the results of phases checked on the device: those arrived (``wait=False``:
+        waiting for the oldest only while more than ``LAG`` are outstanding), or all of them.
+        Raises ``CollectiveMismatchError`` for one that found the ranks' fingerprints differ."""
+        while self.outstanding:
+            first = self.outstanding[0]
+            if not first.done():
+                if not wait and len(self.outstanding) <= LAG:
+                    return
+                self._wait(first.work, first.phase, first.since, event=first.event)
+            self.outstanding.pop(0)
+            if first.differs():
+                self.outstanding.clear()
+                _SENT.pop(self.world.job_group, None)
+                raise self._abandon(first.phase, first.mine, first.everyone.tolist())
+
+    def _outstanding(self, phase: str, mine: int, everyone: torch.Tensor, work: Any) -> None:
+        event = None
+        flag = torch.zeros((), dtype=torch.bool)
+        if self.device.type != "cpu":
+            work.wait()  # the device's current stream waits for the exchange; the host does not
+            flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(_differs_on_device(everyone, mine), non_blocking=True)
+            event = torch.Event(device=self.device)
+            event.record()
+        self.outstanding.append(_Outstanding(phase, mine, everyone, work, event, flag, time.monotonic()))
+
+    def _wait(self, work: Any, phase: str, since: float, event: Any = None) -> None:
+        seconds = self.world.timeout.total_seconds() if self.world.timeout is not None else None
+
+        def error(what: str) -> FxShardError:
+            return FxShardError(
+                f"{self.world.who()}: the other ranks did not reach the {phase} of this step {what}: "
+                "a peer is gone, stalled, or busy elsewhere (validation or a barrier on "
+                "some ranks only). Every rank must call the model the same number of times, in the "
+                "same order; fxshard.compile(..., timeout=seconds) sets how long to wait (default: the "
+                "process group's timeout).")
+
+        if event is None:
+            left = None if seconds is None else max(1e-3, seconds - (time.monotonic() - since))
+            wait_within(work, left, error, self.world.job_group)
+            return
+        while not event.query():  # a device's: the exchange, then the comparison
+            if seconds is not None and time.monotonic() - since > seconds:
+                raise error(f"within {seconds:g}s")
+            time.sleep(1e-4)
+
+    def _abandon(self, phase: str, mine: int, fingerprints: list[int],
+                 describe: Callable[[], Description] | None = None) -> CollectiveMismatchError:
+        """The error of a mismatch that some ranks found after going on into ``phase`` (those
+        whose fingerprint has the ``ON_DEVICE`` bit); ``describe``: this rank's step, when it
+        checked on the host."""
+        members = self.world.job_members()
+        same = [r for r, f in zip(members, fingerprints) if (f & ~ON_DEVICE) == (mine & ~ON_DEVICE)]
+        other = [r for r in members if r not in same]
+        went_on = [r for r, f in zip(members, fingerprints) if f & ON_DEVICE]
+        lines = [f"ranks would issue different collectives in the {phase} (seen from "
+                 f"{self.world.who()}): {_ranks(same)} would run this rank's step, {_ranks(other)} "
+                 "another."]
+        if describe is not None:
+            d = describe()
+            lines.append(f"This rank's step: {d['phase']} of a {d['mode']} step, grad "
+                         f"{'on' if d['grad'] else 'off'}, inputs {d['inputs']}, "
+                         f"{len(d['collectives'])} collectives.")
+        lines.append(
+            f"{_ranks(went_on).capitalize()} ran the step {'it' if len(went_on) == 1 else 'they'} "
+            "had run before and checked it on the device without stopping the host (a device's "
+            "backend), so went on into the phase's collectives, which can never complete: the "
+            "process groups are unusable now. Let the process exit (torchrun restarts the job). "
+            "Every rank must run the same steps in the same order: the same model, policy and "
+            "options, the same mode (train/eval) and grad mode, forward then backward.")
+        error = CollectiveMismatchError("\n".join(lines))
+        error.groups_unusable = True
+        return error
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _differs(everyone: torch.Tensor, mine: int) -> bool:
+    return any((f & ~ON_DEVICE) != (mine & ~ON_DEVICE) for f in everyone.tolist())
+
+
+def _differs_on_device(everyone: torch.Tensor, mine: int) -> torch.Tensor:
+    """On the device: whether any rank's fingerprint, its lowest bit aside, differs from ``mine``."""
+    return ((everyone >> 1) != ((mine & ~ON_DEVICE) >> 1)).any()
 
 
 def with_buffer_broadcast(fingerprint: bytes) -> bytes:

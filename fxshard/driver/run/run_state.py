@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from fxshard.driver.run.consistency import agree, describe_step, with_buffer_broadcast
+from fxshard.driver.run.consistency import Agreement, describe_step, with_buffer_broadcast
 from fxshard.driver.run.orig_params import OrigParams
 from fxshard.driver.run.runtime import Abandoned, World, broadcast_buffers, collective_failure
 from fxshard.ir import compat
@@ -60,6 +60,8 @@ class RunState:
         self.module: nn.Module | None = None  # whose buffers broadcast_buffers broadcasts
         self.broadcast_next = True  # DDP's rule: the first forward, and after a grad-enabled one
         self.abandoned = Abandoned()
+        self._agreement: Agreement | None = None
+        self.abandoned.explain = self.explain  # a graph's failure, explained by the agreement
         # The memory budget's schedule the shards were placed for (offload), once its step ran.
         self.placed: Schedule | None = None
 
@@ -232,11 +234,8 @@ class RunState:
         try:
             flat = self.launch(step, inputs)
         except BaseException as e:
-            self.abandoned.leave("the forward", e)
-            failure = collective_failure(e, self.world, "forward")
-            if failure is None:
-                raise
-            raise failure from e
+            self.phase_failed(e, "the forward")
+            raise
         if step.trains:
             outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
@@ -254,6 +253,22 @@ class RunState:
         broadcast, the backward's hook) is per-step host work that stays outside."""
         return step.fn(*inputs)
 
+    @property
+    def agreement(self) -> Agreement:
+        if self._agreement is None:
+            self._agreement = Agreement(self.world)
+        return self._agreement
+
+    def explain(self, e: BaseException) -> None:
+        """A phase raised ``e`` (a graph's collective failed): when a phase's agreement checked
+        on the device has found since that the ranks' steps differ, raise that instead."""
+        if self._agreement is None:
+            return
+        try:
+            self._agreement.settle(wait=False)
+        except CollectiveMismatchError as mismatch:
+            raise mismatch from e
+
     def agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
               broadcast: bool = False) -> None:
         graph, collectives, digest = step.phases[phase]
@@ -261,14 +276,25 @@ class RunState:
             digest = with_buffer_broadcast(digest)
         grad = torch.is_grad_enabled() or phase == "backward"  # a backward runs with grad off
         try:
-            agree(phase, digest,
-                  lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast),
-                  self.world)
-        except CollectiveMismatchError:
-            raise  # every rank raised it, after a completed exchange: the groups are fine
+            self.agreement.agree(
+                phase, digest, lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast))
+        except CollectiveMismatchError as e:
+            if e.groups_unusable:  # a rank went on into a phase's collectives
+                self.abandoned.leave(f"the agreement before the {phase}", e)
+            raise  # else every rank raised it, after a completed exchange: the groups are fine
         except BaseException as e:
             self.abandoned.leave(f"the agreement before the {phase}", e)
             raise
+
+    def phase_failed(self, e: BaseException, where: str) -> None:
+        """A phase of a step raised ``e``: abandon the step; raise the error that says why
+        (the phase's agreement, checked on the device, found the ranks' steps differ; or a
+        collective failed), or return to let ``e`` go on."""
+        self.abandoned.leave(where, e)
+        self.explain(e)
+        failure = collective_failure(e, self.world, where.removeprefix("the "))
+        if failure is not None:
+            raise failure from e
 
     def buffers_to_broadcast(self) -> list[torch.Tensor]:
         """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""

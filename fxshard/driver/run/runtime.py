@@ -744,6 +744,9 @@ class Abandoned:
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        # Raises the error that says why a phase raised the given exception, when one is
+        # known (the ranks' agreement checked on the device found their steps differ).
+        self.explain: Callable[[BaseException], None] = lambda e: None
 
     def leave(self, where: str, e: BaseException) -> None:
         """``where`` (e.g. "the forward graph") raised ``e``; the first reason is kept."""
