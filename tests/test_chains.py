@@ -74,8 +74,8 @@ def test_full_shard_with_mixed_precision_records_cast_gather_wait_free_and_cast_
             assert free.args[0] is c.result and P.is_free(free)
             assert _dimension(sharded, c) == ["shard"]
         # Backward: the units whose weights the input gradients read are gathered again (not
-        # the first: the input needs no gradient); every gradient is cast to fp32, divided and
-        # scattered.
+        # the first: the input needs no gradient); every gradient is cast to fp32, scattered and
+        # its shard divided (by 4: a power of two, so after the sum).
         again = [c for c in found["backward"] if c.direction is Direction.GATHER]
         assert {c.group for c in again} == {1, 2} and all(c.lowering == "all_gather" for c in again)
         reductions = [c for c in found["backward"] if c.direction is Direction.REDUCE]
@@ -83,9 +83,9 @@ def test_full_shard_with_mixed_precision_records_cast_gather_wait_free_and_cast_
         output = next(n for n in sharded.graphs["backward"].graph.nodes if P.is_output(n))
         for c in reductions:
             assert c.lowering == "reduce_scatter"
-            assert _roles(c.issue) == (Role.CAST, Role.SCALE, Role.REDUCE_SCATTER)
-            assert _roles(c.tail) == (Role.WAIT,)
-            assert c.issue[1].args[1] == 4  # averaged over the 4 ranks
+            assert _roles(c.issue) == (Role.CAST, Role.REDUCE_SCATTER)
+            assert _roles(c.tail) == (Role.WAIT, Role.SCALE)
+            assert c.tail[1].args[1] == 4  # averaged over the 4 ranks
             assert c.result in output.args[0]  # the shard's gradient
             assert c.bytes == plan.groups[c.group].padded_numel * 4  # fp32, the whole flat gradient
 
@@ -104,19 +104,20 @@ def test_hsdp_no_shard_hpz_and_kept_buffers_each_record_their_lowering() -> None
         sharded = _compiled(mesh=init_device_mesh("cpu", (2, 2)))
         for c in [c for c in _by_graph(sharded)["backward"] if c.direction is Direction.REDUCE]:
             assert c.lowering == "reduce_scatter_all_reduce"
-            assert _roles(c.issue) == (Role.SCALE, Role.REDUCE_SCATTER)
-            assert _roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT)
+            assert _roles(c.issue) == (Role.REDUCE_SCATTER,)
+            assert _roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT, Role.SCALE)
             assert _dimension(sharded, c) == ["shard", "replicate"]
         # Reduced in bf16 and cast back to the fp32 shard after the replicas' sum.
         reduced = [c for c in hsdp["backward"] if c.direction is Direction.REDUCE]
-        assert reduced and all(_roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT, Role.CAST_BACK)
+        assert reduced and all(_roles(c.tail) == (Role.WAIT, Role.ALL_REDUCE, Role.WAIT, Role.SCALE,
+                                                  Role.CAST_BACK)
                                and c.result.meta["val"].dtype == torch.float32 for c in reduced)
 
         no_shard = _by_graph(_compiled(mesh=init_device_mesh("cpu", (4, 1))))
         assert not [c for c in no_shard["forward"] if c.gathers]
         reduce = [c for c in no_shard["backward"] if c.direction is Direction.REDUCE]
-        assert reduce and all(c.lowering == "all_reduce" and _roles(c.issue) == (Role.SCALE, Role.ALL_REDUCE)
-                              for c in reduce)
+        assert reduce and all(c.lowering == "all_reduce" and _roles(c.issue) == (Role.ALL_REDUCE,)
+                              and _roles(c.tail) == (Role.WAIT, Role.SCALE) for c in reduce)
 
         hpz = _compiled(reshard_after_forward=2)
         found = _by_graph(hpz)

@@ -82,10 +82,11 @@ def test_a_2_by_2_mesh_is_hsdp_gathered_in_the_row_and_reduced_in_the_row_then_t
             reduce = next(u for u in wait.users if P.is_collective(u))
             assert P.is_all_reduce(reduce) and P.group_name(reduce) in column, reduce.name
             assert reduce.meta["val"].shape == wait.meta["val"].shape
-        # Divided by every rank of the job, as DDP averages: 4, not the row's 2.
+        # Divided by every rank of the job, as DDP averages: 4, not the row's 2 (after the
+        # replicas' sum: a power of two).
         divs = [n for n in sharded.graphs["backward"].graph.nodes
                 if n.target in (torch.ops.aten.div_.Tensor, torch.ops.aten.div.Tensor)
-                and any(P.is_reduce_scatter(u) for u in n.users)]
+                and P.is_wait(n.args[0]) and P.is_all_reduce(n.args[0].args[0])]
         assert divs and all(n.args[1] == 4 for n in divs)
         # The report's bytes per dimension are launching.md's formulas: per flat group of P
         # bytes, each gather moves P/S x (S-1) and the reduce-scatter P x (S-1)/S inside the

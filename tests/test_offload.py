@@ -47,7 +47,7 @@ def test_each_gather_copies_the_shard_in_first_and_each_reduction_copies_the_gra
         sharded = _compiled(offload_policy=offload)
         gather = ("all_gather_from_host", ["to_device", "all_gather", "wait", "free"])
         assert _roles(sharded, "forward") == [gather] * 3
-        reduce = ("reduce_scatter_to_host", ["scale", "reduce_scatter", "wait", "to_host"])
+        reduce = ("reduce_scatter_to_host", ["reduce_scatter", "wait", "scale", "to_host"])
         assert _roles(sharded, "backward") == [gather] * 2 + [reduce] * 3
         for graph in ("forward", "backward"):
             for chain in chains(sharded.graphs[graph].graph):
@@ -57,7 +57,10 @@ def test_each_gather_copies_the_shard_in_first_and_each_reduction_copies_the_gra
                     assert list(copy_in.users) == [chain.collectives[0]]
                     assert copy_in.kwargs["non_blocking"] is True
                 else:
-                    assert meta.role_of(chain.result) is Role.TO_HOST and chain.result.args[0] is chain.waits[-1]
+                    # the reduced shard, divided on the device, then copied out
+                    divided = chain.result.args[0]
+                    assert meta.role_of(chain.result) is Role.TO_HOST and meta.role_of(divided) is Role.SCALE
+                    assert divided.args[0] is chain.waits[-1]
         # Without offload: the same chains, no copies.
         plain = _compiled()
         assert [(lowering.removesuffix("_from_host").removesuffix("_to_host"),

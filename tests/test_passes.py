@@ -272,19 +272,36 @@ def test_insert_free_leaves_an_escaping_buffer_alone() -> None:
     assert not [n for n in gm.graph.nodes if P.is_free(n)]
 
 
-def test_insert_reduce_scatter_divides_then_sums() -> None:
+def _reduced(world_size: int) -> fx.GraphModule:
     b = Builder()
     g0 = b.input("grad_w", 4, 4, tag="is_backward")
     flat = b.op(aten.view.default, g0, [16], tag="is_backward")
-    gm = b.done(b.op(ops.REDUCE_GRAD, flat, 0, 2, tag="is_backward"))
-    gm = insert_reduce_scatter_pass(gm, ctx("backward"))
+    gm = b.done(b.op(ops.REDUCE_GRAD, flat, 0, world_size, tag="is_backward"))
+    return insert_reduce_scatter_pass(gm, ctx("backward", world_size=world_size))
+
+
+def test_insert_reduce_scatter_sums_then_divides_the_shard_by_a_power_of_two() -> None:
+    gm = _reduced(2)
+    # Sum, then divide the reduced shard (half the bytes): dividing by a power of two rounds
+    # nothing, so the values are DDP's (divide, then sum).
+    assert normalised_ops(gm) == ["aten.view", "_c10d_functional.reduce_scatter_tensor",
+                                  "_c10d_functional.wait_tensor", "aten.div"]
+    rs = next(n for n in gm.graph.nodes if P.is_reduce_scatter(n))
+    assert rs.args[1:] == ("sum", 2, "pg")
+    (div,) = [n for n in gm.graph.nodes if n.target is aten.div.Tensor]
+    assert P.is_wait(div.args[0]) and div.args[1] == 2  # the shard, by the world size
+    assert div.meta["val"].numel() == 8
+    output = next(n for n in gm.graph.nodes if P.is_output(n))
+    assert output.args[0][0] is div
+    verify(gm)
+
+
+def test_insert_reduce_scatter_divides_then_sums_by_another_number_as_ddp_does() -> None:
+    gm = _reduced(3)  # a division by 3 rounds: it goes where DDP's goes, before the sum
     assert normalised_ops(gm) == ["aten.view", "aten.div", "_c10d_functional.reduce_scatter_tensor",
                                   "_c10d_functional.wait_tensor"]
     rs = next(n for n in gm.graph.nodes if P.is_reduce_scatter(n))
-    assert rs.args[1:] == ("sum", 2, "pg")
-    assert rs.args[0].args[1] == 2  # div by world size
-    output = next(n for n in gm.graph.nodes if P.is_output(n))
-    assert P.is_wait(output.args[0][0])
+    assert rs.args[0].target is aten.div.Tensor and rs.args[0].args[1] == 3
     verify(gm)
 
 
@@ -429,21 +446,27 @@ def test_scale_in_place_divides_a_fresh_gradient_in_its_place_and_chain() -> Non
         fresh.meta["val"] = torch.cat([flat0.meta["val"]])
     fresh.meta["partitioner_tag"] = "is_backward"
     viewed = b.op(aten.view.default, g1, [16], tag="is_backward")  # a view of an input: not fresh
-    gm = b.done(b.op(ops.REDUCE_GRAD, fresh, 0, 2, tag="is_backward"),
-                b.op(ops.REDUCE_GRAD, viewed, 1, 2, tag="is_backward"))
-    gm = insert_reduce_scatter_pass(gm, ctx("backward"))
+    gm = b.done(b.op(ops.REDUCE_GRAD, fresh, 0, 3, tag="is_backward"),
+                b.op(ops.REDUCE_GRAD, viewed, 1, 3, tag="is_backward"))
+    gm = insert_reduce_scatter_pass(gm, ctx("backward", world_size=3))  # divided before the sum
     assert normalised_ops(gm).count("aten.div") == 2  # the lowerings divide out of place
     where = [n.args[0] for n in gm.graph.nodes if n.target is aten.div.Tensor].index(fresh)
     place = [i for i, n in enumerate(gm.graph.nodes) if n.target is aten.div.Tensor][where]
-    gm = scale_in_place_pass(gm, ctx("backward"))
+    gm = scale_in_place_pass(gm, ctx("backward", world_size=3))
     gm.graph.lint()
     (scaled,) = [n for n in gm.graph.nodes if n.target is aten.div_.Tensor]
     assert list(gm.graph.nodes).index(scaled) == place  # in the division's place
-    assert scaled.args == (fresh, 2) and meta.role_of(scaled) is meta.Role.SCALE
+    assert scaled.args == (fresh, 3) and meta.role_of(scaled) is meta.Role.SCALE
     assert P.is_reduce_scatter(next(iter(scaled.users)))
     info = meta.get_info(scaled)
     assert info is not None and info.chain is not None and info.chain.direction is meta.Direction.REDUCE
     assert normalised_ops(gm).count("aten.div") == 1
+    verify(gm)
+    # Divided after the sum (two ranks): the collective's result is fresh, divided in place.
+    gm = scale_in_place_pass(_reduced(2), ctx("backward"))
+    (scaled,) = [n for n in gm.graph.nodes if n.target is aten.div_.Tensor]
+    assert P.is_wait(scaled.args[0]) and meta.role_of(scaled) is meta.Role.SCALE
+    assert "aten.div" not in normalised_ops(gm)
     verify(gm)
 
 
@@ -570,9 +593,10 @@ def test_schedule_reduce_scatter_reduces_each_gradient_when_ready_one_in_flight(
     gm.graph.lint()
     ops_ = [o.split(".")[-1] for o in normalised_ops(gm)]
     rs, w = "reduce_scatter_tensor", "wait_tensor"
-    # Unit 0 reduced right after its gradient, while unit 1's is computed; its wait right
-    # before unit 1's reduction; the last wait right before the output.
-    assert ops_ == ["t", "mm", "view", "div", rs, "relu", "t", "mm", "view", "div", w, rs, w]
+    # Unit 0 reduced right after its gradient, while unit 1's is computed; its wait (and the
+    # division of the reduced shard) right before unit 1's reduction; the last wait right
+    # before the output.
+    assert ops_ == ["t", "mm", "view", rs, "relu", "t", "mm", "view", w, "div", rs, w, "div"]
     verify(gm, c, final=True)
 
 

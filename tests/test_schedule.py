@@ -147,7 +147,10 @@ def test_reduce_scatter_issued_when_gradients_complete_and_waited_before_the_nex
         assert order[rs] < order[w] < order[nxt]
     (last_wait,) = scatters[-1].users
     output = next(n for n in bw.graph.nodes if n.op == "output")
-    assert order[last_wait] == order[output] - 1
+    # The last wait right before the output, then the division of its reduced shard.
+    assert order[last_wait] == order[output] - 2
+    (divide,) = last_wait.users
+    assert divide.target is torch.ops.aten.div_.Tensor and order[divide] == order[output] - 1
 
 
 def test_bucketing_merges_adjacent_small_units_and_nothing_else() -> None:

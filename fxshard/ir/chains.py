@@ -11,8 +11,8 @@ them back::
         shard -> [cast] -> [all_gather] -> [wait] -> split -> view -> compute ... [free]
                  issue      collectives     waits = result                        frees
     reduce, "reduce_scatter_all_reduce" (HSDP):
-        cat -> [cast, div_] -> [reduce_scatter] -> [wait] -> [all_reduce] -> [wait] -> [cast_back] -> shard.grad
-               issue           collectives[0]      waits[0]   collectives[1]  waits[1]  finish = result
+        cat -> [cast] -> [reduce_scatter] -> [wait] -> [all_reduce] -> [wait] -> [div_, cast_back] -> shard.grad
+               issue     collectives[0]      waits[0]   collectives[1]  waits[1]  finish = result
 
 Scheduling, freeing, verification and the report read chains, not node
 shapes: a lowering that adds a node (a dequantization after the wait, a copy

@@ -48,7 +48,7 @@ class Role(enum.Enum):
     WAIT = "wait"
     FREE = "free"
     CAST = "cast"  # mixed precision: a shard cast before its gather, a gradient before its reduction
-    SCALE = "scale"  # a gradient divided by the ranks it is averaged over, before its reduction
+    SCALE = "scale"  # a gradient divided by the ranks it is averaged over (before or after its sum)
     TO_DEVICE = "to_device"  # offload: a shard copied from the host before its gather
     TO_HOST = "to_host"  # offload: a reduced gradient copied to the host, where the optimizer steps
     QUANTIZE = "quantize"  # a quantized gather: the shard's scales (its amax), and the shard scaled and cast

@@ -4,22 +4,24 @@ AOTAutograd has already concatenated the unit's parameter gradients (the
 backward of the split that unflattened the gathered buffer is a ``cat``)::
 
     before:  grad_p0, grad_p1, ..., zeros(pad) -> cat -> fxshard.reduce_grad(cat, g, N) -> shard.grad
-    after:   ... -> cat -> div_(cat, N) -> reduce_scatter_tensor(cat, "sum", N, pg) -> wait_tensor -> shard.grad
+    after:   ... -> cat -> reduce_scatter_tensor(cat, "sum", N, pg) -> wait_tensor -> div_(.., N) -> shard.grad
 
-The result is the average over ranks, as DDP computes it. Dividing before
-summing is also DDP's order of operations (it divides each gradient by N
-before its all-reduce), so fxshard's gradients round the same way DDP's do.
+The result is the average over ranks, as DDP computes it. DDP divides each
+gradient by N before its all-reduce; where N is a power of two the division
+moves only the exponent, so dividing the reduced shard after the sum (1/N of the
+bytes) rounds the same way (``lowering.divides_exactly``). Any other N divides
+first, in DDP's order: ``cat -> div_(cat, N) -> reduce_scatter_tensor -> ...``.
 With no process group (world size 1) the concatenated gradient is the
 shard's gradient.
 
 A replicated group's ``fxshard.allreduce_grad`` lowers the same way to
-``div -> all_reduce(.., "sum") -> wait_tensor``.
+``all_reduce(.., "sum") -> wait_tensor -> div``.
 
 HSDP (``ctx.layout.replicate``): the reduced shard is then summed over the
 replicas, so only a shard crosses between them; N is every rank of the job::
 
     ... -> reduce_scatter_tensor(cat, "sum", S, shard) -> wait_tensor
-        -> all_reduce(.., "sum", replicate) -> wait_tensor -> shard.grad
+        -> all_reduce(.., "sum", replicate) -> wait_tensor -> div_(.., N) -> shard.grad
 
 Inside ``no_sync`` (``ctx.grad_sync.accumulate``) the gradient is instead
 added to its group's unsharded accumulator (a ``get_attr`` of the driver's
@@ -28,13 +30,13 @@ gradient + accumulator and frees the accumulator, for the groups in
 ``ctx.grad_sync.flush`` (the ones with a sum waiting)::
 
     accumulate:  cat -> add_(accumulated_g, cat)                      (shard.grad: None)
-    flush:       cat -> add(cat, accumulated_g); free(accumulated_g) -> div -> reduce_scatter ...
+    flush:       cat -> add(cat, accumulated_g); free(accumulated_g) -> reduce_scatter ...
 
 With mixed precision the marker names the dtype to reduce in and the
 shard's dtype; the gradient is cast around the reduction::
 
-    cat(bf16) -> convert(fp32) -> div_ -> reduce_scatter_tensor -> wait_tensor -> shard.grad
-    cat(bf16) -> div_ -> reduce_scatter_tensor(bf16) -> wait_tensor -> convert(fp32) -> shard.grad
+    cat(bf16) -> convert(fp32) -> reduce_scatter_tensor -> wait_tensor -> div_ -> shard.grad
+    cat(bf16) -> reduce_scatter_tensor(bf16) -> wait_tensor -> div_ -> convert(fp32) -> shard.grad
 
 Each marker is lowered by its row of the lowering table (``lowering.LOWERINGS``:
 "reduce_scatter", "reduce_scatter_all_reduce" under HSDP, "all_reduce" for a

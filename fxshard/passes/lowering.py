@@ -260,19 +260,33 @@ def _scaled(b: ChainBuilder, site: Site, ctx: PassContext) -> fx.Node:
     return b.add(aten.div.Tensor, (grad, ctx.layout.grad_divisor), Role.SCALE)
 
 
+def divides_exactly(divisor: int) -> bool:
+    """Whether dividing by ``divisor`` commutes with a floating-point sum: a power of two
+    scales the exponent alone, so sum-then-divide rounds as DDP's divide-then-sum does
+    (apart from values within a factor ``divisor`` of the smallest normal number, about
+    1e-38, whose last bits a division rounds away)."""
+    return divisor > 0 and divisor & (divisor - 1) == 0
+
+
 def _reduction(name: str, first: str) -> Lowering:
+    """Cast, then divide, sum and (HSDP) sum again over the replicas, then cast back. Where
+    the divisor is a power of two (``divides_exactly``) the sum comes first and the division
+    reads the reduced shard, 1/N of the bytes: the same values."""
     def lower(site: Site, ctx: PassContext) -> fx.Node:
         shard, replicate = ctx.layout.shard, ctx.layout.replicate
         b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.group))
-        scaled = _scaled(b, site, ctx)
+        after = divides_exactly(ctx.layout.grad_divisor)
+        source = b.cast(site.value, site.reduce_dtype) if after else _scaled(b, site, ctx)
         if first == "reduce_scatter":
-            wait = b.collective(P.REDUCE_SCATTER, (scaled, "sum", shard.size, shard.name),
+            wait = b.collective(P.REDUCE_SCATTER, (source, "sum", shard.size, shard.name),
                                 Role.REDUCE_SCATTER)
         else:
-            wait = b.collective(P.ALL_REDUCE, (scaled, "sum", shard.name), Role.ALL_REDUCE)
+            wait = b.collective(P.ALL_REDUCE, (source, "sum", shard.name), Role.ALL_REDUCE)
         if replicate is not None:  # HSDP: then over the ranks holding the same shard
             wait = b.collective(P.ALL_REDUCE, (wait, "sum", replicate.name), Role.ALL_REDUCE,
                                 after=wait)
+        if after:
+            wait = b.add(aten.div.Tensor, (wait, ctx.layout.grad_divisor), Role.SCALE, after=wait)
         return b.cast(wait, site.out_dtype, Role.CAST_BACK, after=wait)
     lower.__name__ = name
     return lower

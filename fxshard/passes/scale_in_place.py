@@ -1,13 +1,17 @@
-"""scale_in_place_pass: divide a fresh gradient in place, just before its reduction.
+"""scale_in_place_pass: divide a fresh gradient in place.
 
-A reduction chain divides the gradient by the ranks it is averaged over before
-reducing it (DDP's order: divide, then sum). When what it divides is fresh (the
-``cat`` AOTAutograd built of the unit's gradients, or the chain's cast to the
-reduce dtype) and nothing else reads it, the division writes into it instead of
-holding a second buffer of the same size until the reduction is issued::
+A reduction chain divides the gradient by the ranks it is averaged over: before
+reducing it (DDP's order: divide, then sum), or, where the divisor is a power of
+two, the reduced shard after its wait (``lowering.divides_exactly``: the same
+values). When what it divides is fresh (the ``cat`` AOTAutograd built of the
+unit's gradients, the chain's cast to the reduce dtype, or the collective's
+result) and nothing else reads it, the division writes into it instead of
+holding a second buffer of the same size::
 
     before:  cat -> div(cat, D) -> reduce_scatter_tensor -> wait_tensor
     after:   cat -> div_(cat, D) -> reduce_scatter_tensor -> wait_tensor
+    before:  cat -> reduce_scatter_tensor -> wait_tensor -> div(wait, D)
+    after:   cat -> reduce_scatter_tensor -> wait_tensor -> div_(wait, D)
 
 It runs after the sort, with ``accumulate_in_place_pass``: the lowerings emit the
 functional ``div`` and no pass before these two sees a write. The new node keeps
@@ -27,7 +31,7 @@ from fxshard.ir.nodes import call
 from .context import PassContext
 
 aten = torch.ops.aten
-_FRESH = (aten.cat.default, torch.ops.prims.convert_element_type.default)
+_FRESH = (aten.cat.default, torch.ops.prims.convert_element_type.default, P.WAIT)
 
 
 def _in_place(div: fx.Node) -> bool:
