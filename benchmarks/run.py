@@ -16,7 +16,7 @@ per rank), and is measured with the same tools:
 - max RSS: the largest of the ranks' peak resident set sizes;
 - bytes communicated per step per rank: fxshard.measure.CommCounter (bus bytes);
 - fxshard's safety costs, as ratios within the run: the wall time its ranks'
-  agreement (``fxshard.driver.run.run_state.agree``, two 8-byte all_gathers per
+  agreement (``fxshard.driver.run.consistency.Agreement.agree``, two 8-byte all_gathers per
   step) takes within the measured steps, wrapped in a timer in the fxshard
   ranks' processes; and ``fxshard_onegroup``, every collective on one gloo
   group (``inflight_groups=False``) instead of one group per in-flight slot.
@@ -264,16 +264,16 @@ def wrap(system: str, model: nn.Module, spec: dict[str, Any], world_size: int) -
 class AgreementTimer:
     """Wall time spent in the ranks' agreement, while ``on``.
 
-    Wraps ``fxshard.driver.run.run_state.agree``, the name the driver calls, in this
-    rank's process only. A missing name raises: the measurement must not go
+    Wraps ``fxshard.driver.run.consistency.Agreement.agree``, the method the driver calls,
+    in this rank's process only. A missing name raises: the measurement must not go
     silently to zero when the driver changes.
     """
 
     def __init__(self) -> None:
-        import fxshard.driver.run.run_state as run_state
+        from fxshard.driver.run.consistency import Agreement
 
         self.seconds, self.calls, self.on = 0.0, 0, False
-        inner = run_state.agree
+        inner = Agreement.agree
 
         def timed(*args: Any, **kwargs: Any) -> None:
             start = time.perf_counter()
@@ -284,7 +284,7 @@ class AgreementTimer:
                     self.seconds += time.perf_counter() - start
                     self.calls += 1
 
-        run_state.agree = timed
+        Agreement.agree = timed  # type: ignore[method-assign]
 
 
 def run_system(rank: int, world_size: int, port: int, system: str, model_name: str, args: Any,
@@ -619,7 +619,7 @@ def overheads(results: list[dict[str, Any]]) -> str:
         vs = r.get("step_s_vs_fxshard")
         model = r["model"] + ("†" if "earlier_run" in r else "")
         lines.append(f"| {model} | {r['system']} | {ms} | {share} | {'–' if vs is None else f'{vs:.2f}'} |")
-    lines += ["", "Agreement: wall time inside `fxshard.driver.run.run_state.agree` (two 8-byte all_gathers per "
+    lines += ["", "Agreement: wall time inside `fxshard.driver.run.consistency.Agreement.agree` (two 8-byte all_gathers per "
               "step) over the measured steps, as a share of those steps' time; it includes any wait for "
               "the slower rank, which the step's first collective would wait otherwise. "
               "`fxshard_onegroup` (`inflight_groups=False`) puts every collective on one gloo group "

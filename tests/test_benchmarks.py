@@ -111,7 +111,8 @@ def test_append_keeps_and_marks_the_earlier_runs_rows() -> None:
 
 def test_auto_benchmark_compares_with_the_fastest_that_fits_and_marks_the_same_program() -> None:
     """benchmarks/auto.py's summary on made-up rows: a faster system over the budget is not the
-    yardstick; a system with auto()'s graphs is marked; a budget no schedule meets is a row."""
+    yardstick; a system with auto()'s graphs is marked, and its steps and auto()'s are pooled
+    (one program); a budget no schedule meets is a row."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import auto
 
@@ -119,6 +120,7 @@ def test_auto_benchmark_compares_with_the_fastest_that_fits_and_marks_the_same_p
 
     def row(system: str, step: float, peak: int, graphs: str | None) -> dict:
         return {"system": system, "units": 3, "schedule": "defaults", "step_s": step,
+                "steps_s": [step] * 3,
                 "step_spread_s": [step * 0.9, step * 1.5], "peak_bytes": peak * mib,
                 "predicted_step_s": step, "predicted_peak_bytes": peak * mib, "graphs": graphs,
                 "compile_s": 1.0}
@@ -132,10 +134,18 @@ def test_auto_benchmark_compares_with_the_fastest_that_fits_and_marks_the_same_p
     result["summary"] = auto.summarize(result)
     s = result["summary"]
     assert s["fastest_that_fits"] == "by_class(Block)" and s["fastest_is_auto_graphs"]
-    assert s["auto_over_fastest"] == 1.02 / 1.0 and s["auto_peak_over_budget"] == 0.99 and s["met"]
+    # One program ("a"): the pooled median of its six steps, 1.0, 1.0, 1.0, 1.02, 1.02, 1.02.
+    assert s["auto_over_fastest"] == 1.0 and s["auto_over_fastest_by_system"] == 1.02 / 1.0
+    assert s["fastest_step_s"] == s["auto_step_s"] == pytest.approx(1.01)
+    assert s["auto_peak_over_budget"] == 0.99 and s["met"]
     table = auto.markdown([result], {"machine": "x86_64, 2 cores", "torch": "t", "fxshard": "f",
                                      "rounds": 2, "per_round": 1})
-    assert "| GPT | 100.0 | by_class(Block) (auto()'s graphs) | 1000.0 | by_class(Block), resharded | 1020.0 | 1.02 |" in table
+    assert "| GPT | 100.0 | by_class(Block) (auto()'s graphs) | 1010.0 | by_class(Block), resharded | 1010.0 | " \
+        "1.00 | 1.02 |" in table
+    # Another program at 1.07x the fastest misses the 1.05 bound.
+    result["rows"][-1] = {**row("auto()", 1.07, 99, "c"), "chosen": "by_size(N/2)"}
+    s = auto.summarize(result)
+    assert s["auto_over_fastest"] == pytest.approx(1.07) and not s["met"]
     assert "| GPT | by_size(2 block = 8) | 3 | defaults | 500.0 (450-750) | 140.0 | no |" in table
     assert "| GPT | by_class(Block) | 3 | defaults | 1000.0 (900-1500) | 90.0 | yes | 1000.0 | 90.0 | = |" in table
     assert "failed: memory_budget 100 MiB cannot be met" in table

@@ -563,16 +563,11 @@ def test_an_asynchronous_device_runs_behind_the_host_that_launches_its_kernels()
     t = predict_step({"forward": gm}, fast)
     assert t.seconds == pytest.approx(3 * launch + kernel / 1000)
     assert t.seconds == pytest.approx(t.compute_seconds + t.exposed_comm_seconds)
-    # The agreement: the device waits for the exchange; the host, checking it on the device in
-    # steady state, does not. After the first launch the host stays ahead: each graph costs the
-    # exchange and its kernels, and the backward's first launch is hidden.
+    # The agreement: the model has the host wait for the device there, so what it ran ahead is
+    # lost (on a device's backend the runtime no longer waits in steady state; docs/time.md).
     agreement = Rates("r", rates(True).device, Network("n", {"all_gather": Link(1e-3, math.inf)}))
     agreed = predict_step({"forward": gm, "backward": gm}, agreement, agreement=(8, 2))
-    assert agreed.seconds == pytest.approx(2 * (1e-3 + 3 * kernel))
-    # A synchronous device (gloo's host) reads the result: the host waits for the device.
-    synchronous = Rates("r", rates(False).device, agreement.network)
-    agreed = predict_step({"forward": gm, "backward": gm}, synchronous, agreement=(8, 2))
-    assert agreed.seconds == pytest.approx(2 * (1e-3 + 3 * (launch + kernel)))
+    assert agreed.seconds == pytest.approx(2 * (1e-3 + launch + 3 * kernel))
 
 
 # -- a real step --------------------------------------------------------------------------------------

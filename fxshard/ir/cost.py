@@ -704,8 +704,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
     which link it runs on; ``units``: the plan's unit names, to attribute compute to;
     ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
-    compute stream waits for, and the host too unless the device is asynchronous (None: no
-    agreement); ``memory``: the live bytes after each
+    compute stream and the host wait for (None: no agreement); ``memory``: the live bytes after each
     node, by phase (the report's ``memory_curve``), from which a device with fresh pages
     (the CPU) charges each node the pages it faults in (``fresh_pages``).
     """
@@ -731,14 +730,14 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
         begin = now
         if agreement is not None and agreement[1] > 1:
             # The compute stream waits for the exchange, which starts where both the host and
-            # the device have got to. On a synchronous device the host then reads its result;
-            # an asynchronous one (a device's backend) compares on the device in steady state,
-            # and the host runs on (driver/run/consistency.py).
+            # the device have got to; the host is taken to wait for it too. On a device's
+            # backend the runtime compares on the device in steady state and the host runs on
+            # (driver/run/consistency.py), but a lead carried from graph to graph makes the
+            # step's time depend on depth other than linearly, which auto()'s prediction from
+            # a few blocks relies on (tests/test_auto.py); the model keeps the wait.
             waited = network.seconds("agreement", agreement[0], agreement[1])
             compute += max(0.0, host - now)  # the device idle until the host got here
-            now = max(now, host) + waited
-            if not device.asynchronous:
-                host = now
+            now = host = max(now, host) + waited
             agreed += waited
             exposed += waited
         issued: dict[fx.Node, tuple[_Flight, Collective]] = {}
