@@ -90,10 +90,9 @@ def _every_model_with_varying_batches(rank: int) -> dict[str, Any]:
     return out
 
 
-def _one_rank_evaluates(rank: int) -> str:
+def _rank1_evaluates_while_rank0_trains(sharded: nn.Module, rank: int,
+                                        x: torch.Tensor) -> CollectiveMismatchError | None:
     """Rank 1 validates (eval, no grad) while rank 0 trains: the same gathers, another step."""
-    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
-    x = torch.randn(4, 12)
     try:
         if rank == 1:
             sharded.eval()
@@ -102,8 +101,14 @@ def _one_rank_evaluates(rank: int) -> str:
         else:
             sharded(x).sum().backward()
     except CollectiveMismatchError as e:
-        return str(e)
-    return "no error"
+        return e
+    return None
+
+
+def _one_rank_evaluates(rank: int) -> str:
+    error = _rank1_evaluates_while_rank0_trains(fxshard.compile(MLP(), policy=by_class(nn.Linear)),
+                                                rank, torch.randn(4, 12))
+    return str(error) if error is not None else "no error"
 
 
 def _one_rank_skips_backward(rank: int) -> str:
@@ -207,17 +212,10 @@ def _checked_on_the_device(rank: int) -> dict[str, Any]:
         losses.append(loss.item())
     out: dict[str, Any] = {"outstanding": outstanding, "losses": losses}
     start = time.monotonic()
-    try:
-        if rank == 1:
-            sharded.eval()
-            with torch.no_grad():
-                sharded(x)
-        else:
-            sharded(x).sum().backward()
-        out["error"] = "no error"
-    except CollectiveMismatchError as e:
-        out["error"], out["unusable"] = str(e), e.groups_unusable
+    error = _rank1_evaluates_while_rank0_trains(sharded, rank, x)
     out["seconds"] = time.monotonic() - start
+    out["error"] = str(error) if error is not None else "no error"
+    out["unusable"] = error is not None and error.groups_unusable
     return out
 
 

@@ -87,14 +87,14 @@ class _Outstanding:
     everyone: torch.Tensor  # the exchanged fingerprints (on the comm device)
     work: Any  # the exchange (the host backend's: done when it completes)
     event: Any  # recorded after the comparison (a device's; None on the host)
-    flag: torch.Tensor  # 1 where some rank's fingerprint differs (pinned host memory)
+    flag: torch.Tensor | None  # a device's: whether some rank's fingerprint differs (pinned)
     since: float  # time.monotonic() when issued
 
     def done(self) -> bool:
         return bool(self.event.query()) if self.event is not None else bool(self.work.is_completed())
 
     def differs(self) -> bool:
-        if self.event is None:
+        if self.flag is None:
             return _differs(self.everyone, self.mine)
         return bool(self.flag.item())
 
@@ -164,8 +164,7 @@ class Agreement:
                 raise self._abandon(first.phase, first.mine, first.everyone.tolist())
 
     def _outstanding(self, phase: str, mine: int, everyone: torch.Tensor, work: Any) -> None:
-        event = None
-        flag = torch.zeros((), dtype=torch.bool)
+        event = flag = None
         if self.device.type != "cpu":
             work.wait()  # the device's current stream waits for the exchange; the host does not
             flag = torch.zeros((), dtype=torch.bool, pin_memory=True)

@@ -234,8 +234,12 @@ class RunState:
         try:
             flat = self.launch(step, inputs)
         except BaseException as e:
-            self.phase_failed(e, "the forward")
-            raise
+            self.abandoned.leave("the forward", e)
+            self.explain(e)
+            failure = collective_failure(e, self.world, "forward")
+            if failure is None:
+                raise
+            raise failure from e
         if step.trains:
             outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
@@ -285,16 +289,6 @@ class RunState:
         except BaseException as e:
             self.abandoned.leave(f"the agreement before the {phase}", e)
             raise
-
-    def phase_failed(self, e: BaseException, where: str) -> None:
-        """A phase of a step raised ``e``: abandon the step; raise the error that says why
-        (the phase's agreement, checked on the device, found the ranks' steps differ; or a
-        collective failed), or return to let ``e`` go on."""
-        self.abandoned.leave(where, e)
-        self.explain(e)
-        failure = collective_failure(e, self.world, where.removeprefix("the "))
-        if failure is not None:
-            raise failure from e
 
     def buffers_to_broadcast(self) -> list[torch.Tensor]:
         """The buffers this forward starts by copying from rank 0 (``broadcast_buffers``)."""
