@@ -6,6 +6,7 @@ of a real 2-rank step under injected rates (nothing here times anything).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -198,26 +199,87 @@ def test_calibration_times_the_device_by_a_typical_call_and_the_network_by_the_m
         durations, clock[0] = iter([0.0, 1e-3, 1.5e-3, 4e-3, 2e-3]), 0.0
         assert calibrate._seconds(call, torch.device("cpu"), least=0.0, calls=4, how=how) == \
             pytest.approx(expected)
-    # The network's: the mean, a step pays every call (many calls; each size's count).
-    seen: list[tuple[int, str]] = []
-
-    def timed(fn: Any, device: Any, least: float = 0.01, calls: int = 3, how: str = "median") -> float:
-        seen.append((calls, how))
-        return 1e-3 * (1 + len(seen))
-
-    class Group:  # two gloo ranks, as far as measure_network asks (nothing runs: _seconds is timed)
-        group_name = "two"
-
-        def size(self) -> int:
-            return 2
-
-    monkeypatch.setattr(calibrate, "_seconds", timed)
-    monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
-    monkeypatch.setattr(calibrate.dist, "get_backend", lambda group: "gloo")
-    calibrate.measure_network(Group())  # type: ignore[arg-type]
-    assert seen == [(n, "mean") for _ in calibrate.KINDS for n in (60, 20, 5)]
     # A cached entry measured another way is measured again: the method is in every key.
     assert f"method {calibrate.METHOD}" in calibrate.device_key(torch.device("cpu"))
+
+
+class _TwoRanks:  # two gloo ranks, as far as measure_network asks (nothing runs)
+    group_name = "two"
+
+    def size(self) -> int:
+        return 2
+
+
+def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tuple[str, int]]:
+    """measure_network's collectives replaced by a scripted host: each call of a collective of
+    ``bus`` bytes takes ``slow(call number) * (100 us + bus / 1 GB/s)`` on the patched clock.
+    Returns the (kind, input bytes) of every call, in order."""
+    from fxshard.driver.report import calibrate
+    from fxshard.ir.collectives import bus_bytes
+
+    clock, made = [0.0], []
+
+    def collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int, name: str) -> Any:
+        given = (shard if kind == "all_gather" else full).numel() * 4
+
+        def run() -> None:
+            made.append((kind, given))
+            clock[0] += slow(len(made)) * (1e-4 + bus_bytes(kind, given, n) / 1e9)
+        return run, given
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(calibrate, "_collective", collective)
+    monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
+    monkeypatch.setattr(calibrate.dist, "get_backend", lambda group: "gloo")
+    return made
+
+
+def test_the_network_is_measured_by_the_mean_of_each_sizes_calls_interleaved(monkeypatch: Any) -> None:
+    from fxshard.driver.report import calibrate
+
+    assert calibrate.interleaved([4, 2, 1]) == [0, 0, 1, 0, 0, 1, 2]
+    made = _scripted_network(monkeypatch, lambda call: 1.0)
+    network = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
+    # Every kind at every size, its count of calls (after one to warm up), their mean fitted.
+    sizes = calibrate.network_sizes(torch.device("cpu"))
+    for kind in calibrate.KINDS:
+        assert network.links[kind].latency == pytest.approx(1e-4)
+        assert network.links[kind].bandwidth == pytest.approx(1e9)
+        for size, calls in sizes:
+            given = (size // 8 if kind == "all_gather" else size // 4) * 4
+            assert made.count((kind, given)) == 1 + calls
+    # Interleaved: the largest size's few calls spread over the whole measurement.
+    largest = [i for i, (kind, given) in enumerate(made) if kind == "all_gather" and given == sizes[-1][0] // 2]
+    timed = largest[1:]
+    assert min(b - a for a, b in zip(timed, timed[1:])) > len(made) / (2 * sizes[-1][1])
+
+
+def test_a_slow_moment_of_the_host_moves_every_size_alike_not_the_bandwidth(monkeypatch: Any) -> None:
+    from fxshard.driver.report import calibrate
+
+    # The host three times slower for a tenth of the calls, wherever that tenth falls.
+    sizes = calibrate.network_sizes(torch.device("cpu"))
+    total = len(calibrate.KINDS) * sum(1 + calls for _, calls in sizes)
+    windows = [range(start, start + total // 10) for start in range(0, total, total // 20)]
+
+    def worst() -> float:
+        lowest = math.inf
+        for window in windows:
+            _scripted_network(monkeypatch, lambda call, window=window: 3.0 if call in window else 1.0)
+            network = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
+            lowest = min(lowest, *(network.links[kind].bandwidth for kind in calibrate.KINDS))
+        return lowest
+
+    # Interleaved, every size's mean rises alike (a tenth of its calls, at most one in five of
+    # the largest's): the bandwidth within 30% of 1 GB/s wherever the slow moment falls.
+    assert 0.7e9 < worst() <= 1.0e9
+    # Measured one kind and size after the other (as before), some tenth covers the largest
+    # size's calls whole, and that kind's bandwidth falls to a third.
+    sizes_of = len(sizes)
+    monkeypatch.setattr(calibrate, "interleaved", lambda counts: [
+        k + len(calibrate.KINDS) * s for k in range(len(calibrate.KINDS)) for s in range(sizes_of)
+        for _ in range(counts[k + len(calibrate.KINDS) * s])])
+    assert worst() < 0.4e9
 
 
 def test_hardware_profiles_by_name_and_an_unknown_name_lists_them() -> None:

@@ -27,7 +27,7 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -58,7 +58,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 3
+METHOD = 4
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -371,28 +371,55 @@ def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
     return (lambda: ops.wait_tensor(ops.all_reduce(full, "sum", name))), full.numel() * 4
 
 
+def interleaved(counts: Sequence[int]) -> list[int]:
+    """The order in which to make ``counts[i]`` calls of each point ``i``: in rounds, as many
+    as the largest count, each point's calls spread evenly over them (a point of 5 calls among
+    rounds of 60 is called in every twelfth). A slow moment of a shared host then lands on
+    every point alike, not on whichever point was being measured then."""
+    rounds = max(counts, default=0)
+    return [i for r in range(rounds) for i, c in enumerate(counts) if r * c // rounds != (r + 1) * c // rounds]
+
+
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
     three sizes each, through the functional collectives the emitted graphs run; about two
-    thirds of a second on gloo between two processes of one host."""
+    thirds of a second on gloo between two processes of one host.
+
+    Each size's calls are interleaved with every other size's and kind's (``interleaved``).
+    Measured one point after the other, the largest size's few calls (a fitted bandwidth's
+    weight) saw a tenth of a second of the host, and a slow moment there moved that kind's
+    bandwidth by half. On 2 gloo ranks here, 32 calibrations alternating the two orders:
+    an 8 MB all_gather's time alone predicted within 25% by 13 of 16 interleaved, 9 of 16 in
+    order (a 16 MB reduce_scatter's: 13 and 14; docs/time.md). The same calls on every rank,
+    in the same order: a rank never waits on a call others skip."""
     device = comm_device(group)
     n, name = group.size(), group.group_name
+    points: list[tuple[str, Callable[[], object], int]] = []
+    counts: list[int] = []
+    for size, calls in network_sizes(device):
+        numel = size // 4 // n * n
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // n, device=device)
+        for kind in KINDS:
+            run, given = _collective(kind, full, shard, n, name)
+            run()  # to warm up
+            points.append((kind, run, given))
+            counts.append(calls)
+    _sync(device)
+    # The mean of each point's calls: a step pays every call, and on a shared host a few in ten
+    # small ones take several times the median (gloo on 2 cores: the mean of a 256 KiB
+    # reduce_scatter twice its median); a collective waits on its peers, whose own delays are
+    # part of its time.
+    total = [0.0] * len(points)
+    for i in interleaved(counts):
+        start = time.perf_counter()
+        points[i][1]()
+        _sync(device)
+        total[i] += time.perf_counter() - start
     links: dict[str, Link] = {}
     for kind in KINDS:
-        points = []
-        for size, calls in network_sizes(device):
-            numel = size // 4 // n * n
-            full = torch.ones(numel, device=device)
-            shard = torch.ones(numel // n, device=device)
-            run, given = _collective(kind, full, shard, n, name)
-            # The same number of calls on every rank: a rank never waits on a call others skip.
-            # The mean: a step pays every call, and on a shared host a few in ten small ones
-            # take several times the median (gloo on 2 cores: the mean of a 256 KiB
-            # reduce_scatter twice its median); a collective waits on its peers, whose own
-            # delays are part of its time.
-            seconds = _seconds(run, device, least=0.0, calls=calls, how="mean")
-            points.append((float(bus_bytes(kind, given, n)), seconds))
-        links[kind] = fit(points)
+        links[kind] = fit([(float(bus_bytes(kind, given, n)), total[i] / counts[i])
+                           for i, (k, _, given) in enumerate(points) if k == kind])
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
