@@ -234,6 +234,25 @@ def test_a_collective_outside_any_chain_is_refused_by_verify() -> None:
             verify(gm)
 
 
+def test_a_buffer_kept_for_backward_is_the_saved_row_of_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not resharded: backward reads each unit's gathered buffer as an input, and the table's
+    # "saved" row (not the driver) declares its chain. A stand-in row sees every one, with the
+    # group's wire and placement in its key.
+    seen: list[tuple[int, str]] = []
+
+    def recorded(site: Site, ctx: Any) -> fx.Node:
+        seen.append((site.group, site.value.op))
+        return lowering.keep_saved(site, ctx)
+
+    for placement in ("device", "cpu"):
+        monkeypatch.setitem(LOWERINGS, LoweringKey(Direction.GATHER, "saved", "dtype", placement), recorded)
+    with fake_world(4, rank=1):
+        sharded = _compiled(reshard_after_forward=False)
+    saved = [c for c in _by_graph(sharded)["backward"] if c.lowering == "saved"]
+    assert sorted(seen) == sorted((c.group, "placeholder") for c in saved) and len(saved) == 2
+    assert str(LoweringKey(Direction.GATHER, "saved", "quantized_block", "cpu")) in {str(k) for k in LOWERINGS}
+
+
 def test_the_table_names_each_row_and_refuses_a_missing_one() -> None:
     assert {str(k) for k in LOWERINGS} >= {"gather/sharded/dtype/device", "reduce/hybrid/dtype/device",
                                            "gather/partition/dtype/device", "reduce/replicated/dtype/device"}

@@ -25,6 +25,10 @@ gather     local, sharded,   quantized_  device     ``all_gather_quantized_block
                                                     one uint8 gather, dequantized per rank's row
 gather     partition         quantized_* device     ``all_gather_within``: hpZ's kept piece of
                                                     the dequantized buffer, as it is
+gather     saved             any         any        ``keep_saved``: backward's input of a buffer
+                                                    forward kept (a unit not resharded; hpZ's
+                                                    piece until ``reshard_within_pass``): a
+                                                    chain of the placeholder alone
 reduce     local             dtype       device     ``keep_local``: the cast back at most
 reduce     sharded           dtype       device     ``reduce_scatter``: cast, divide,
                                                     reduce_scatter over the shard group, wait,
@@ -46,7 +50,8 @@ reduce     replicated        terms       device     ``all_gather_sum``: NO_SHARD
 Every row has a twin with placement "cpu" (``offload_policy``): a gather's
 lowering wrapped in ``<name>_from_host`` (the shard copied to the device first),
 a reduction's in ``<name>_to_host`` (the shard's gradient copied to the host
-last); hpZ's backward gather reads a piece kept on the device and is unchanged.
+last); hpZ's backward gather and a saved buffer read what forward kept on the
+device and are unchanged.
 
 ``wire`` is how the bytes travel (a gather's "dtype": the compute dtype, a plain
 cast when it differs from the shard's; a reduction's "dtype", summed by the
@@ -86,7 +91,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class LoweringKey:
     direction: Direction
-    topology: str  # PassContext.topology(group): "local", "sharded", "hybrid", "replicated"; "partition"
+    topology: str  # PassContext.topology(group): "local", "sharded", "hybrid", "replicated"; "partition", "saved"
     wire: str = "dtype"
     placement: str = "device"
 
@@ -230,6 +235,13 @@ Lowering = Callable[[Site, PassContext], fx.Node]
 
 def keep_whole(site: Site, ctx: PassContext) -> fx.Node:
     return untagged_cast(site.gm, site.value, site.compute_dtype, site.before, site.group, ctx.unit_of(site.group))
+
+
+def keep_saved(site: Site, ctx: PassContext) -> fx.Node:
+    """A buffer forward kept for backward, which backward reads as an input (``site.value``, a
+    placeholder): a gather chain of that node alone, with no collective, so the chains,
+    frees, verify and the report see backward's use of it as a gather's."""
+    return ChainBuilder(site, Direction.GATHER, "saved", ctx.unit_of(site.group)).tag_node(site.value, Role.SAVED)
 
 
 def all_gather(site: Site, ctx: PassContext) -> fx.Node:
@@ -531,6 +543,7 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
        for topology in ("local", "sharded", "hybrid")},
     LoweringKey(G, "partition", wire="quantized_tensor"): all_gather_within,
     LoweringKey(G, "partition", wire="quantized_block"): all_gather_within,
+    **{LoweringKey(G, "saved", wire=wire): keep_saved for wire in ("dtype", "quantized_tensor", "quantized_block")},
     LoweringKey(R, "local"): keep_local,
     LoweringKey(R, "sharded"): reduce_scatter,
     LoweringKey(R, "hybrid"): reduce_scatter_all_reduce,
@@ -540,11 +553,11 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(R, "replicated", wire="terms"): all_gather_sum,
 }
 # Offload: every row again with the shard on the host. A gather copies the shard in first;
-# a reduction copies the shard's gradient out last. hpZ's backward gather reads the piece
-# forward kept on the device: the same lowering.
+# a reduction copies the shard's gradient out last. hpZ's backward gather and a saved buffer
+# read what forward kept on the device: the same lowering.
 for _key, _lowering in list(LOWERINGS.items()):
     _host = replace(_key, placement="cpu")
-    if _key.topology == "partition":
+    if _key.topology in ("partition", "saved"):
         LOWERINGS[_host] = _lowering
     elif _key.direction is G:
         LOWERINGS[_host] = _from_host(_lowering, f"{_lowering.__name__}_from_host")

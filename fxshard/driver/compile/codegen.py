@@ -34,7 +34,7 @@ from fxshard.driver.compile.steps import Schedule
 from fxshard.driver.run.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
-from fxshard.ir.chains import chains, new_chain_id
+from fxshard.ir.chains import chains
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
@@ -44,6 +44,7 @@ from fxshard.ir.ops import FREE
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, run_passes
 from fxshard.passes.context import REDUCE, GradSync
+from fxshard.passes.lowering import LoweringKey, Site, lowering_for
 
 log = logging.getLogger("fxshard")
 
@@ -140,7 +141,14 @@ class GraphCompiler:
 
     def _compile(self, kind: GraphKind, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         num_user_outputs = self.num_user_outputs if kind == "forward" else None
-        gm = self._run(gm, self.context(kind, num_user_outputs))
+        ctx = self.context(kind, num_user_outputs)
+        if kind == "backward":  # each buffer kept from forward: a chain of the lowering table's
+            for node in gm.graph.nodes:
+                if node.op == "placeholder" and node.name in self.saved_buffers:
+                    group = self.saved_buffers[node.name]
+                    key = LoweringKey(meta.Direction.GATHER, "saved", ctx.wire(group), ctx.placement(group))
+                    lowering_for(key)(Site(gm, group, node, node, node), ctx)
+        gm = self._run(gm, ctx)
         gm.recompile()
         self.graphs[kind] = gm
         if self.emit_only:
@@ -167,12 +175,6 @@ class GraphCompiler:
         return self._compile("forward", gm, example_inputs)
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        # Each buffer kept from forward is a gather chain of its own, with no collective.
-        for node in gm.graph.nodes:
-            if node.op == "placeholder" and node.name in self.saved_buffers:
-                group = self.saved_buffers[node.name]
-                tag = meta.ChainTag(new_chain_id(gm.graph), meta.Direction.GATHER, "saved")
-                meta.set_info(node, meta.NodeInfo(meta.Role.SAVED, group, self.plan.groups[group].unit, tag))
         return self._compile("backward", gm, example_inputs)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
