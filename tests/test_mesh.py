@@ -63,12 +63,18 @@ def test_a_2_by_2_mesh_is_hsdp_gathered_in_the_row_and_reduced_in_the_row_then_t
     with fake_world(4, rank=1):  # rank 1: row 0, column 1 of [[0, 1], [2, 3]]
         sharded = _compiled(mesh=init_device_mesh("cpu", (2, 2)))
         world = sharded._driver.world
-        row, column = ({g.group_name for g in world.comm},
-                       {g.group_name for g in world.replicas.comm})
+        replicas = world.groups(world.layout.replicate)
+        row, column = ({g.group_name for g in world.comm}, {g.group_name for g in replicas})
         assert torch.distributed.get_process_group_ranks(world.comm[0]) == [0, 1]
-        assert torch.distributed.get_process_group_ranks(world.replicas.comm[0]) == [1, 3]
+        assert torch.distributed.get_process_group_ranks(replicas[0]) == [1, 3]
         assert torch.distributed.get_process_group_ranks(world.job_group) == [0, 1, 2, 3]
-        assert (world.rank, world.size, world.replicas.rank, world.job_rank) == (1, 2, 0, 1)
+        assert (world.rank, world.size, world.layout.replicate.rank, world.job_rank) == (1, 2, 0, 1)
+        # The layout, the one topology value: each dimension's ranks, this rank's place, its groups.
+        layout = world.layout
+        assert (layout.shard.ranks, layout.shard.rank, layout.replicate.ranks, layout.replicate.rank) == \
+            ((0, 1), 1, (1, 3), 0)
+        assert set(layout.shard.groups) == row and set(layout.replicate.groups) == column
+        assert sharded._driver.layout.replicate.ranks == (1, 3)  # the passes read the same value
         # Sharded in two, not four: this rank holds half of every flat group.
         assert [p.numel() for p in sharded.parameters()] == [g.shard_numel for g in sharded.plan.groups]
         assert all(g.shard_numel * 2 == g.padded_numel for g in sharded.plan.groups)
@@ -110,9 +116,11 @@ def test_hpz_gathers_forward_in_the_shard_group_and_backward_within_the_partitio
     with fake_world(4, rank=1):  # partitions [0, 1], [2, 3]: rank 1 keeps the second half
         sharded = _compiled(reshard_after_forward=2, verify_passes=True)
         world = sharded._driver.world
-        shard, partition = {g.group_name for g in world.comm}, {g.group_name for g in world.partition.comm}
-        assert torch.distributed.get_process_group_ranks(world.partition.comm[0]) == [0, 1]
-        assert (world.partition.rank, world.partition.size) == (1, 2)
+        pieces = world.groups(world.layout.partition)
+        shard, partition = {g.group_name for g in world.comm}, {g.group_name for g in pieces}
+        assert torch.distributed.get_process_group_ranks(pieces[0]) == [0, 1]
+        assert (world.layout.partition.rank, world.layout.partition.size) == (1, 2)
+        assert world.layout.partition.ranks == (0, 1) and world.layout.shard.ranks == (0, 1, 2, 3)
         padded = {g.index: g.padded_numel for g in sharded.plan.groups}
         forward, backward = sharded.graphs["forward"], sharded.graphs["backward"]
         fw = nodes(forward, P.is_collective)
@@ -184,7 +192,7 @@ def test_reduce_in_rank_order_sends_each_ranks_term_and_adds_them_in_rank_order(
 
         sharded, reductions, size = reduction((2, 2))  # HSDP: the row's all_to_all, the column's gather
         world = sharded._driver.world
-        row, column = world.comm[0].group_name, world.replicas.comm[0].group_name
+        row, column = world.comm[0].group_name, world.groups(world.layout.replicate)[0].group_name
         assert [(P.is_all_to_all(n), g) for g, n in reductions] == [(True, row), (False, column)] * 3
         assert all(P.is_all_gather(n) and n.args[1] == 2 for g, n in reductions if g == column)
         gathers = {g.index: 0 for g in sharded.plan.groups}

@@ -18,11 +18,20 @@ hpZ (``reshard_after_forward=h``) adds ``partition``: blocks of h consecutive
 ranks of the shard group. Forward gathers over ``shard`` as always; each rank
 then keeps its ``partition_rank``-th piece of a resharded unit's gathered
 buffer (1/h of it, not 1/S), and backward gathers within ``partition`` only.
+
+The layout is the job's one topology value. It is built once, where the process
+groups are made (``driver/run/runtime.with_comm_groups``, from a ``DeviceMesh``'s
+rows, or from ``mesh_shape`` under torch's fake process group for ``explain``),
+and carried by the runtime's ``World``: each dimension's size, this rank's place
+in it, the job's ranks of this rank's group along it, and the names of its process
+groups (one per in-flight slot). The passes, the plan's replicas, calibration and
+the report read it; the runtime resolves a dimension's groups from their names
+(``World.groups``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -33,17 +42,31 @@ class CommGroup:
     size 1, so collectives lower to nothing). ``slots`` are the groups of the
     in-flight slots over the same ranks, when collectives in flight together must
     go on different groups (``assign_groups_pass``; empty: all on ``name``).
+    ``rank`` is this rank's place in the dimension's group, and ``ranks`` the job's
+    (global) ranks of that group in its order (empty where no process group names
+    them: one rank).
     """
 
     size: int
     name: str | None
     slots: tuple[str, ...] = ()
+    rank: int = 0
+    ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"a layout dimension needs at least one rank, not {self.size}")
         if self.name is None and self.size != 1:
             raise ValueError(f"{self.size} ranks need a process group to communicate over")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
+        if self.ranks and len(self.ranks) != self.size:
+            raise ValueError(f"a group of {self.size} ranks named {len(self.ranks)}: {list(self.ranks)}")
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Every process group's name over this dimension's ranks: each slot's, or its one."""
+        return self.slots or ((self.name,) if self.name is not None else ())
 
 
 @dataclass(frozen=True)
@@ -54,20 +77,40 @@ class Layout:
     shard: CommGroup
     replicate: CommGroup | None = None
     partition: CommGroup | None = None
-    partition_rank: int = 0  # this rank's place in its partition: the piece it keeps
-    # This rank's place in the shard group: which piece of every flat group its shard holds
-    # (FlatGroup.piece). A lowering that works on the shard's parameters one by one reads it
-    # (a quantized gather's amax per parameter); the collectives it issues do not depend on it.
-    shard_rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.partition is not None and (self.shard.size % self.partition.size
-                                           or not 0 <= self.partition_rank < self.partition.size):
-            raise ValueError(f"a partition of {self.partition.size} ranks (rank "
-                             f"{self.partition_rank}) does not divide a shard group of "
+        if self.partition is not None and self.shard.size % self.partition.size:
+            raise ValueError(f"a partition of {self.partition.size} ranks does not divide a shard group of "
                              f"{self.shard.size}")
-        if not 0 <= self.shard_rank < self.shard.size:
-            raise ValueError(f"rank {self.shard_rank} is not in a shard group of {self.shard.size}")
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in the shard group: which piece of every flat group its shard holds
+        (FlatGroup.piece). A lowering that works on the shard's parameters one by one reads it
+        (a quantized gather's amax per parameter); the collectives it issues do not depend on it."""
+        return self.shard.rank
+
+    @property
+    def partition_rank(self) -> int:
+        """This rank's place in its hpZ partition: the piece of a gathered buffer it keeps."""
+        return self.partition.rank if self.partition is not None else 0
+
+    def without_slots(self) -> Layout:
+        """The same layout with every collective on its dimension's one group (no in-flight slots)."""
+        def one(dim: CommGroup | None) -> CommGroup | None:
+            return replace(dim, slots=()) if dim is not None else None
+
+        return Layout(replace(self.shard, slots=()), one(self.replicate), one(self.partition))
+
+    def describe(self) -> str:
+        """This rank's place in the dimensions beyond its shard group, for reports; "" on one
+        flat group."""
+        parts = []
+        if self.replicate is not None:
+            parts.append(f"replica {self.replicate.rank} of {self.replicate.size}")
+        if self.partition is not None:
+            parts.append(f"rank {self.partition.rank} of {self.partition.size} in its hpZ partition")
+        return "; ".join(parts)
 
     @classmethod
     def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from fxshard.driver.compile.steps import Schedule
@@ -39,7 +38,7 @@ from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.compat import default_partition
 from fxshard.ir.config import CompileConfig, PassHook
 from fxshard.ir.errors import FxShardError
-from fxshard.ir.layout import CommGroup, Layout
+from fxshard.ir.layout import Layout
 from fxshard.ir.ops import FREE
 from fxshard.ir.plan import ShardPlan
 from fxshard.passes import GraphKind, PassContext, run_passes
@@ -393,23 +392,6 @@ class BoxedCodeGen(fx.graph.CodeGen):
             lines += [f"    {name} = next(args_iter)" for name in names]
             lines += ["    args_list.clear()"]
         return "\n".join(lines)
-
-
-def layout_of(world: World, inflight: bool) -> Layout:
-    """The passes' layout of ``world``: its shard group and, for HSDP, its replicas, for hpZ
-    its partition, each with its in-flight slots' groups where collectives in flight go on
-    different groups."""
-
-    def dimension(size: int, comm: tuple[dist.ProcessGroup, ...]) -> CommGroup:
-        names = tuple(g.group_name for g in comm)
-        return CommGroup(size, names[0], names if inflight else ())
-
-    shard = CommGroup(world.size, world.group_name, world.slot_names if inflight else ())
-    replicate = dimension(world.replicas.size, world.replicas.comm) if world.replicas else None
-    if world.partition is None:
-        return Layout(shard, replicate, shard_rank=world.rank)
-    return Layout(shard, replicate, dimension(world.partition.size, world.partition.comm),
-                  world.partition.rank, shard_rank=world.rank)
 
 
 def _guarded(compiled: Callable[..., Any], world: World, kind: str, abandoned: Abandoned,

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.compile import plan_auto, plan_budget
-from fxshard.driver.compile.codegen import GraphCompiler, Planner, layout_of
+from fxshard.driver.compile.codegen import GraphCompiler, Planner
 from fxshard.driver.compile.guards import Guards, guards_of
 from fxshard.driver.compile.inductor import compile_graph
 from fxshard.driver.compile.steps import CompiledStep, Schedule, StepCache
@@ -122,7 +122,7 @@ class Driver:
         self.world: World = given or with_comm_groups(world, slots, config.timeout, config.hsdp, hpz)
         # The passes' view of the world (ir/layout.py), built once: the shard group, HSDP's
         # replicas, hpZ's partition, the in-flight slots' groups, this rank's place.
-        self.layout = layout_of(self.world, bool(config.inflight_groups))
+        self.layout = self.world.layout if config.inflight_groups else self.world.layout.without_slots()
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
@@ -205,8 +205,8 @@ class Driver:
                                    mixed_precision=self.config.mixed_precision,
                                    replicate_all=self.config.no_shard,
                                    replicate=self.config.replicate)
-        if self.world.replicas is not None:  # HSDP: the plan says how many ranks the job has
-            self._plan = replace(self._plan, replicas=self.world.replicas.size)
+        if self.world.layout.replicate is not None:  # HSDP: the plan says how many ranks the job has
+            self._plan = replace(self._plan, replicas=self.world.layout.replicate.size)
         _check_quantized_gathers(self.config, self._plan, self.device if self.runs else None)
         for name in ("reshard_units", "offload_units"):
             unknown = sorted((getattr(options, name) or frozenset()) - {u.name for u in self._plan.units})

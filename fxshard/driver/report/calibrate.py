@@ -565,8 +565,8 @@ def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
 def measured_group(world: World) -> dist.ProcessGroup:
     """The group the network is measured on: the shard group's first slot, or where the shard
     group is one rank (a NO_SHARD mesh), the replicas' (every rank has one of each)."""
-    if world.size == 1 and world.replicas is not None:
-        return world.replicas.comm[0]
+    if world.size == 1 and world.layout.replicate is not None:
+        return world.groups(world.layout.replicate)[0]
     return world.comm_group
 
 

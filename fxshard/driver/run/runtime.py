@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -26,39 +26,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxshard.driver.run import rehearsal
 from fxshard.ir import compat
 from fxshard.ir.errors import FxShardError
+from fxshard.ir.layout import CommGroup, Layout
 from fxshard.ir.plan import FlatGroup, ShardPlan
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """HSDP's replicate dimension, as this rank sees it: ``size`` copies of the sharded model.
-
-    ``rank`` is this rank's replica (its row of the mesh), ``comm`` fxshard's own
-    groups over this rank's column (the ranks holding the same shard), in slot
-    order, and ``job`` one group of fxshard's over every rank of the mesh, in
-    which this rank is ``job_rank``.
-    """
-
-    size: int
-    rank: int
-    comm: tuple[dist.ProcessGroup, ...]
-    job: dist.ProcessGroup
-    job_rank: int
-
-
-@dataclass(frozen=True)
-class Partition:
-    """hpZ (``reshard_after_forward=h``): the ``size`` consecutive ranks of this rank's shard
-    group that hold a resharded unit's parameters between forward and backward.
-
-    ``rank`` is this rank's place among them (which piece of a gathered buffer it
-    keeps), ``comm`` fxshard's own groups over them, in slot order: backward gathers
-    there.
-    """
-
-    size: int
-    rank: int
-    comm: tuple[dist.ProcessGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -69,8 +38,10 @@ class World:
     sharded over, ``group``. ``comm`` are the process groups the compiled steps'
     collectives run on, in slot order (``with_comm_groups``): fxshard's own
     groups over the same ranks, or ``group`` itself. ``timeout`` is how long any
-    of them waits. ``replicas`` is HSDP's other dimension (None: one copy).
-    ``partition`` is hpZ's groups inside the shard group (None: none).
+    of them waits. ``layout`` is the job's topology (``fxshard.ir.layout``), built
+    once with the groups: the shard group, HSDP's replicas, hpZ's partition, this
+    rank's place in each and the names of their groups. ``job`` is HSDP's group
+    over every rank of the mesh (None: the shard group is the job).
     """
 
     rank: int
@@ -78,8 +49,18 @@ class World:
     group: dist.ProcessGroup | None
     comm: tuple[dist.ProcessGroup, ...] = ()
     timeout: datetime.timedelta | None = None
-    replicas: Replicas | None = None
-    partition: Partition | None = None
+    layout: Layout = field(default=None)  # type: ignore[assignment]  # a flat one by default
+    job: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is None:  # one flat group: the steps' slots, or the group itself
+            shard = _dimension(self.size, self.rank, self.comm) if self.comm else \
+                replace(_dimension(self.size, self.rank, (self.group,)), slots=()) if self.group is not None else \
+                CommGroup(self.size, None, rank=self.rank)
+            object.__setattr__(self, "layout", Layout(shard))
+        if (self.layout.shard.size, self.layout.shard.rank) != (self.size, self.rank):
+            raise ValueError(f"a layout of rank {self.layout.shard.rank} of {self.layout.shard.size} for "
+                             f"rank {self.rank} of {self.size}")
 
     @property
     def comm_group(self) -> dist.ProcessGroup:
@@ -93,17 +74,17 @@ class World:
     def job_group(self) -> dist.ProcessGroup:
         """The group over every rank of the job: the agreement, broadcasts, the memory budget's
         maximum and checkpoints. The shard group itself without replicas."""
-        return self.replicas.job if self.replicas is not None else self.comm_group
+        return self.job if self.job is not None else self.comm_group
 
     @property
     def job_rank(self) -> int:
         """This rank's place in :attr:`job_group`."""
-        return self.replicas.job_rank if self.replicas is not None else self.rank
+        return dist.get_rank(self.job) if self.job is not None else self.rank
 
     @property
     def job_size(self) -> int:
         """Ranks in the job: the shard group's, times the replicas."""
-        return self.size * (self.replicas.size if self.replicas is not None else 1)
+        return self.layout.world_size
 
     @property
     def global_rank(self) -> int:
@@ -122,7 +103,7 @@ class World:
         """This rank, for a message: the job's rank; with ``row``, where a message is about its
         shard group and that differs from the job (HSDP, process_group=), its place there too."""
         named = f"rank {self.global_rank}"
-        if row and self.group is not None and (self.replicas is not None or self.rank != self.global_rank):
+        if row and self.group is not None and (self.job is not None or self.rank != self.global_rank):
             ranks = dist.get_process_group_ranks(self.comm_group)
             named += f" (rank {self.rank} of its shard group, ranks {ranks})"
         return named
@@ -135,23 +116,28 @@ class World:
     def slot_names(self) -> tuple[str, ...]:
         return tuple(g.group_name for g in self.comm)
 
+    def groups(self, dimension: CommGroup | None) -> tuple[dist.ProcessGroup, ...]:
+        """The process groups of one of the layout's dimensions, in slot order (none for None)."""
+        return tuple(compat.resolve_process_group(name) for name in dimension.groups) if dimension else ()
+
     @property
     def all_comm(self) -> tuple[dist.ProcessGroup, ...]:
         """Every group the compiled steps' collectives run on: the shard group's slots, then
         HSDP's replicas' and hpZ's partition's."""
-        return (*self.comm, *(self.replicas.comm if self.replicas else ()),
-                *(self.partition.comm if self.partition else ()))
+        return (*self.comm, *self.groups(self.layout.replicate), *self.groups(self.layout.partition))
 
     def topology(self) -> str:
         """Where this rank sits beyond its shard group, for reports; "" on one flat group."""
-        parts = []
-        if self.replicas is not None:
-            parts += [f"rank {self.job_rank} of {self.job_size} in the job (HSDP, "
-                      f"{self.replicas.size} x {self.size})",
-                      f"replica {self.replicas.rank} of {self.replicas.size}"]
-        if self.partition is not None:
-            parts.append(f"rank {self.partition.rank} of {self.partition.size} in its hpZ partition")
-        return "; ".join(parts)
+        job = (f"rank {self.job_rank} of {self.job_size} in the job (HSDP, "
+               f"{self.layout.replicate.size} x {self.size})") if self.layout.replicate is not None else ""
+        return "; ".join(part for part in (job, self.layout.describe()) if part)
+
+
+def _dimension(size: int, rank: int, groups: tuple[dist.ProcessGroup, ...]) -> CommGroup:
+    """One dimension of the layout over ``groups`` (its slots, all over the same ranks): its
+    first group's name, every slot's, this rank's place and the job's ranks of the group."""
+    names = tuple(g.group_name for g in groups)
+    return CommGroup(size, names[0], names, rank, tuple(dist.get_process_group_ranks(groups[0])))
 
 
 def agree_on_mesh(mesh: Any) -> None:
@@ -249,7 +235,7 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
     order (``new_group``'s rule), and keeps its own.
 
     ``hpz`` (``reshard_after_forward=h``) adds ``slots`` groups over each block of
-    h consecutive ranks of every shard group (:class:`Partition`).
+    h consecutive ranks of every shard group (the layout's ``partition``).
     """
     fake = world.group is not None and dist.get_backend(world.group) == "fake"
     if world.group is None or (world.size == 1 or fake) and hsdp is None and hpz is None:
@@ -260,7 +246,8 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
     if fake:
         slots = 1
     if slots == 1 and timeout is None and backend is None and hsdp is None and hpz is None:
-        return replace(world, comm=(world.group,), timeout=limit)
+        return replace(world, comm=(world.group,), timeout=limit,
+                       layout=Layout(_dimension(world.size, world.rank, (world.group,))))
 
     def own(ranks: list[int]) -> dist.ProcessGroup | None:
         group = dist.new_group(ranks, timeout=limit, backend=backend, use_local_synchronization=False)
@@ -274,21 +261,22 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
 
     rows = [list(row) for row in hsdp] if hsdp is not None else [dist.get_process_group_ranks(world.group)]
     comm = mine(rows)
+    shard = _dimension(world.size, world.rank, comm)
+    partition = None
     if hpz is not None:  # blocks of h consecutive ranks of each row, in the row's rank order
         blocks = [row[i:i + hpz] for row in rows for i in range(0, len(row), hpz)]
-        partition = Partition(hpz, world.rank % hpz, mine(blocks))
-        assert len(partition.comm) == slots
-        world = replace(world, partition=partition)
+        partition = _dimension(hpz, world.rank % hpz, mine(blocks))
+        assert len(partition.groups) == slots
     if hsdp is None:
-        return replace(world, comm=comm, timeout=limit)
+        return replace(world, comm=comm, timeout=limit, layout=Layout(shard, partition=partition))
     columns = [list(column) for column in zip(*hsdp)]
     replica_comm = mine(columns)
     job = own(sorted(r for row in rows for r in row))
     me = dist.get_rank()
     replica = next(i for i, row in enumerate(rows) if me in row)
     assert job is not None and len(comm) == len(replica_comm) == slots
-    return replace(world, comm=comm, timeout=limit,
-                   replicas=Replicas(len(rows), replica, replica_comm, job, dist.get_rank(job)))
+    replicate = _dimension(len(rows), replica, replica_comm)
+    return replace(world, comm=comm, timeout=limit, layout=Layout(shard, replicate, partition), job=job)
 
 
 def make_shards(module: nn.Module, plan: ShardPlan, rank: int, device: torch.device) -> list[nn.Parameter]:
