@@ -105,6 +105,38 @@ def test_a_layout_separates_shard_degree_from_gradient_divisor_and_refuses_no_gr
         Layout.flat(0, "pg")
 
 
+def test_a_layouts_dimension_names_its_ranks_and_this_ranks_place_and_refuses_a_wrong_one() -> None:
+    from fxshard.ir.layout import CommGroup
+
+    hsdp = Layout(CommGroup(2, "row", ("row", "row1"), 1, (2, 3)), CommGroup(2, "column", (), 1, (1, 3)),
+                  CommGroup(1, "piece", (), 0, (3,)))
+    assert (hsdp.world_size, hsdp.shard_rank, hsdp.partition_rank, hsdp.replicate.groups) == (4, 1, 0, ("column",))
+    assert hsdp.describe() == "replica 1 of 2; rank 0 of 1 in its hpZ partition"
+    assert hsdp.without_slots().shard.slots == () and hsdp.without_slots().shard.ranks == (2, 3)
+    with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
+        CommGroup(2, "row", rank=2)
+    with pytest.raises(ValueError, match="a group of 2 ranks named 3"):
+        CommGroup(2, "row", ranks=(0, 1, 2))
+
+
+def test_each_flat_groups_holding_is_one_value_and_keys_its_lowering() -> None:
+    from fxshard.ir.meta import Direction
+    from fxshard.passes.context import Holding
+    from fxshard.passes.lowering import LoweringKey
+
+    assert ctx().holding(0) == Holding("sharded", "dtype", "dtype", "device")
+    assert ctx(world_size=1, group=None).holding(0) == Holding("local")
+    from fxshard import CPUOffloadPolicy
+
+    options = ShardingOptions(reduce_in_rank_order=True, offload_policy=CPUOffloadPolicy(pin_memory=False),
+                              offload_units=frozenset({"1"}))
+    assert ctx(options=options).holding(0).placement == "device"
+    ordered = ctx(options=options).holding(1)
+    assert ordered == Holding("sharded", "dtype", "terms", "cpu")
+    assert str(LoweringKey.of(Direction.REDUCE, ordered)) == "reduce/sharded/terms/cpu"
+    assert str(LoweringKey.of(Direction.GATHER, ordered, "saved")) == "gather/saved/dtype/cpu"
+
+
 def test_markers_are_read_by_name_and_a_malformed_one_is_named() -> None:
     b = Builder()
     shard, grad = b.input("shard", 8), b.input("grad", 16, tag="is_backward")

@@ -49,6 +49,36 @@ REDUCE = GradSync()
 
 
 @dataclass(frozen=True)
+class Holding:
+    """How one flat group is held and moved, one value (``PassContext.holding``); with a
+    direction, the lowering table's key (``LoweringKey.of``).
+
+    ``topology``: "local" (one rank: no collective), "replicated" (whole on every rank:
+    NO_SHARD), "sharded" (over the shard group), "hybrid" (HSDP: sharded, and replicated
+    over ``layout.replicate``).
+    ``gather``, how a gather's bytes travel: "dtype", the group's compute dtype (its
+    shard's, or mixed precision's param_dtype); "quantized_tensor" / "quantized_block"
+    (``MixedPrecision(gather_dtype=...)``), the shard quantized with a scale per parameter
+    or per block, its bytes gathered as uint8 and dequantized to the compute dtype (on one
+    rank: quantized and dequantized, the same numbers).
+    ``reduce``, a reduction's: "dtype", summed by the collective in the reduce dtype;
+    "terms" (``reduce_in_rank_order``), each rank's term sent as it is and summed in rank
+    order where it lands.
+    ``placement``, where the shard lives: "device", where it computes; "cpu", on the host
+    (``offload_policy=CPUOffloadPolicy()``), its gradient reduced on the device and copied
+    back, the optimizer stepping there.
+    """
+
+    topology: str
+    gather: str = "dtype"
+    reduce: str = "dtype"
+    placement: str = "device"
+
+    def wire(self, reduces: bool) -> str:
+        return self.reduce if reduces else self.gather
+
+
+@dataclass(frozen=True)
 class PassContext:
     plan: ShardPlan
     # Over which ranks the flat groups are sharded, and the process groups the
@@ -98,38 +128,19 @@ class PassContext:
         return (self.layout.partition is not None and self.reshards(group)
                 and not self.plan.groups[group].replicated)
 
-    def topology(self, group: int) -> str:
-        """How this group is held, the lowering table's first key (``fxshard/passes/lowering.py``):
-        "local" (one rank: no collective), "replicated" (whole on every rank: NO_SHARD),
-        "sharded" (over the shard group), "hybrid" (HSDP: sharded, and replicated over
-        ``layout.replicate``)."""
+    def holding(self, group: int) -> Holding:
+        """How this group is held and moved: the lowering table's key, less its direction
+        (``fxshard/passes/lowering.py``)."""
         if not self.layout.communicates:
-            return "local"
-        if self.plan.groups[group].replicated:
-            return "replicated"
-        return "hybrid" if self.layout.replicate is not None else "sharded"
-
-    def wire(self, group: int, reduces: bool = False) -> str:
-        """How the bytes travel. A gather's: "dtype", the group's compute dtype (its shard's,
-        or mixed precision's param_dtype); "quantized_tensor" / "quantized_block"
-        (``MixedPrecision(gather_dtype=...)``), the shard quantized with a scale per
-        parameter or per block, its bytes gathered as uint8 and dequantized to the compute
-        dtype (on one rank: quantized and dequantized, the same numbers). A reduction's:
-        "dtype", summed by the collective in the reduce dtype; "terms"
-        (``reduce_in_rank_order``), each rank's term sent as it is and summed in rank order
-        where it lands."""
-        if reduces and self.options.reduce_in_rank_order and self.topology(group) != "local":
-            return "terms"
+            topology = "local"
+        elif self.plan.groups[group].replicated:
+            topology = "replicated"
+        else:
+            topology = "hybrid" if self.layout.replicate is not None else "sharded"
         quantized = self.plan.groups[group].quantized
-        if not reduces and quantized is not None and self.topology(group) != "replicated":
-            return f"quantized_{quantized.scaling}"
-        return "dtype"
-
-    def placement(self, group: int) -> str:
-        """Where the group's shard lives: "device", where it computes; "cpu", on the host
-        (``offload_policy=CPUOffloadPolicy()``), its gradient reduced on the device and
-        copied back, the optimizer stepping there."""
-        return "cpu" if self.options.offloads(self.unit_of(group)) else "device"
+        gather = f"quantized_{quantized.scaling}" if quantized is not None and topology != "replicated" else "dtype"
+        reduce = "terms" if self.options.reduce_in_rank_order and topology != "local" else "dtype"
+        return Holding(topology, gather, reduce, "cpu" if self.options.offloads(self.unit_of(group)) else "device")
 
     def keeps_buffer(self, group: int) -> bool:
         """In the joint graph: does backward read this group's forward buffer (not resharded,

@@ -82,7 +82,7 @@ from fxshard.ir.nodes import call
 from fxshard.ir.plan import FlatGroup
 from fxshard.ir.precision import Quantized
 
-from .context import PassContext
+from .context import Holding, PassContext
 
 CONVERT = torch.ops.prims.convert_element_type.default
 aten = torch.ops.aten
@@ -91,12 +91,19 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class LoweringKey:
     direction: Direction
-    topology: str  # PassContext.topology(group): "local", "sharded", "hybrid", "replicated"; "partition", "saved"
+    topology: str  # Holding.topology: "local", "sharded", "hybrid", "replicated"; a pass's "partition", "saved"
     wire: str = "dtype"
     placement: str = "device"
 
     def __str__(self) -> str:
         return f"{self.direction.value}/{self.topology}/{self.wire}/{self.placement}"
+
+    @classmethod
+    def of(cls, direction: Direction, holding: Holding, topology: str | None = None) -> LoweringKey:
+        """The row for moving a group held as ``holding`` in ``direction`` (``topology``: a
+        pass's own, "partition" or "saved", in place of the holding's)."""
+        return cls(direction, topology or holding.topology, holding.wire(direction is Direction.REDUCE),
+                   holding.placement)
 
 
 @dataclass(frozen=True)
@@ -521,7 +528,7 @@ def _to_host(inner: Lowering, name: str) -> Lowering:
         result = inner(site, ctx)
         b = ChainBuilder(site, Direction.REDUCE, name, ctx.unit_of(site.group))  # a chain number after inner's
         _joined(b, site.gm, result)
-        device = torch.device(ctx.placement(site.group))  # "cpu": the host
+        device = torch.device(ctx.holding(site.group).placement)  # "cpu": the host
         return b.add(aten._to_copy.default, (result,), Role.TO_HOST,
                      op_kwargs={"device": device, "non_blocking": True})
     lower.__name__ = name
@@ -574,8 +581,7 @@ def lowering_for(key: LoweringKey) -> Lowering:
 
 def key_for(m: P.Marker, ctx: PassContext, topology: str | None = None) -> LoweringKey:
     direction = Direction.REDUCE if m.kind.is_gradient else Direction.GATHER
-    return LoweringKey(direction, topology or ctx.topology(m.group),
-                       ctx.wire(m.group, direction is Direction.REDUCE), ctx.placement(m.group))
+    return LoweringKey.of(direction, ctx.holding(m.group), topology)
 
 
 def lower(gm: fx.GraphModule, m: P.Marker, ctx: PassContext, value: fx.Node | None = None) -> fx.Node:

@@ -103,8 +103,7 @@ def _gather_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     assert partition is not None
     first = next(n for n in graph.nodes if not P.is_placeholder(n))
     for chain in saved:
-        gather = lowering_for(LoweringKey(meta.Direction.GATHER, "partition", ctx.wire(chain.group),
-                                          ctx.placement(chain.group)))
+        gather = lowering_for(LoweringKey.of(meta.Direction.GATHER, ctx.holding(chain.group), "partition"))
         buffer = chain.result
         full = buffer.meta["val"]
         _, length = _piece_bounds(buffer, ctx)

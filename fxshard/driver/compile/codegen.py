@@ -145,7 +145,7 @@ class GraphCompiler:
             for node in gm.graph.nodes:
                 if node.op == "placeholder" and node.name in self.saved_buffers:
                     group = self.saved_buffers[node.name]
-                    key = LoweringKey(meta.Direction.GATHER, "saved", ctx.wire(group), ctx.placement(group))
+                    key = LoweringKey.of(meta.Direction.GATHER, ctx.holding(group), "saved")
                     lowering_for(key)(Site(gm, group, node, node, node), ctx)
         gm = self._run(gm, ctx)
         gm.recompile()
