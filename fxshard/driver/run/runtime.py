@@ -54,9 +54,12 @@ class World:
 
     def __post_init__(self) -> None:
         if self.layout is None:  # one flat group: the steps' slots, or the group itself
-            shard = _dimension(self.size, self.rank, self.comm) if self.comm else \
-                replace(_dimension(self.size, self.rank, (self.group,)), slots=()) if self.group is not None else \
-                CommGroup(self.size, None, rank=self.rank)
+            if self.comm:
+                shard = _dimension(self.size, self.rank, self.comm)
+            elif self.group is not None:
+                shard = replace(_dimension(self.size, self.rank, (self.group,)), slots=())
+            else:
+                shard = CommGroup(self.size, None, rank=self.rank)
             object.__setattr__(self, "layout", Layout(shard))
         if (self.layout.shard.size, self.layout.shard.rank) != (self.size, self.rank):
             raise ValueError(f"a layout of rank {self.layout.shard.rank} of {self.layout.shard.size} for "
@@ -111,10 +114,6 @@ class World:
     @property
     def group_name(self) -> str | None:
         return None if self.group is None else self.comm_group.group_name
-
-    @property
-    def slot_names(self) -> tuple[str, ...]:
-        return tuple(g.group_name for g in self.comm)
 
     def groups(self, dimension: CommGroup | None) -> tuple[dist.ProcessGroup, ...]:
         """The process groups of one of the layout's dimensions, in slot order (none for None)."""
