@@ -129,8 +129,9 @@ def _gathers(mp: fxshard.MixedPrecision, world: int = 4, **kw: Any) -> tuple[Any
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
 def test_a_quantized_gather_is_one_chain_prefetched_whole_and_counted_in_its_bytes(scaling: str) -> None:
     """The chain: (the amax all_reduce, its wait,) the quantization and the uint8 gather are
-    its issue, which prefetch moves one unit ahead; the dequantization its tail; the free
-    releases the dequantized buffer. The report counts the uint8 bytes."""
+    its issue, which prefetch moves one unit ahead ("tensor"'s agreement on the scales goes
+    to the graph's start: the next test); the dequantization its tail; the free releases the
+    dequantized buffer. The report counts the uint8 bytes."""
     plain, plain_bytes = _gathers(_precision(), forward_prefetch=True)
     quantized, got = _gathers(_precision(torch.float8_e4m3fn, scaling), forward_prefetch=True)
     for kind in ("forward", "backward"):
@@ -300,6 +301,36 @@ def test_offload_and_hpz_wrap_a_quantized_gather_like_any_other() -> None:
     within = [c for c in chains(hpz.graphs["backward"].graph) if c.lowering == "all_gather_within"]
     assert sorted(c.group for c in within) == sorted(c.group for c in kept)
     assert all(c.result.meta["val"].dtype == torch.bfloat16 for c in within)
+
+
+def test_tensor_scales_are_agreed_at_the_graphs_start_and_the_gathers_issue_without_a_wait() -> None:
+    """"tensor"'s amax all_reduces (each unit's, with their waits and scales) come before the
+    graph's first gather, in the order the units are read, so between a prefetched gather and
+    its wait compute never waits for an all_reduce queued behind that gather. Offloaded, the
+    amax reads the shard's copy on the device, made at prefetch: it stays with the gather."""
+    precision = _precision(torch.float8_e4m3fn, "tensor")
+    sharded, _ = _gathers(precision, forward_prefetch=True)
+    for kind in ("forward", "backward"):
+        nodes = list(sharded.graphs[kind].graph.nodes)
+        found = [c for c in chains(sharded.graphs[kind].graph) if c.gathers]
+        first_gather = min(nodes.index(n) for c in found for n in c.collectives if P.is_all_gather(n))
+        agreements = [n for n in nodes if P.is_all_reduce(n) or (P.is_wait(n) and P.is_all_reduce(n.args[0]))]
+        assert len(agreements) == 2 * len(found)
+        assert all(nodes.index(n) < first_gather for n in agreements), kind
+        for c in found:
+            (amax,) = [n for n in c.collectives if P.is_all_reduce(n)]
+            assert amax in c.agreed and c.waits[0] in c.agreed
+            assert not any(P.is_all_gather(n) for n in c.agreed)
+        # Each unit's agreement in the order its gather is issued.
+        reduced = [meta.get_info(n).group for n in agreements if P.is_all_reduce(n)]
+        gathered = [meta.get_info(n).group for n in nodes if P.is_all_gather(n)]
+        assert reduced == gathered, kind
+    offloaded, _ = _gathers(precision, offload_policy=fxshard.CPUOffloadPolicy(), forward_prefetch=True)
+    for c in [c for c in chains(offloaded.graphs["forward"].graph) if c.gathers]:
+        assert not c.agreed
+        nodes = list(offloaded.graphs["forward"].graph.nodes)
+        reduce, gather = (nodes.index(n) for n in c.collectives)
+        assert nodes.index(c.issue[0]) < reduce < gather  # the copy, then the amax's all_reduce
 
 
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32, torch.float64])

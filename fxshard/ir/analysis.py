@@ -164,7 +164,8 @@ def windows(graph: fx.Graph, counted: dict[int, bool],
     result = []
     for u in uses if uses is not None else buffer_uses(graph):
         buf = u.buffer
-        issue = order[u.chain.collectives[0]] if u.chain.collectives else order[buf]
+        issued = [c for c in u.chain.collectives if c not in u.chain.agreed]  # the gather's
+        issue = order[issued[0]] if issued else order[buf]
         ready = order[u.chain.waits[-1]] if u.chain.waits else order[buf]
         first = min((order[n] for n in u.outside), default=order[buf])
         last = max(order[n] for n in u.readers)

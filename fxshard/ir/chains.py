@@ -46,6 +46,8 @@ class Chain:
     issued after them, casts back, a dequantization), in graph order. ``result`` is what compute reads (a gathered buffer) or what
     the shard's gradient is (a reduction); a saved or kept buffer is its own chain with
     no collective. ``frees`` release ``result``'s storage; ``kept`` is hpZ's piece of it.
+    ``agreed``: the nodes of ``issue`` agreed once at the graph's start (``NodeInfo.agrees``),
+    in graph order; scheduling places them there, and the rest of the issue with the gather.
     """
 
     tag: ChainTag
@@ -58,6 +60,12 @@ class Chain:
     result: fx.Node
     frees: tuple[fx.Node, ...] = ()
     kept: tuple[fx.Node, ...] = ()
+    agreed: tuple[fx.Node, ...] = ()
+
+    @property
+    def issued_with_gather(self) -> tuple[fx.Node, ...]:
+        """The issue less what is agreed at the graph's start: what moves with the gather."""
+        return tuple(n for n in self.issue if n not in self.agreed) if self.agreed else self.issue
 
     @property
     def direction(self) -> Direction:
@@ -153,14 +161,24 @@ def _chain(tag: ChainTag, nodes: list[fx.Node]) -> Chain:
     issue = tuple(n for n in body if n not in after_wait)
     tail = tuple(n for n in body if n in after_wait)
     result = _result(body)
+    agreed = tuple(n for n in issue if _agrees(n))
+    for n in agreed:
+        if any(a not in agreed and not P.is_placeholder(a) for a in n.all_input_nodes):
+            raise ValueError(f"chain {tag}: {n.name} is declared agreed at the graph's start but "
+                             "reads a node computed in the step")
     return Chain(tag, info.group, info.unit, issue,
                  tuple(n for n in body if roles[n] in _COLLECTIVE_ROLES), waits, tail, result,
-                 frees, kept)
+                 frees, kept, agreed)
 
 
 def _issues(node: fx.Node) -> bool:
     info = meta.get_info(node)
     return info is not None and info.issues
+
+
+def _agrees(node: fx.Node) -> bool:
+    info = meta.get_info(node)
+    return info is not None and info.agrees
 
 
 def _result(body: list[fx.Node]) -> fx.Node:

@@ -91,6 +91,11 @@ class NodeInfo:
     # issued (a quantized gather's amax all_reduce, its wait, the quantization). Scheduling
     # moves it with the gather; the chain's tail starts at the other waits.
     issues: bool = False
+    # Declared part of the issue, and agreed once at the graph's start: a value the ranks
+    # must share before the chain issues that reads nothing the step computes (a quantized
+    # "tensor" gather's amax, its all_reduce, its wait and the scales). Scheduling places it
+    # with the graph's first nodes, so its wait never queues behind another unit's gather.
+    agrees: bool = False
 
 
 @dataclass(frozen=True)

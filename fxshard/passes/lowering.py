@@ -153,20 +153,24 @@ class ChainBuilder:
         self.gm, self.like, self.at = site.gm, site.like, site.before
         self.group, self.unit = site.group, unit
         self.tag = ChainTag(new_chain_id(site.gm.graph), direction, lowering)
-        self._issuing = False
+        self._issuing = self._agreeing = False
 
     @contextlib.contextmanager
-    def issuing(self) -> Iterator[None]:
-        """Nodes made inside are part of the chain's issue, though they read its waits."""
-        before, self._issuing = self._issuing, True
+    def issuing(self, agreed: bool = False) -> Iterator[None]:
+        """Nodes made inside are part of the chain's issue, though they read its waits; with
+        ``agreed``, also agreed once at the graph's start (``NodeInfo.agrees``: they must read
+        nothing the step computes, only the shard)."""
+        before = self._issuing, self._agreeing
+        self._issuing, self._agreeing = True, agreed
         try:
             yield
         finally:
-            self._issuing = before
+            self._issuing, self._agreeing = before
 
-    def tag_node(self, node: fx.Node, role: Role, issues: bool = False) -> fx.Node:
+    def tag_node(self, node: fx.Node, role: Role, issues: bool = False, agrees: bool = False) -> fx.Node:
         meta.set_info(node, meta.NodeInfo(role, self.group, self.unit, self.tag,
-                                          issues=issues or self._issuing))
+                                          issues=issues or self._issuing or self._agreeing,
+                                          agrees=agrees or self._agreeing))
         return node
 
     def add(self, target: Any, args: tuple[Any, ...], role: Role, *, before: fx.Node | None = None,
@@ -432,18 +436,22 @@ def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     ranks (an all_reduce, MAX, of this shard's per-parameter maxima), the shard quantized with
     it and its bytes gathered; each parameter's values are dequantized with its scale. The
     all_reduce, its wait and the quantization are declared part of the chain's issue, so
-    prefetch moves them ahead with the gather."""
+    prefetch moves them ahead with the gather. Where the shard is the graph's input (not
+    offload's copy, made at prefetch), the amax, its all_reduce and the scales are agreed at
+    the graph's start (``issuing(agreed=True)``): issued at prefetch, the all_reduce's wait
+    would hold compute until the unit before had finished its gather."""
     layout, group = ctx.layout, ctx.plan.groups[site.group]
     q, compute = group.quantized, group.compute_dtype
     assert q is not None
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(site.group))
     lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
     here = _spans(group, lo, hi)
-    with b.issuing():
+    with b.issuing(agreed=P.is_placeholder(site.value)):
         amax = b.traced(_amax_per_parameter, site.value, here=here, count=len(group.params))
         if layout.communicates:
             amax = b.collective(P.ALL_REDUCE, (amax, "max", layout.shard.name), Role.ALL_REDUCE)
         scales = b.traced(_scales, amax, q=q, compute=compute)
+    with b.issuing():
         data = b.traced(_quantize_per_parameter, site.value, scales, here=here, q=q)
     if layout.communicates:
         data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
@@ -499,7 +507,7 @@ def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
     for node in gm.graph.nodes:
         info = meta.get_info(node)
         if info is not None and inner is not None and info.chain == inner:
-            b.tag_node(node, info.role, info.issues)
+            b.tag_node(node, info.role, info.issues, info.agrees)
     info = meta.get_info(result)
     if inner is None and info is not None and info.role is Role.CAST:
         b.tag_node(result, Role.CAST)

@@ -55,14 +55,24 @@ from .context import PassContext
 def place_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = schedule_of(gm)
     order = order_of(gm.graph)
+    found = []
     for gather in [c for c in gather_chains(gm.graph) if c.gathers]:
         params = parameter_chain(gather.result, order)
         inside = {gather.result, *params, *gather.kept}
         outside = [u for n in inside for u in n.users if u not in inside]
-        if not outside:
-            continue
-        first = schedule.first(outside)
-        schedule.place(gather.issue, first, ISSUE)
+        if outside:
+            found.append((gather, schedule.first(outside), params))
+    # What a chain agrees once (a quantized gather's scales) goes at the graph's start: before
+    # the first node that is neither an input nor agreed, taken before anything here moves,
+    # in the order the units are first read.
+    agreed = {n for gather, _, _ in found for n in gather.agreed}
+    if agreed:
+        start = next(n for n in gm.graph.nodes if n.op != "placeholder" and n not in agreed)
+        found.sort(key=lambda f: schedule.position(f[1]))
+        for rank, (gather, _, _) in enumerate(found):
+            schedule.place(gather.agreed, start, ISSUE, rank=rank)
+    for gather, first, params in found:
+        schedule.place(gather.issued_with_gather, first, ISSUE)
         schedule.place([*gather.tail, *params], first, WAIT)
     return gm
 
@@ -109,7 +119,7 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         blocker = done_by[must_free - 1] if must_free else None
         if blocker is not None and schedule.position(blocker) >= schedule.position(target.chain.result):
             continue  # the model reads the blocking units after this one's first use: just in time
-        nodes = list(target.chain.issue)
+        nodes = list(target.chain.issued_with_gather)
         if mode == "pre":
             schedule.place(nodes, prev.first, PREFETCH)
         else:
