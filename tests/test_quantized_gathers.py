@@ -138,14 +138,16 @@ def test_a_quantized_gather_is_one_chain_prefetched_whole_and_counted_in_its_byt
         gm = quantized.graphs[kind]
         found = [c for c in chains(gm.graph) if c.gathers]
         assert found and all(c.lowering == f"all_gather_quantized_{scaling}" for c in found)
+        issued = [[meta.role_of(n) for n in c.issue if P.is_collective(n) or P.is_wait(n)] for c in found]
+        # "tensor": one all_reduce of every unit's per-parameter maxima, in the first chain
+        assert issued == ([[Role.ALL_REDUCE, Role.WAIT, Role.ALL_GATHER]] + [[Role.ALL_GATHER]] * (len(found) - 1)
+                          if scaling == "tensor" else [[Role.ALL_GATHER]] * len(found))
+        if scaling == "tensor":
+            (amax,) = [n for n in found[0].collectives if P.is_all_reduce(n)]
+            assert P.collective_args(amax).reduce_op == "max"
+            counts = [len(quantized.plan.groups[c.group].params) for c in found]
+            assert amax.meta["val"].shape == (sum(counts),)
         for c in found:
-            issued = [meta.role_of(n) for n in c.issue if P.is_collective(n) or P.is_wait(n)]
-            assert issued == ([Role.ALL_REDUCE, Role.WAIT, Role.ALL_GATHER] if scaling == "tensor"
-                              else [Role.ALL_GATHER])
-            if scaling == "tensor":
-                (amax,) = [n for n in c.collectives if P.is_all_reduce(n)]
-                assert P.collective_args(amax).reduce_op == "max"
-                assert amax.meta["val"].shape == (len(quantized.plan.groups[c.group].params),)
             gather = next(n for n in c.collectives if P.is_all_gather(n))
             assert gather.meta["val"].dtype == torch.uint8
             assert {meta.role_of(n) for n in c.tail} <= {Role.WAIT, Role.DEQUANTIZE}
@@ -303,34 +305,54 @@ def test_offload_and_hpz_wrap_a_quantized_gather_like_any_other() -> None:
     assert all(c.result.meta["val"].dtype == torch.bfloat16 for c in within)
 
 
-def test_tensor_scales_are_agreed_at_the_graphs_start_and_the_gathers_issue_without_a_wait() -> None:
-    """"tensor"'s amax all_reduces (each unit's, with their waits and scales) come before the
-    graph's first gather, in the order the units are read, so between a prefetched gather and
-    its wait compute never waits for an all_reduce queued behind that gather. Offloaded, the
-    amax reads the shard's copy on the device, made at prefetch: it stays with the gather."""
+def test_tensor_scales_are_agreed_once_per_graph_at_its_start() -> None:
+    """"tensor"'s scales: one all_reduce per graph of every unit's per-parameter maxima
+    (batch_agreements_pass), before the graph's first gather, each unit's scales the slice
+    of it that holds its own shard's maxima; so between a prefetched gather and its wait
+    compute never waits for an all_reduce queued behind that gather, and a graph pays one
+    all_reduce's latency, not one per unit. Offloaded, the amax reads the shard's copy on
+    the device, made at prefetch: it stays with its gather."""
     precision = _precision(torch.float8_e4m3fn, "tensor")
     sharded, _ = _gathers(precision, forward_prefetch=True)
     for kind in ("forward", "backward"):
         nodes = list(sharded.graphs[kind].graph.nodes)
         found = [c for c in chains(sharded.graphs[kind].graph) if c.gathers]
+        assert len(found) >= 2
         first_gather = min(nodes.index(n) for c in found for n in c.collectives if P.is_all_gather(n))
-        agreements = [n for n in nodes if P.is_all_reduce(n) or (P.is_wait(n) and P.is_all_reduce(n.args[0]))]
-        assert len(agreements) == 2 * len(found)
-        assert all(nodes.index(n) < first_gather for n in agreements), kind
+        (reduce,) = [n for n in nodes if P.is_all_reduce(n)]
+        (wait,) = reduce.users
+        assert nodes.index(wait) < first_gather, kind
+        joined = P.collective_args(reduce).input
+        maxima = joined.args[0]
+        assert joined.target is torch.ops.aten.cat.default and len(maxima) == len(found)
+        starts = [sum(m.meta["val"].shape[0] for m in maxima[:i]) for i in range(len(maxima))]
+        sources = [_placeholders(m) for m in maxima]
         for c in found:
-            (amax,) = [n for n in c.collectives if P.is_all_reduce(n)]
-            assert amax in c.agreed and c.waits[0] in c.agreed
-            assert not any(P.is_all_gather(n) for n in c.agreed)
-        # Each unit's agreement in the order its gather is issued.
-        reduced = [meta.get_info(n).group for n in agreements if P.is_all_reduce(n)]
-        gathered = [meta.get_info(n).group for n in nodes if P.is_all_gather(n)]
-        assert reduced == gathered, kind
+            (piece,) = [n for n in c.agreed if wait in n.args]  # its scales start at its slice
+            shard = {a for n in c.issue if n not in c.agreed for a in n.all_input_nodes if P.is_placeholder(a)}
+            i = sources.index(shard)  # the maxima of this chain's own shard
+            count = len(sharded.plan.groups[c.group].params)
+            assert maxima[i].meta["val"].shape == (count,)
+            assert piece.target is torch.ops.aten.slice.Tensor and piece.args == (wait, 0, starts[i], starts[i] + count)
     offloaded, _ = _gathers(precision, offload_policy=fxshard.CPUOffloadPolicy(), forward_prefetch=True)
     for c in [c for c in chains(offloaded.graphs["forward"].graph) if c.gathers]:
         assert not c.agreed
         nodes = list(offloaded.graphs["forward"].graph.nodes)
         reduce, gather = (nodes.index(n) for n in c.collectives)
         assert nodes.index(c.issue[0]) < reduce < gather  # the copy, then the amax's all_reduce
+
+
+def _placeholders(node: Any) -> set[Any]:
+    """The graph inputs ``node`` is computed from."""
+    found, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if P.is_placeholder(n):
+            found.add(n)
+        elif n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
 
 
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32, torch.float64])
@@ -365,4 +387,6 @@ def test_under_hsdp_the_scales_are_agreed_within_the_row() -> None:
         dims = sharded._driver.layout.dimensions()
         found = [c for c in chains(sharded.graphs["forward"].graph) if c.gathers]
         assert found and all(c.lowering == "all_gather_quantized_tensor" for c in found)
-        assert all([dims[name][0] for name in c.group_names] == ["shard", "shard"] for c in found)
+        names = [name for c in found for name in c.group_names]
+        assert len(names) == len(found) + 1  # every unit's gather, and one all_reduce of the scales
+        assert {dims[name][0] for name in names} == {"shard"}

@@ -163,7 +163,7 @@ def _chain(tag: ChainTag, nodes: list[fx.Node]) -> Chain:
     result = _result(body)
     agreed = tuple(n for n in issue if _agrees(n))
     for n in agreed:
-        if any(a not in agreed and not P.is_placeholder(a) for a in n.all_input_nodes):
+        if any(not _agrees(a) and not P.is_placeholder(a) for a in n.all_input_nodes):
             raise ValueError(f"chain {tag}: {n.name} is declared agreed at the graph's start but "
                              "reads a node computed in the step")
     return Chain(tag, info.group, info.unit, issue,

@@ -18,14 +18,17 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
+from fxshard.ir.precision import MixedPrecision
 
 from .accumulate_in_place import accumulate_in_place_pass
 from .assign_groups import assign_groups_pass
+from .batch_agreements import batch_agreements_pass
 from .checkpoint_activations import checkpoint_activations_pass
 from .context import GraphKind, PassContext
 from .eliminate_dead_code import eliminate_dead_code_pass
@@ -99,6 +102,7 @@ def _forward(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
                  required=_LOWERS_GATHERS),
     ]
     specs += _partition(config)
+    specs += _agreements(config)
     specs.append(PassSpec(place_gathers_pass,
                           "first scheduling constraint: each gather just before its first reader; "
                           "a prefetch is positioned relative to these",
@@ -115,6 +119,16 @@ def _partition(config: CompileConfig) -> list[PassSpec]:
                      "after the gathers are lowered (it cuts a gathered buffer, and adds gathers of "
                      "its own in backward); before placement, which places its gathers like any",
                      needs=("insert_all_gather_pass",), required=_PARTITIONS)]
+
+
+def _agreements(config: CompileConfig) -> list[PassSpec]:
+    mp = config.mixed_precision
+    if mp is None or mp.gather_dtype is None or mp.gather_scaling not in (None, "tensor"):
+        return []
+    return [PassSpec(batch_agreements_pass,
+                     "after the gathers are lowered (it joins what their lowerings agree on); "
+                     "before placement, which puts the one agreement at the graph's start",
+                     needs=("insert_all_gather_pass",))]
 
 
 def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
@@ -163,6 +177,7 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
                  required=_LOWERS_GRADS),
     ]
     specs += _partition(config)
+    specs += _agreements(config)
     specs.append(PassSpec(place_gathers_pass,
                           "first scheduling constraint: each gather just before its first reader; "
                           "prefetches and reductions are positioned relative to these",
@@ -189,7 +204,9 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
 
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
-    everything = CompileConfig(inflight_groups=True, options=ShardingOptions(reshard_after_forward=2))
+    everything = CompileConfig(inflight_groups=True, options=ShardingOptions(reshard_after_forward=2),
+                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                              gather_dtype=torch.float8_e4m3fn))
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):
