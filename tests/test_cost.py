@@ -735,3 +735,51 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     drawn = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat", "").startswith("collective"))
     assert drawn == pytest.approx(sorted(c.start * 1e6 for c in t.collectives))
     assert all(math.isfinite(e.get("ts", 0)) for e in trace["traceEvents"])
+
+
+def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float]) -> None:
+    """measure_contention on a scripted host: an 8 MiB all_gather takes 5 ms, a matmul 1 ms
+    times ``slow(matmul number)``, and one that starts while the all_gather is in flight takes
+    half as long again: of a loop of ten, those starting at 0, 1.5, 3 and 4.5 ms, 2 ms lost
+    over the all_gather's 5, a contention of 0.4."""
+    from fxshard.driver.report import calibrate
+
+    clock, matmuls, ends = [0.0], [0], [-1.0]  # ends: when the all_gather in flight finishes
+
+    class Ops:
+        @staticmethod
+        def all_gather_into_tensor(shard: torch.Tensor, n: int, name: str) -> str:
+            ends[0] = clock[0] + 5e-3
+            return "issued"
+
+        @staticmethod
+        def wait_tensor(issued: str) -> None:
+            clock[0] = max(clock[0], ends[0])
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> None:
+        matmuls[0] += 1
+        clock[0] += 1e-3 * slow(matmuls[0]) * (1.5 if clock[0] < ends[0] else 1.0)
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(calibrate.compat, "c10d_functional", Ops)
+    monkeypatch.setattr(calibrate.torch, "mm", mm)
+    monkeypatch.setattr(calibrate.dist, "barrier", lambda group: None)
+    monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
+
+
+def test_contention_is_the_median_of_paired_loops_so_a_slow_moment_cannot_zero_it(monkeypatch: Any) -> None:
+    """Each pair times the loop alone, then with the all_gather in flight: a slow moment of the
+    host (every matmul three times slower, for two loops' worth of matmuls, wherever it falls)
+    moves one or two pairs, not the median. Timing all the loops alone first, then all the
+    overlapped ones, a slow moment over the loops alone measured 0 (a run of the time
+    benchmark calibrated 0.0 where the runs beside it measured 0.5 and 1.0)."""
+    from fxshard.driver.report import calibrate
+
+    _scripted_contention(monkeypatch, lambda k: 1.0)
+    assert calibrate.measure_contention(_TwoRanks()) == pytest.approx(0.4)  # type: ignore[arg-type]
+    total = 4 + 3 + 10 + 2 * 10 * calibrate.CONTENTION_PAIRS  # the warm-ups, the fastest matmul, the loops
+    found = []
+    for start in range(0, total, 5):
+        _scripted_contention(monkeypatch, lambda k, start=start: 3.0 if start <= k < start + 20 else 1.0)
+        found.append(calibrate.measure_contention(_TwoRanks()))  # type: ignore[arg-type]
+    assert all(0.3 <= c <= 0.5 for c in found), found

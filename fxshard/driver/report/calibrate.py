@@ -58,7 +58,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 4
+METHOD = 5
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -423,11 +423,17 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
+CONTENTION_PAIRS = 9
+
+
 def measure_contention(group: dist.ProcessGroup) -> float:
     """How much of a collective's time in flight compute loses to it (``Rates.contention``):
     matmuls for about twice an all_gather's time (8 MiB on the CPU, 128 MiB on a GPU), alone
-    and with the all_gather in flight; the slowdown over the all_gather's time, between 0
-    and 1. On the CPU gloo's threads take it from cores that compute."""
+    and then with the all_gather in flight, ``CONTENTION_PAIRS`` times, every rank together;
+    the median of each pair's slowdown over the all_gather's time, between 0 and 1. On the
+    CPU gloo's threads take it from cores that compute. Pairs, not all the loops alone and
+    then all the overlapped ones: a slow moment of a shared host then slows both halves of
+    a pair or one pair, where before it could slow the loops alone and measure 0."""
     device = comm_device(group)
     n, name = group.size(), group.group_name
     ops = compat.c10d_functional
@@ -443,18 +449,22 @@ def measure_contention(group: dist.ProcessGroup) -> float:
     def loop() -> None:
         for _ in range(repeats):
             torch.mm(a, a)
+        _sync(device)
 
-    alone = _seconds(loop, device, least=0.0, calls=3, how="median")
-    overlapped = []
-    for _ in range(3):
+    loop()
+    slowdowns = []
+    for _ in range(CONTENTION_PAIRS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        loop()
+        alone = time.perf_counter() - start
         dist.barrier(group=group)
         issued = ops.all_gather_into_tensor(shard, n, name)
         start = time.perf_counter()
         loop()
-        _sync(device)
-        overlapped.append(time.perf_counter() - start)
+        slowdowns.append(time.perf_counter() - start - alone)
         ops.wait_tensor(issued)
-    return min(1.0, max(0.0, (statistics.median(overlapped) - alone) / comm)) if comm > 0 else 0.0
+    return min(1.0, max(0.0, statistics.median(slowdowns) / comm)) if comm > 0 else 0.0
 
 
 def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
