@@ -114,14 +114,18 @@ class MixedPrecision:
             raise TypeError("MixedPrecision.full_precision_modules must be a tuple of module classes, "
                             f"e.g. (torch.nn.LayerNorm,); got {classes!r}")
 
+    @property
+    def quantized(self) -> Quantized | None:
+        """How the gathers are quantized, ``gather_scaling`` resolved (None: no gather_dtype)."""
+        return None if self.gather_dtype is None else Quantized(self.gather_dtype, self.gather_scaling or "tensor")
+
     def quantized_for(self, param: torch.Tensor, owner: nn.Module) -> Quantized | None:
         """How the gather of ``param`` registered in ``owner`` is quantized (None: it is not:
         no gather_dtype, a parameter that is not floating point, or one kept at full
         precision)."""
-        if self.gather_dtype is None or not param.dtype.is_floating_point \
-                or isinstance(owner, self.full_precision_modules):
+        if not param.dtype.is_floating_point or isinstance(owner, self.full_precision_modules):
             return None
-        return Quantized(self.gather_dtype, self.gather_scaling or "tensor")
+        return self.quantized
 
     def dtypes_for(self, param: torch.Tensor, owner: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(gather/compute dtype, reduce dtype) of ``param`` registered in ``owner``; None: its own."""

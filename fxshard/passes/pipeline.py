@@ -122,8 +122,8 @@ def _partition(config: CompileConfig) -> list[PassSpec]:
 
 
 def _agreements(config: CompileConfig) -> list[PassSpec]:
-    mp = config.mixed_precision
-    if mp is None or mp.gather_dtype is None or mp.gather_scaling not in (None, "tensor"):
+    quantized = config.mixed_precision.quantized if config.mixed_precision is not None else None
+    if quantized is None or quantized.scaling != "tensor":
         return []
     return [PassSpec(batch_agreements_pass,
                      "after the gathers are lowered (it joins what their lowerings agree on); "
