@@ -57,8 +57,10 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # between calibrations as it was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
 NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
+# Rounds of latency sharing's four variants (measure_latency_sharing).
+SHARING_ROUNDS = 24
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 5
+METHOD = 6
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -503,10 +505,17 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
 def measure_latency_sharing(world: World) -> float:
     """How far two small collectives on two of the job's process groups at once take as long as
     one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
-    two groups of the shard dimension's slots, one after the other and both in flight, 24
-    times each (the mean); (together - alone) / (one after the other - alone), alone being
-    the slower one by itself, between 0 and 1. 0 where the job has one such group (nothing
-    is in flight at once) or an accelerator's (NCCL's kernels run side by side)."""
+    two groups of the shard dimension's slots, alone, one after the other and both in flight,
+    in ``SHARING_ROUNDS`` rounds of one call of each variant (the means over the rounds);
+    (together - alone) / (one after the other - alone), alone being the slower one by itself,
+    between 0 and 1. 0 where the job has one such group (nothing is in flight at once) or an
+    accelerator's (NCCL's kernels run side by side).
+
+    In rounds, as the network's calls are interleaved: timed as 24 calls of one variant and
+    then 24 of the next, a slow moment of the host slowed one variant alone, and a
+    calibration beside others that measured 0.61 to 1.00 measured 0.23
+    (benchmarks/results/calibration_spread.md). Every rank runs the same rounds in the same
+    order."""
     if len(world.comm) < 2:
         return 0.0
     first, second = world.comm[0], world.comm[1]
@@ -520,12 +529,23 @@ def measure_latency_sharing(world: World) -> float:
     def gather(group: dist.ProcessGroup) -> torch.Tensor:
         return ops.all_gather_into_tensor(shard, n, group.group_name)
 
-    def mean(fn: Callable[[], object]) -> float:
-        return _seconds(fn, device, least=0.0, calls=24, how="mean")
-
-    alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
-    serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
-    together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
+    variants: list[Callable[[], object]] = [
+        lambda: ops.wait_tensor(gather(first)),
+        lambda: ops.wait_tensor(gather(second)),
+        lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))),
+        lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))],
+    ]
+    for variant in variants:  # to warm up
+        variant()
+    total = [0.0] * len(variants)
+    for r in range(SHARING_ROUNDS):
+        for i in range(len(variants)):
+            k = (i + r) % len(variants)  # each variant in each place of a round alike
+            start = time.perf_counter()
+            variants[k]()
+            total[k] += time.perf_counter() - start
+    alone_first, alone_second, serial, together = (t / SHARING_ROUNDS for t in total)
+    alone = max(alone_first, alone_second)
     return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
 
 
