@@ -57,10 +57,8 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # between calibrations as it was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
 NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
-# Rounds of latency sharing's four variants (measure_latency_sharing).
-SHARING_ROUNDS = 24
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 6
+METHOD = 7
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -426,6 +424,8 @@ def measure_network(group: dist.ProcessGroup) -> Network:
 
 
 CONTENTION_PAIRS = 9
+# Pairs of a small all_gather alone and under compute (measure_starvation).
+STARVATION_PAIRS = 9
 
 
 def measure_contention(group: dist.ProcessGroup) -> float:
@@ -471,11 +471,15 @@ def measure_contention(group: dist.ProcessGroup) -> float:
 
 def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
     """How much longer a small collective's latency takes while compute runs
-    (``Rates.starvation``): an all_gather of 256 KiB, alone and issued before a loop of small
-    matmuls about four times its length that polls it after each matmul; the delay in its
-    completion over ``link``'s latency, between 0 and 8 (0 on an accelerator, where NCCL's
-    kernels need no host thread). On the CPU gloo's thread must be woken on a core the
-    compute holds."""
+    (``Rates.starvation``): an all_gather of 256 KiB, alone and then issued before a loop of
+    small matmuls about four times its length that polls it after each matmul,
+    ``STARVATION_PAIRS`` such pairs with every rank together; the median of the pairs' delays
+    over ``link``'s latency, between 0 and 8 (0 on an accelerator, where NCCL's kernels need
+    no host thread). On the CPU gloo's thread must be woken on a core the compute holds.
+
+    In pairs, as the contention: timed as five calls alone and then five under the loop, a
+    slow moment of the host over either five moved it by its whole size (16 fresh
+    calibrations on 2 gloo ranks measured 0.0 to 3.8)."""
     device = comm_device(group)
     if device.type != "cpu":
         return 0.0
@@ -485,10 +489,14 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
     a = torch.randn(64, 64)
     # The same collectives on every rank, in the same order; the loops are each rank's own.
     alone = _seconds(lambda: compat.all_gather_single(full, shard, group=group), device,
-                     least=0.0, calls=5, how="median")
+                     least=0.0, calls=3, how="median")
     repeats = max(1, math.ceil(4 * alone / _seconds(lambda: torch.mm(a, a), device, how="fastest")))
-    done = []
-    for _ in range(5):
+    delays = []
+    for _ in range(STARVATION_PAIRS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        compat.all_gather_single(full, shard, group=group)
+        alone = time.perf_counter() - start
         dist.barrier(group=group)
         work = compat.all_gather_single(full, shard, group=group, async_op=True)
         assert work is not None
@@ -498,24 +506,17 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
             if ended is None and work.is_completed():
                 ended = time.perf_counter() - start
         work.wait()
-        done.append(ended if ended is not None else time.perf_counter() - start)
-    return min(8.0, max(0.0, (statistics.median(done) - alone) / link.latency)) if link.latency > 0 else 0.0
+        delays.append((ended if ended is not None else time.perf_counter() - start) - alone)
+    return min(8.0, max(0.0, statistics.median(delays) / link.latency)) if link.latency > 0 else 0.0
 
 
 def measure_latency_sharing(world: World) -> float:
     """How far two small collectives on two of the job's process groups at once take as long as
     one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
-    two groups of the shard dimension's slots, alone, one after the other and both in flight,
-    in ``SHARING_ROUNDS`` rounds of one call of each variant (the means over the rounds);
-    (together - alone) / (one after the other - alone), alone being the slower one by itself,
-    between 0 and 1. 0 where the job has one such group (nothing is in flight at once) or an
-    accelerator's (NCCL's kernels run side by side).
-
-    In rounds, as the network's calls are interleaved: timed as 24 calls of one variant and
-    then 24 of the next, a slow moment of the host slowed one variant alone, and a
-    calibration beside others that measured 0.61 to 1.00 measured 0.23
-    (benchmarks/results/calibration_spread.md). Every rank runs the same rounds in the same
-    order."""
+    two groups of the shard dimension's slots, one after the other and both in flight, 24
+    times each (the mean); (together - alone) / (one after the other - alone), alone being
+    the slower one by itself, between 0 and 1. 0 where the job has one such group (nothing
+    is in flight at once) or an accelerator's (NCCL's kernels run side by side)."""
     if len(world.comm) < 2:
         return 0.0
     first, second = world.comm[0], world.comm[1]
@@ -529,23 +530,12 @@ def measure_latency_sharing(world: World) -> float:
     def gather(group: dist.ProcessGroup) -> torch.Tensor:
         return ops.all_gather_into_tensor(shard, n, group.group_name)
 
-    variants: list[Callable[[], object]] = [
-        lambda: ops.wait_tensor(gather(first)),
-        lambda: ops.wait_tensor(gather(second)),
-        lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))),
-        lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))],
-    ]
-    for variant in variants:  # to warm up
-        variant()
-    total = [0.0] * len(variants)
-    for r in range(SHARING_ROUNDS):
-        for i in range(len(variants)):
-            k = (i + r) % len(variants)  # each variant in each place of a round alike
-            start = time.perf_counter()
-            variants[k]()
-            total[k] += time.perf_counter() - start
-    alone_first, alone_second, serial, together = (t / SHARING_ROUNDS for t in total)
-    alone = max(alone_first, alone_second)
+    def mean(fn: Callable[[], object]) -> float:
+        return _seconds(fn, device, least=0.0, calls=24, how="mean")
+
+    alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
+    serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
+    together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
     return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
 
 
