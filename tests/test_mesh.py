@@ -684,3 +684,38 @@ def test_errors_under_hsdp_name_the_jobs_rank_not_the_rank_in_the_shard_row() ->
     assert gather.startswith("FxShardError: rank 3 (rank 1 of its shard group, ranks [2, 3]): "
                              "gathering flat group 0"), gather
     assert "the other ranks did not answer" in gather, gather
+
+
+def eight_rank_hsdp_hpz_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """HSDP over a (2, 4) mesh with hpZ inside (reshard_after_forward=2: forward gathers over
+    the row of 4, backward within a partition of 2), summed in rank order, against DDP summing
+    in rank order; and the same mesh without hpZ."""
+    mesh = init_device_mesh("cpu", (2, world_size // 2))
+    out = {}
+    for name, hpz in (("hsdp_hpz", 2), ("hsdp", True)):
+        torch.manual_seed(0)
+        out[name] = _against_ddp(MLP(), rank, (12, 5), policy=by_class(nn.Linear), mesh=mesh,
+                                 reshard_after_forward=hpz, reduce_in_rank_order=True,
+                                 after=lambda sharded, opt: {"lowerings": _lowerings(sharded)})
+    return out
+
+
+def _lowerings(sharded: Any) -> dict[str, list[str]]:
+    """Each emitted graph's chains, by the lowering that made them."""
+    from fxshard.ir.chains import chains
+
+    return {kind: [c.lowering for c in chains(gm.graph)] for kind, gm in sharded.graphs.items()}
+
+
+@pytest.mark.slow  # eight ranks on this machine's two cores
+def test_hsdp_with_hpz_inside_on_8_ranks_trains_exactly_like_ddp() -> None:
+    """The composition the layout makes of two dimensions and hpZ's partition, trained: every
+    rank's losses and final parameters bit for bit DDP's (both summing in rank order), and
+    hpZ's the same as HSDP's without it, while its backward gathers within the partition."""
+    for r in run_ranks(eight_rank_hsdp_hpz_worker, 8):
+        for name in ("hsdp_hpz", "hsdp"):
+            assert r[name]["losses"] == r[name]["ref_losses"], name
+            _assert_states(r[name]["state"], r[name]["ref_state"], exact=True)
+        assert r["hsdp_hpz"]["losses"] == r["hsdp"]["losses"]
+        assert "all_gather_within" in r["hsdp_hpz"]["lowerings"]["backward"]
+        assert "all_gather_within" not in r["hsdp"]["lowerings"]["backward"]

@@ -15,7 +15,6 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir import compat, meta
-from fxshard.ir import predicates as P
 from fxshard.ir.auto import AutoChoice
 from fxshard.ir.budget import BudgetChoice
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
@@ -76,8 +75,9 @@ class Report:
     memory_curve: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     # At the peak, in the graph of ``peak_phase``: bytes of each storage alive, by owning node.
     at_peak: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-    # ``at_peak`` by what owns it: units' gathered parameters (all_gather outputs), gradients
-    # in their reductions (reduce_scatter / all_reduce outputs), and the rest: activations
+    # ``at_peak`` by what owns it, as the chains declare it: units' gathered parameters (a
+    # gather chain's all_gather outputs, or its dequantized buffers), gradients in their
+    # reductions (a reduction chain's collective outputs), and the rest: activations
     # (saved for backward, or made in this graph) and temporaries. 0 at the optimizer step.
     gathered_bytes_at_peak: int = 0
     reducing_bytes_at_peak: int = 0
@@ -200,6 +200,11 @@ class Report:
                 *([f"  compute outside the units' modules {outside * ms:.3f} ms"] if outside else []),
                 f"  rates               {t.rates}"]
 
+
+
+# A chain's nodes that are its collectives (their results the buffers they fill).
+_COLLECTIVE_ROLES = frozenset({meta.Role.ALL_GATHER, meta.Role.REDUCE_SCATTER, meta.Role.ALL_REDUCE,
+                               meta.Role.ALL_TO_ALL})
 
 def timed(report: Report, time: StepTime, optimizer_seconds: float = 0.0) -> Report:
     """``report`` with the predicted ``time`` of its step (and its optimizer step's seconds)."""
@@ -337,16 +342,18 @@ def build_report(
                 peak, phase, at_peak = step, "optimizer step", {}
     peak_graph = forward if phase.startswith("forward") else graphs.get("backward", forward)
     node_of: dict[str, fx.Node] = {n.name: n for n in peak_graph.graph.nodes} if at_peak else {}
-    def gathering(node: fx.Node) -> bool:  # a gather's buffer, or a quantized gather's dequantized one
-        info = meta.get_info(node)
-        return info is not None and info.chain is not None and info.chain.direction is meta.Direction.GATHER
+    # The buffers at the peak by their chain's declaration: a gather chain's gathered (or
+    # dequantized) buffer, a reduction chain's collective results.
+    def declared(name: str) -> tuple[meta.Direction, meta.Role] | None:
+        info = meta.get_info(node_of[name])
+        return None if info is None or info.chain is None else (info.chain.direction, info.role)
 
     gathered = sum(b for name, b in at_peak.items()
-                   if P.is_all_gather(node_of[name])
-                   or (meta.role_of(node_of[name]) is meta.Role.DEQUANTIZE and gathering(node_of[name])))
+                   if declared(name) in ((meta.Direction.GATHER, meta.Role.ALL_GATHER),
+                                         (meta.Direction.GATHER, meta.Role.DEQUANTIZE)))
     reducing = sum(b for name, b in at_peak.items()
-                   if (P.is_reduce_scatter(node_of[name]) or P.is_all_reduce(node_of[name]))
-                   and not gathering(node_of[name]))
+                   if (found := declared(name)) is not None and found[0] is meta.Direction.REDUCE
+                   and found[1] in _COLLECTIVE_ROLES)
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]

@@ -36,6 +36,7 @@ import torch.fx as fx
 from fxshard.driver.report.step_report import Report
 from fxshard.ir import meta
 from fxshard.ir import predicates as P
+from fxshard.ir.analysis import order_of
 from fxshard.ir.chains import chains
 from fxshard.ir.collectives import KINDS
 from fxshard.ir.cost import StepTime, node_times
@@ -77,7 +78,7 @@ def _clock(name: str, gm: fx.GraphModule, offset: float,
     """Each node's start and end on the trace's axis: node order from ``offset``, or the
     predicted microseconds (a node that costs nothing sits where the previous one ended)."""
     if time is None:
-        return {n: (offset + i, offset + i + 1.0) for i, n in enumerate(gm.graph.nodes)}
+        return {n: (offset + i, offset + i + 1.0) for n, i in order_of(gm.graph).items()}
     return {n: (start * 1e6, end * 1e6) for n, (start, end) in node_times(time, name, gm).items()}
 
 
@@ -131,7 +132,7 @@ def chrome_trace(graphs: dict[str, fx.GraphModule], report: Report) -> dict[str,
                     "name": f"{kind} {unit_label(chain.unit)}", "cat": f"collective,{direction}",
                     "ph": "X", "ts": begin, "dur": finish - begin, "pid": pid,
                     "args": {"graph": name, "unit": unit_label(chain.unit), "kind": kind,
-                             "bytes": _nbytes(collective.args[0]), "lowering": chain.lowering,
+                             "bytes": _nbytes(P.collective_args(collective).input), "lowering": chain.lowering,
                              "group": P.group_name(collective), "issue": collective.name,
                              "wait": wait.name, **extra}}))
             for node in chain.nodes:
