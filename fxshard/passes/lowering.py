@@ -315,14 +315,14 @@ def _reduction(name: str, first: str) -> Lowering:
     return lower
 
 
-def _summed_in_rank_order(b: ChainBuilder, terms: fx.Node, count: int) -> fx.Node:
+def _summed_in_rank_order(terms: torch.Tensor, count: int) -> torch.Tensor:
     """``terms`` holds ``count`` equal pieces, one per rank in rank order: their sum
     ((t0 + t1) + t2) + ..., one add at a time (a sum over a dimension may pair them in
     another order)."""
-    rows = b.add(aten.view.default, (terms, [count, -1]), Role.SUM)
-    total = b.add(aten.select.int, (rows, 0, 0), Role.SUM)
+    rows = terms.view(count, -1)
+    total = rows[0]
     for k in range(1, count):
-        total = b.add(aten.add.Tensor, (total, b.add(aten.select.int, (rows, 0, k), Role.SUM)), Role.SUM)
+        total = total + rows[k]
     return total
 
 
@@ -347,7 +347,7 @@ def _terms(name: str) -> Lowering:
             terms = b.collective(P.ALL_GATHER, (terms, replicate.size, replicate.name), Role.ALL_GATHER,
                                  after=terms)
             count *= replicate.size
-        total = _summed_in_rank_order(b, terms, count)  # before the marker, so after the waits
+        total = b.traced(_summed_in_rank_order, terms, count=count, role=Role.SUM)  # after the waits
         return b.cast(total, site.out_dtype, Role.CAST_BACK)
     lower.__name__ = name
     return lower
