@@ -760,8 +760,16 @@ def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float]) -> None
         matmuls[0] += 1
         clock[0] += 1e-3 * slow(matmuls[0]) * (1.5 if clock[0] < ends[0] else 1.0)
 
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(calibrate.compat, "c10d_functional", Ops)
+    _on_scripted_host(monkeypatch, clock, mm)
+
+
+def _on_scripted_host(monkeypatch: Any, clock: list[float], mm: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """Calibration's clock is ``clock[0]``, its matmuls ``mm``, its barriers return at once and
+    its collectives' device is the CPU."""
+    from fxshard.driver.report import calibrate
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(calibrate.torch, "mm", mm)
     monkeypatch.setattr(calibrate.dist, "barrier", lambda group: None)
     monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
@@ -826,11 +834,8 @@ def _scripted_starvation(monkeypatch: Any, slow: Callable[[int], float]) -> None
         for work in inflight:
             work.left -= seconds / 3.0
 
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(calibrate.compat, "all_gather_single", all_gather_single)
-    monkeypatch.setattr(calibrate.torch, "mm", mm)
-    monkeypatch.setattr(calibrate.dist, "barrier", lambda group: None)
-    monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
+    _on_scripted_host(monkeypatch, clock, mm)
 
 
 def test_starvation_is_the_median_of_paired_calls_so_a_slow_moment_cannot_move_it(monkeypatch: Any) -> None:

@@ -195,6 +195,24 @@ def test_the_peak_is_broken_down_into_gathered_units_reductions_and_activations(
         plain.activation_bytes_at_peak - checkpointed.activation_bytes_at_peak
 
 
+def test_a_reduction_in_rank_order_at_the_peak_counts_as_reducing_not_as_activations() -> None:
+    """The peak's breakdown reads each buffer's chain: under reduce_in_rank_order the gradient
+    in flight at the deep MLP's backward peak is an all_to_all's result, every rank's term of
+    this rank's shard (2 on 2 ranks), where a reduce_scatter's is the shard summed: twice the
+    bytes, and the activations the same. Sorted by operator (all_gather, reduce_scatter,
+    all_reduce), the all_to_all's terms had counted as activations."""
+    def report(**options: Any) -> Any:
+        with torch.device("meta"):
+            model = MLP()
+        return fxshard.explain(model, torch.randn(64, 12), by_class(nn.Linear), world_size=2, **options).report
+
+    summed, ordered = report(), report(reduce_in_rank_order=True)
+    assert summed.peak_phase == ordered.peak_phase and summed.peak_phase.startswith("backward")
+    assert summed.reducing_bytes_at_peak > 0
+    assert ordered.reducing_bytes_at_peak == 2 * summed.reducing_bytes_at_peak
+    assert ordered.activation_bytes_at_peak == summed.activation_bytes_at_peak
+
+
 class _LossInside(nn.Module):
     """The LM with its loss in its own forward: the graphs compute it, and it is the output."""
 

@@ -31,7 +31,8 @@ from fxshard.ir import meta
 from fxshard.ir import predicates as P
 from fxshard.ir.meta import ChainTag, Direction, Role
 
-_COLLECTIVE_ROLES = (Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE, Role.ALL_TO_ALL)
+# A chain's nodes that are its collectives (each result the buffer it fills).
+COLLECTIVE_ROLES = frozenset({Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE, Role.ALL_TO_ALL})
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _chain(tag: ChainTag, nodes: list[fx.Node]) -> Chain:
             raise ValueError(f"chain {tag}: {n.name} is declared agreed at the graph's start but "
                              "reads a node computed in the step")
     return Chain(tag, info.group, info.unit, issue,
-                 tuple(n for n in body if roles[n] in _COLLECTIVE_ROLES), waits, tail, result,
+                 tuple(n for n in body if roles[n] in COLLECTIVE_ROLES), waits, tail, result,
                  frees, kept, agreed)
 
 

@@ -423,6 +423,7 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
+# Pairs of a loop alone and with an all_gather in flight (measure_contention).
 CONTENTION_PAIRS = 9
 # Pairs of a small all_gather alone and under compute (measure_starvation).
 STARVATION_PAIRS = 9

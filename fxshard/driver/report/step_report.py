@@ -17,6 +17,7 @@ import torch.fx as fx
 from fxshard.ir import compat, meta
 from fxshard.ir.auto import AutoChoice
 from fxshard.ir.budget import BudgetChoice
+from fxshard.ir.chains import COLLECTIVE_ROLES
 from fxshard.ir.collectives import Collective, bytes_per_dimension, bytes_per_kind
 from fxshard.ir.cost import StepTime
 from fxshard.ir.memory import simulate
@@ -201,11 +202,6 @@ class Report:
                 f"  rates               {t.rates}"]
 
 
-
-# A chain's nodes that are its collectives (their results the buffers they fill).
-_COLLECTIVE_ROLES = frozenset({meta.Role.ALL_GATHER, meta.Role.REDUCE_SCATTER, meta.Role.ALL_REDUCE,
-                               meta.Role.ALL_TO_ALL})
-
 def timed(report: Report, time: StepTime, optimizer_seconds: float = 0.0) -> Report:
     """``report`` with the predicted ``time`` of its step (and its optimizer step's seconds)."""
     per_unit = {u.name: u for u in time.units}
@@ -344,16 +340,17 @@ def build_report(
     node_of: dict[str, fx.Node] = {n.name: n for n in peak_graph.graph.nodes} if at_peak else {}
     # The buffers at the peak by their chain's declaration: a gather chain's gathered (or
     # dequantized) buffer, a reduction chain's collective results.
-    def declared(name: str) -> tuple[meta.Direction, meta.Role] | None:
+    def held_by(name: str) -> str:
         info = meta.get_info(node_of[name])
-        return None if info is None or info.chain is None else (info.chain.direction, info.role)
+        if info is None or info.chain is None:
+            return "activations"
+        if info.chain.direction is meta.Direction.GATHER:
+            return "gathered" if info.role in (meta.Role.ALL_GATHER, meta.Role.DEQUANTIZE) else "activations"
+        return "reducing" if info.role in COLLECTIVE_ROLES else "activations"
 
-    gathered = sum(b for name, b in at_peak.items()
-                   if declared(name) in ((meta.Direction.GATHER, meta.Role.ALL_GATHER),
-                                         (meta.Direction.GATHER, meta.Role.DEQUANTIZE)))
-    reducing = sum(b for name, b in at_peak.items()
-                   if (found := declared(name)) is not None and found[0] is meta.Direction.REDUCE
-                   and found[1] in _COLLECTIVE_ROLES)
+    owners = {name: held_by(name) for name in at_peak}
+    gathered = sum(b for name, b in at_peak.items() if owners[name] == "gathered")
+    reducing = sum(b for name, b in at_peak.items() if owners[name] == "reducing")
     units = []
     for unit in plan.units:
         groups = [plan.groups[g] for g in unit.groups]
