@@ -77,6 +77,7 @@ def rank_main(rank: int, port: int, name: str, rounds: int, steps: int, scratch:
 
     measured()  # warm up
     rows: list[dict[str, Any]] = []
+    kept: list[Any] = []  # each round's rates
     for i in range(rounds):
         os.environ["FXSHARD_CACHE_DIR"] = os.path.join(scratch, f"cache-{rank}-{i}")
         calibrate._NETWORKS.clear()  # the network measured afresh; the device's rates kept
@@ -84,6 +85,7 @@ def rank_main(rank: int, port: int, name: str, rounds: int, steps: int, scratch:
         rates = calibrate.calibrate(driver.world, driver.device)
         seconds = time.perf_counter() - start
         driver.rates = rates
+        kept.append(rates)
         predicted = sharded.report().predicted_step_seconds
         rows.append({"round": i, "calibration_s": seconds, "predicted_step_s": predicted,
                      "measured_step_s": measured(),
@@ -95,10 +97,33 @@ def rank_main(rank: int, port: int, name: str, rounds: int, steps: int, scratch:
             r = rows[-1]
             print(f"  round {i}: predicted {r['predicted_step_s'] * 1e3:.1f} ms, measured "
                   f"{r['measured_step_s'] * 1e3:.1f} ms", flush=True)
+    _what_if(sharded, driver, kept, rows)
     tails = _one_call_at_a_time(calibrate.measured_group(driver.world))  # every rank calls it: collectives
     if rank == 0:
         torch.save({"label": s.get("label", name), "rows": rows, "calls": tails}, os.path.join(scratch, "rows.pt"))
     dist.destroy_process_group()
+
+
+# The calibrated numbers, in the groups one measurement each makes (``calibrate.calibrate``).
+FACTORS = ("network", "contention", "starvation", "latency_sharing")
+
+
+def _what_if(sharded: Any, driver: Any, kept: list[Any], rows: list[dict[str, Any]]) -> None:
+    """Each round predicted again with one factor of its calibration at the rounds' typical
+    value (the network: the round whose all_gather latency is the median; the others: their
+    median), the rest its own: how far each measurement alone moves the prediction. Written
+    into ``rows`` as ``with_typical_<factor>_s``. Nothing runs or communicates."""
+    from dataclasses import replace
+
+    by_latency = sorted(kept, key=lambda r: r.network.links["all_gather"].latency)
+    typical: dict[str, Any] = {"network": by_latency[len(kept) // 2].network}
+    for factor in FACTORS[1:]:
+        typical[factor] = statistics.median(getattr(r, factor) for r in kept)
+    for rates, row in zip(kept, rows):
+        for factor in FACTORS:
+            driver.rates = replace(rates, **{factor: typical[factor]})
+            row[f"with_typical_{factor}_s"] = sharded.report().predicted_step_seconds
+    driver.rates = kept[-1]
 
 
 def _one_call_at_a_time(group: dist.ProcessGroup, calls: int = 600, window: int = 60) -> dict[str, Any]:
@@ -148,10 +173,23 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         mid = statistics.median(values)
         return f"{min(values) / mid - 1:+.0%} to {max(values) / mid - 1:+.0%} of its median"
 
-    within = sum(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= 0.15 for r in rows)
+    def within_of(key: str) -> int:
+        return sum(abs(r[key] / r["measured_step_s"] - 1) <= 0.15 for r in rows)
+
+    within = within_of("predicted_step_s")
     lines += ["", f"Measured step: {spread('measured_step_s')}. Predicted step: {spread('predicted_step_s')}. "
               f"all_gather latency: {spread('all_gather_latency_s')}. Predicted within 15% of the step "
               f"measured right after: {within} of {len(rows)} rounds.", "",
+              "Each round predicted again with one factor of its calibration at the rounds' typical value "
+              "(the network: the round with the median all_gather latency, its latencies and bandwidths; the "
+              "others: their median) and the rest its own: how far that one measurement moves the prediction.",
+              "", "| factor held typical | predicted within 15% | predicted step vs its median |",
+              "|---|---:|---|"]
+    if all(f"with_typical_{f}_s" in rows[0] for f in FACTORS):
+        for factor in FACTORS:
+            lines.append(f"| {factor.replace('_', ' ')} | {within_of(f'with_typical_{factor}_s')} of {len(rows)} | "
+                         f"{spread(f'with_typical_{factor}_s').removesuffix(' of its median')} |")
+    lines += ["",
               "A 64 KiB collective (calibration's smallest size) timed call by call after the rounds, 600 "
               "calls each, and the mean of each 60 calls in a row (calibration's count at that size):", "",
               "| kind | median us | mean us | p90 us | p99 us | means of 60 in a row, us |",
