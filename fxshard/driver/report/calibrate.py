@@ -49,16 +49,21 @@ CACHE_ENV = "FXSHARD_CACHE_DIR"
 DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # The collectives' sizes (full-buffer bytes) and timed calls at each (their mean), after one to
-# warm up: many at the smallest size, which decides the latency, varies most (on a shared host a
-# tenth of small calls take four times the median, and a mean of 21 moved by half between runs)
-# and costs least; few at the largest, which cost tens of milliseconds each. On the CPU up to
-# 16 MiB: gloo's bandwidth falls as buffers outgrow the caches. (A fourth size, 10 calls of
-# 4 MiB, and 8 calls of 16 MiB cost a third of a second more and left the bandwidth's swing
-# between calibrations as it was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
-NETWORK_SIZES = {"cpu": ((1 << 16, 60), (1 << 20, 20), (1 << 24, 5)),
+# warm up: many at the smallest size, which decides the latency, varies most and costs least;
+# few at the largest, which cost tens of milliseconds each. A small collective's time on a
+# shared host is heavy-tailed (a 64 KiB reduce_scatter between two gloo processes on 2 cores:
+# median 0.6 ms, mean 1.2-1.4 ms, one call in a hundred 5-6 ms), so its mean over 60 calls
+# moved by a third between fresh calibrations and carried a latency-bound step's prediction
+# with it; over 240 calls (about 0.6 s more) 16 fresh calibrations fitted the all_gather's
+# latency within -14% to +21% of their median, where 60 calls gave -31% to +41%
+# (benchmarks/results/calibration_spread.md). On the CPU up to 16 MiB: gloo's bandwidth falls
+# as buffers outgrow the caches. (A fourth size, 10 calls of 4 MiB, and 8 calls of 16 MiB
+# cost a third of a second more and left the bandwidth's swing between calibrations as it
+# was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
+NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 7
+METHOD = 8
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -382,8 +387,8 @@ def interleaved(counts: Sequence[int]) -> list[int]:
 
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
-    three sizes each, through the functional collectives the emitted graphs run; about two
-    thirds of a second on gloo between two processes of one host.
+    three sizes each, through the functional collectives the emitted graphs run; about 1.3
+    seconds on gloo between two processes of one host.
 
     Each size's calls are interleaved with every other size's and kind's (``interleaved``).
     Measured one point after the other, the largest size's few calls (a fitted bandwidth's
@@ -427,6 +432,8 @@ def measure_network(group: dist.ProcessGroup) -> Network:
 CONTENTION_PAIRS = 9
 # Pairs of a small all_gather alone and under compute (measure_starvation).
 STARVATION_PAIRS = 9
+# Measurements of the latency sharing, their median kept (measure_latency_sharing).
+SHARING_REPEATS = 3
 
 
 def measure_contention(group: dist.ProcessGroup) -> float:
@@ -516,8 +523,14 @@ def measure_latency_sharing(world: World) -> float:
     one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
     two groups of the shard dimension's slots, one after the other and both in flight, 24
     times each (the mean); (together - alone) / (one after the other - alone), alone being
-    the slower one by itself, between 0 and 1. 0 where the job has one such group (nothing
-    is in flight at once) or an accelerator's (NCCL's kernels run side by side)."""
+    the slower one by itself, between 0 and 1; measured ``SHARING_REPEATS`` times, the
+    median kept. 0 where the job has one such group (nothing is in flight at once) or an
+    accelerator's (NCCL's kernels run side by side).
+
+    Each measurement is a ratio of two differences of about one latency each, and a slow
+    moment of the host over one variant's calls moves it by its whole range: measured once,
+    16 fresh calibrations on 2 gloo ranks gave 0.0 to 0.4 in three to five of them, where
+    the rest gave 1.00 (benchmarks/results/calibration_spread.md)."""
     if len(world.comm) < 2:
         return 0.0
     first, second = world.comm[0], world.comm[1]
@@ -534,10 +547,13 @@ def measure_latency_sharing(world: World) -> float:
     def mean(fn: Callable[[], object]) -> float:
         return _seconds(fn, device, least=0.0, calls=24, how="mean")
 
-    alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
-    serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
-    together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
-    return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
+    def once() -> float:
+        alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
+        serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
+        together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
+        return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
+
+    return statistics.median(once() for _ in range(SHARING_REPEATS))
 
 
 # -- agreeing ---------------------------------------------------------------------------------
