@@ -243,6 +243,47 @@ def test_the_report_names_its_step_and_says_when_a_later_larger_batch_exceeds_th
     assert driver.config.memory_budget == budget
 
 
+def test_the_budget_plans_from_a_traced_value_outside_the_trace_and_compiles_with_its_choice(
+        monkeypatch: Any) -> None:
+    """Trace, plan, compile, each a value (docs/architecture.md): the planner is handed the first
+    training step's joint graph as traced (its markers, before any pass), outside AOTAutograd's
+    trace (no fake mode active) and before any step is compiled; that step is then traced
+    again and compiled with the very schedule the planner returned. A later step, its schedule
+    chosen, is traced once."""
+    from fxshard.driver.compile import compiler, plan_budget
+    from fxshard.ir import predicates as P
+
+    seen: list[dict[str, Any]] = []
+    traces: list[str] = []
+
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        joint = args[6]
+        schedule = plan_budget_choose(*args, **kwargs)
+        seen.append({"fake": torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None,
+                     "markers": sum(P.marker(n) is not None for n in joint.graph.nodes),
+                     "compiled": len(sharded._driver.steps), "schedule": schedule})
+        return schedule
+
+    def trace_step(*args: Any, **kwargs: Any) -> Any:
+        traces.append(kwargs["model_name"])
+        return compiler_trace_step(*args, **kwargs)
+
+    plan_budget_choose, compiler_trace_step = plan_budget.choose, compiler.trace_step
+    monkeypatch.setattr(plan_budget, "choose", choose)
+    monkeypatch.setattr(compiler, "trace_step", trace_step)
+    sharded = fxshard.compile(_model(), by_class(Block), memory_budget=BUDGETS["tight"])
+    idx = _batch(0, 9)
+    torch.nn.functional.cross_entropy(sharded(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    (planned,) = seen
+    assert not planned["fake"] and planned["markers"] > 0 and planned["compiled"] == 0
+    assert len(traces) == 2, traces
+    (step,) = sharded._driver.steps
+    assert step.schedule is planned["schedule"] and step.schedule.budget is not None
+    with torch.no_grad():  # another signature: compiled with the choice, traced once
+        sharded(idx[:4, :-1])
+    assert len(seen) == 1 and len(traces) == 3 and sharded._driver.steps[1].schedule is planned["schedule"]
+
+
 def _largest_worker(rank: int, world_size: int) -> list[int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

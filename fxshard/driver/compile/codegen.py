@@ -48,11 +48,6 @@ from fxshard.passes.lowering import LoweringKey, Site, lowering_for
 log = logging.getLogger("fxshard")
 
 
-# A planner: the schedule to run, chosen from the joint graph (joint, its example inputs,
-# the number of forward outputs, the partitioner's keyword arguments) before its passes run.
-Planner = Callable[[fx.GraphModule, Any, int, dict[str, Any]], Schedule]
-
-
 class GraphCompiler:
     """One per traced signature; records the emitted graphs in ``graphs``.
 
@@ -67,17 +62,13 @@ class GraphCompiler:
                  finish: Callable[[fx.GraphModule, Any], Callable[..., Any]] | None = None,
                  grad_sync: GradSync = REDUCE,
                  accumulators: Mapping[int, torch.Tensor] | None = None,
-                 abandoned: Abandoned | None = None,
-                 planner: Planner | None = None):
+                 abandoned: Abandoned | None = None):
         self.plan = plan
         self.world = world
         self.layout = layout  # the driver's, built once (Driver.layout)
         self.world_size = world.size
         self.group_name = world.group_name
-        # What the passes run with: ``schedule``, or what ``planner`` returns from the joint
-        # graph, before its passes run (the memory budget's choice).
-        self.schedule = schedule
-        self.planner = planner
+        self.schedule = schedule  # what the passes run with: given, never replaced
         self.on_pass = on_pass
         self.finish = finish
         self.grad_sync = grad_sync
@@ -121,9 +112,6 @@ class GraphCompiler:
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if self.planner is not None:
-            self.schedule = self.planner(joint, joint_inputs, num_fwd_outputs, kwargs)
-            self.planner = None
         joint = self._run(joint, self.context("joint"))
         self.graphs["joint"] = joint
         self.num_user_outputs = num_fwd_outputs

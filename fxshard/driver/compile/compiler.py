@@ -8,10 +8,12 @@ A front end turns its arguments into a ``CompileConfig`` and hands it to a
       .strip(module)                  the module keeps stand-ins; the shards hold the parameters
       .compile_step(step, inputs)     per input signature: trace (AOTAutograd), the passes of
                                       each graph, collectives, first-use order of the plan, dump;
-                                      returns a CompiledStep (and appends it to .steps)
+                                      returns a CompiledStep (and appends it to .steps). Under a
+                                      memory budget not yet chosen: trace, plan, compile, each a
+                                      value (.trace_joint: a Traced; plan_budget.choose: a
+                                      Schedule; the step traced again and compiled with it)
       .schedule, .plan                read from the steps (a budget's choice, the first-use order)
-      .run(step, inputs)              the shards where the step keeps them (a budget's offload),
-                                      the rank check before a step's first run, then the step
+      .run(step, inputs)              the rank check before a step's first run, then the step
       .report(step)                   predicted memory and communication
 
 The front ends differ only in what they trace: ``fxshard.compile`` the
@@ -35,10 +37,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.compile import plan_auto, plan_budget
-from fxshard.driver.compile.codegen import GraphCompiler, Planner
+from fxshard.driver.compile.codegen import GraphCompiler
 from fxshard.driver.compile.guards import Guards, guards_of
 from fxshard.driver.compile.inductor import compile_graph
-from fxshard.driver.compile.steps import CompiledStep, Schedule, StepCache
+from fxshard.driver.compile.steps import CompiledStep, Schedule, StepCache, Traced
 from fxshard.driver.compile.trace import StepFunction, TracedStep, trace_step
 from fxshard.driver.report import calibrate
 from fxshard.driver.report.dump import PassLog, write_dump
@@ -61,7 +63,6 @@ from fxshard.driver.run.runtime import (
 )
 from fxshard.driver.state.init import broadcast_shards, materialise_shards
 from fxshard.ir import compat
-from fxshard.ir import predicates as P
 from fxshard.ir.analysis import first_use_order
 from fxshard.ir.auto import MIB
 from fxshard.ir.checkpointing import Checkpointing, plan_checkpointing
@@ -126,8 +127,6 @@ class Driver:
         self.runs = runs
         self._plan: ShardPlan | None = None
         self.budget_regions: Checkpointing | None = None  # what memory_budget may recompute
-        # auto()'s trials: the planner that chooses their schedule from the joint graph.
-        self.trial_planner: Planner | None = None
         self.device = torch.device("cpu")  # where compute runs
         self.shard_device = torch.device("cpu")  # where the shards live: the host under offload
         self.shards: list[nn.Parameter] = []
@@ -159,10 +158,9 @@ class Driver:
         """What the next step compiles with: the memory budget's choice, made at the first
         training trace and recorded in that step, or else the schedule planned before any
         trace. Nothing replaces either: a later step reads the budget's from the step."""
-        if self.trial_planner is None:
-            for step in self.steps:
-                if step.schedule is not None and step.schedule.budget is not None:
-                    return step.schedule
+        for step in self.steps:
+            if step.schedule is not None and step.schedule.budget is not None:
+                return step.schedule
         return self._planned
 
     # -- plan and shards ----------------------------------------------------------------------
@@ -355,6 +353,15 @@ class Driver:
         """The step of ``module`` (the skeleton, or the model before it is stripped) on the
         inputs ``leaves`` (flattened by ``spec``), traced and compiled over ``shards``, with
         the guards of the attributes the trace read."""
+        step, tensors = self.step_of(module, shards, leaves, spec)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        compiled = self.compile_step(step, tensors, model_name=type(module).__name__, buffer_bytes=buffer_bytes,
+                                     grad_sync=self.state.grad_sync() if torch.is_grad_enabled() else REDUCE)
+        return guards_of(module, step.reads), compiled
+
+    def step_of(self, module: nn.Module, shards: Sequence[nn.Parameter], leaves: list[Any],
+                spec: pytree.TreeSpec) -> tuple[StepFunction, list[torch.Tensor]]:
+        """The step ``trace_module`` traces, and its tensor inputs."""
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
 
@@ -366,10 +373,7 @@ class Driver:
         buffers = dict(module.named_buffers(remove_duplicate=False))
         step = StepFunction(module, self.plan, list(shards), buffers, rebuild,
                             self.config.mixed_precision, self.offloaded_to)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-        compiled = self.compile_step(step, tensors, model_name=type(module).__name__, buffer_bytes=buffer_bytes,
-                                     grad_sync=self.state.grad_sync() if torch.is_grad_enabled() else REDUCE)
-        return guards_of(module, step.reads), compiled
+        return step, tensors
 
     def compile_step(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str,
                      buffer_bytes: int = 0, grad_sync: GradSync = REDUCE,
@@ -378,18 +382,20 @@ class Driver:
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
         accumulators = self.state.accumulators_for(self.plan, self.device) if grad_sync != REDUCE else None
-        planner = self.trial_planner
-        if planner is None and self.config.memory_budget is not None and self.schedule.budget is None \
-                and self.schedule.auto is None:
-            def planner(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any]) -> Schedule:
+        schedule = self.schedule
+        if self.config.memory_budget is not None and schedule.budget is None and schedule.auto is None:
+            # The memory budget: trace, choose, compile. The first training step is traced to its
+            # joint graph, the budget's schedule chosen from it, and the step traced again and
+            # compiled with that schedule (an inference step plans nothing).
+            traced = self.trace_joint(step, inputs, model_name=model_name)
+            if traced is not None:
                 # Inputs are real by then: the trace refuses symbolic sizes.
-                return self._plan_budget(joint, joint_inputs, n, kwargs, buffer_bytes,
-                                         sum(x.numel() * x.element_size() for x in inputs),
-                                         describe_tensors(inputs), grad_sync, accumulators)
-        compiler = GraphCompiler(self.plan, self.world, self.layout, self.schedule, on_pass=recorder,
+                schedule = self._plan_budget(traced, buffer_bytes, sum(x.numel() * x.element_size() for x in inputs),
+                                             describe_tensors(inputs), grad_sync, accumulators)
+        compiler = GraphCompiler(self.plan, self.world, self.layout, schedule, on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync, accumulators=accumulators,
-                                 abandoned=self.state.abandoned, planner=planner)
+                                 abandoned=self.state.abandoned)
         partition: Callable[..., Any] = compiler.partition
         if inductor:
             partition = _with_inductor_joint_passes(compiler.partition)
@@ -415,8 +421,7 @@ class Driver:
         )
         self.steps.append(compiled)  # a budget's choice is its schedule, for every later step
         auto = self.schedule.auto
-        if auto is not None and auto.chosen.scaled and auto.budget is not None and compiled.trains \
-                and self.trial_planner is None:
+        if auto is not None and auto.chosen.scaled and auto.budget is not None and compiled.trains:
             # auto() chose from a few blocks, scaled: the whole graph, traced now, has the word.
             peak = self.report(compiled).predicted_peak_bytes
             if peak > auto.budget:
@@ -431,36 +436,41 @@ class Driver:
             self.dump(compiled, self.dump_directory(len(self.steps) - 1))
         return compiled
 
-    def _plan_budget(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
-                     kwargs: dict[str, Any], buffer_bytes: int, input_bytes: int, inputs: str,
+    def trace_joint(self, step: TracedStep, inputs: Sequence[torch.Tensor], *, model_name: str) -> Traced | None:
+        """``step`` traced on ``inputs`` to its joint graph, before any pass, and nothing
+        compiled: what a planner chooses from (the memory budget, ``auto()``). None where the
+        step trains nothing (AOTAutograd traces it for inference, with no joint graph)."""
+        def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> Any:
+            raise _Captured(Traced(self.plan, joint, joint_inputs, num_fwd_outputs, dict(kwargs)))
+
+        def inference(gm: fx.GraphModule, example_inputs: Any) -> Any:
+            raise _Captured(None)
+
+        inductor = self.config.compute == "inductor"
+        try:
+            trace_step(step, inputs, partition_fn=_with_inductor_joint_passes(capture) if inductor else capture,
+                       fw_compiler=_not_compiled, bw_compiler=_not_compiled, inference_compiler=inference,
+                       model_name=model_name, decompositions=_inductor_decompositions() if inductor else None)
+        except _Captured as e:
+            return e.traced
+        raise AssertionError("AOTAutograd compiled a step without partitioning it or compiling it for inference")
+
+    def _plan_budget(self, traced: Traced, buffer_bytes: int, input_bytes: int, inputs: str,
                      grad_sync: GradSync, accumulators: dict[int, torch.Tensor] | None) -> Schedule:
-        """memory_budget: the schedule chosen on the first training trace, before its passes run
-        (fxshard.ir.budget), kept for every later trace. The units it offloads move to the
-        host now, and the trace's shards with them."""
+        """memory_budget: the schedule chosen from the first training step's joint graph
+        (fxshard.ir.budget), kept for every later step. The units it offloads move to the host
+        now, before the step is traced again with it: that trace reads them where they live."""
         schedule = plan_budget.choose(
-            self.config, self.plan, self.world, self.layout, self.budget_regions, self.shards, joint, joint_inputs,
-            num_fwd_outputs, kwargs, buffer_bytes, input_bytes, grad_sync, accumulators, planned_on=inputs,
-            library_bytes=calibrate.library_bytes(self.device))
+            self.config, traced.plan, self.world, self.layout, self.budget_regions, self.shards, traced.joint,
+            traced.inputs, traced.num_fwd_outputs, traced.kwargs, buffer_bytes, input_bytes, grad_sync,
+            accumulators, planned_on=inputs, library_bytes=calibrate.library_bytes(self.device))
         assert schedule.budget is not None
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, schedule.budget.table())
-        # The shards it offloads (or keeps on the device) move before the step first runs
-        # (``run``); the trace's placeholders say where they will be.
-        placed = self.placement(schedule.config.options)
-        for node in joint.graph.nodes:
-            m = P.marker(node)
-            if m is not None and not m.kind.is_gradient and m.value.op == "placeholder" \
-                    and m.value.meta["val"].device != placed[m.group]:
-                val = m.value.meta["val"]
-                with val.fake_mode:
-                    m.value.meta["val"] = val.to(placed[m.group])
+        self.place_shards(schedule.config.options)
         return schedule
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
-        """Run a compiled step (``RunState.run``), the shards first where its schedule keeps
-        them (the memory budget's offload: moved once, before the first step it planned)."""
-        if step.schedule is not None and step.schedule.budget is not None and self.state.placed is None:
-            self.place_shards(step.schedule.config.options)
-            self.state.placed = step.schedule
+        """Run a compiled step (``RunState.run``)."""
         return self.state.run(step, inputs)
 
     # -- what a step will do --------------------------------------------------------------------
@@ -529,6 +539,20 @@ class Driver:
 
 
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class _Captured(FxShardError):
+    """Ends ``Driver.trace_joint``'s trace once AOTAutograd hands over the joint graph (an
+    ``FxShardError``, so the trace lets it through); ``traced`` is None for a step traced for
+    inference."""
+
+    def __init__(self, traced: Traced | None):
+        super().__init__("the joint graph was captured")
+        self.traced = traced
+
+
+def _not_compiled(gm: fx.GraphModule, example_inputs: Any) -> Any:
+    raise AssertionError("trace_joint compiles nothing")
 
 
 def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> None:

@@ -40,9 +40,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.driver.compile import plan_budget
-from fxshard.driver.compile.codegen import GraphCompiler, Planner, Splits
+from fxshard.driver.compile.codegen import GraphCompiler, Splits
 from fxshard.driver.compile.plan_budget import largest_over_ranks
-from fxshard.driver.compile.steps import CompiledStep, Schedule
+from fxshard.driver.compile.steps import CompiledStep, Schedule, Traced
 from fxshard.driver.report import calibrate
 from fxshard.driver.report.step_report import Report
 from fxshard.driver.run.runtime import World
@@ -88,7 +88,6 @@ class Driver(Protocol):
     layout: Layout
     shards: list[nn.Parameter]
     budget_regions: Checkpointing | None
-    trial_planner: Planner | None
 
     @property
     def plan(self) -> ShardPlan: ...
@@ -101,8 +100,10 @@ class Driver(Protocol):
     def shard(self, module: nn.Module, *, allow_meta: bool = False,
               example_inputs: Any = None) -> list[nn.Parameter]: ...
 
-    def trace_module(self, module: nn.Module, shards: Sequence[nn.Parameter], leaves: list[Any],
-                     spec: pytree.TreeSpec) -> tuple[Any, CompiledStep]: ...
+    def step_of(self, module: nn.Module, shards: Sequence[nn.Parameter], leaves: list[Any],
+                spec: pytree.TreeSpec) -> tuple[Any, list[torch.Tensor]]: ...
+
+    def trace_joint(self, step: Any, inputs: Sequence[torch.Tensor], *, model_name: str) -> Traced | None: ...
 
     def report(self, step: CompiledStep) -> Report: ...
 
@@ -443,27 +444,6 @@ def memory_of(driver: Driver, rates: Rates) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class Traced:
-    """The model's one joint graph, traced under the finest plan, that every candidate's is
-    rewritten from (``fxshard.passes.regroup``)."""
-
-    plan: ShardPlan
-    joint: fx.GraphModule
-    inputs: list[list[Any]]
-    num_fwd_outputs: int
-    kwargs: dict[str, Any]
-
-
-class _Captured(FxShardError):
-    """Ends the finest plan's trace once AOTAutograd hands over the joint graph: nothing of
-    it is partitioned or compiled (an ``FxShardError``, so the trace lets it through)."""
-
-    def __init__(self, traced: Traced):
-        super().__init__("the joint graph was captured")
-        self.traced = traced
-
-
 def _trace_finest(driver: Driver, module: nn.Module, leaves: list[Any], tree: pytree.TreeSpec,
                   make: Callable[..., Driver]) -> Traced:
     """The joint graph of ``module``'s step under the finest plan: every module that owns
@@ -475,18 +455,11 @@ def _trace_finest(driver: Driver, module: nn.Module, leaves: list[Any], tree: py
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trial.shard(module, allow_meta=True)
-
-    def capture(joint: fx.GraphModule, joint_inputs: Any, n: int, kwargs: dict[str, Any]) -> Schedule:
-        raise _Captured(Traced(trial.plan, joint, [list(joint_inputs[0]), list(joint_inputs[1])], n, dict(kwargs)))
-
-    trial.trial_planner = capture
-    try:
-        with torch.enable_grad():
-            trial.trace_module(module, trial.shards, leaves, tree)
-    except _Captured as e:
-        return e.traced
-    finally:
-        trial.trial_planner = None
+    with torch.enable_grad():
+        step, tensors = trial.step_of(module, trial.shards, leaves, tree)
+        traced = trial.trace_joint(step, tensors, model_name=type(module).__name__)
+    if traced is not None:
+        return traced
     raise FxShardError(
         "policy=auto() needs a training step to plan (a forward whose outputs need gradients): "
         "this step traced no backward. Give a policy for inference, e.g. by_class(<your block>)")

@@ -49,6 +49,19 @@ class Schedule:
         return cls(config, build_pipelines(config), checkpointing, budget, planned_on)
 
 
+@dataclass(frozen=True)
+class Traced:
+    """A training step traced to its joint graph, before any pass: what a planner chooses a
+    ``Schedule`` from (``Driver.trace_joint``). The pipeline's three values, in order:
+    ``Traced`` (trace), ``Schedule`` (plan), ``CompiledStep`` (compile)."""
+
+    plan: ShardPlan  # the units the joint graph's markers name
+    joint: fx.GraphModule
+    inputs: Any  # AOTAutograd's joint inputs: (primals, tangents)
+    num_fwd_outputs: int
+    kwargs: dict[str, Any]  # the partitioner's keyword arguments
+
+
 @dataclass
 class CompiledStep:
     """One traced input signature: AOTAutograd's callable and what it was made from."""

@@ -36,7 +36,7 @@ from fxshard.ir.plan import ShardPlan
 from fxshard.passes.context import GradSync
 
 if TYPE_CHECKING:
-    from fxshard.driver.compile.steps import CompiledStep, Schedule  # the compile's values
+    from fxshard.driver.compile.steps import CompiledStep  # the compile's values
 
 
 class RunState:
@@ -62,8 +62,6 @@ class RunState:
         self.abandoned = Abandoned()
         self._agreement: Agreement | None = None
         self.abandoned.explain = self.explain  # a graph's failure, explained by the agreement
-        # The memory budget's schedule the shards were placed for (offload), once its step ran.
-        self.placed: Schedule | None = None
 
     # -- no_sync ------------------------------------------------------------------------------
 
