@@ -273,15 +273,19 @@ def test_the_budget_plans_from_a_traced_value_outside_the_trace_and_compiles_wit
     monkeypatch.setattr(compiler, "trace_step", trace_step)
     sharded = fxshard.compile(_model(), by_class(Block), memory_budget=BUDGETS["tight"])
     idx = _batch(0, 9)
+    with torch.no_grad():  # evaluation first: nothing to plan from, traced once
+        sharded(idx[:2, :-1])
+    assert not seen and len(traces) == 1
     torch.nn.functional.cross_entropy(sharded(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
     (planned,) = seen
-    assert not planned["fake"] and planned["markers"] > 0 and planned["compiled"] == 0
-    assert len(traces) == 2, traces
-    (step,) = sharded._driver.steps
+    assert not planned["fake"] and planned["markers"] > 0 and planned["compiled"] == 1  # the evaluation alone
+    assert len(traces) == 3, traces
+    evaluation, step = sharded._driver.steps
+    assert evaluation.schedule is not None and evaluation.schedule.budget is None
     assert step.schedule is planned["schedule"] and step.schedule.budget is not None
     with torch.no_grad():  # another signature: compiled with the choice, traced once
         sharded(idx[:4, :-1])
-    assert len(seen) == 1 and len(traces) == 3 and sharded._driver.steps[1].schedule is planned["schedule"]
+    assert len(seen) == 1 and len(traces) == 4 and sharded._driver.steps[2].schedule is planned["schedule"]
 
 
 def _largest_worker(rank: int, world_size: int) -> list[int]:

@@ -383,10 +383,12 @@ class Driver:
         inductor = self.config.compute == "inductor"
         accumulators = self.state.accumulators_for(self.plan, self.device) if grad_sync != REDUCE else None
         schedule = self.schedule
-        if self.config.memory_budget is not None and schedule.budget is None and schedule.auto is None:
+        if self.config.memory_budget is not None and schedule.budget is None and schedule.auto is None \
+                and torch.is_grad_enabled():
             # The memory budget: trace, choose, compile. The first training step is traced to its
             # joint graph, the budget's schedule chosen from it, and the step traced again and
-            # compiled with that schedule (an inference step plans nothing).
+            # compiled with that schedule (an inference step plans nothing: under no_grad it is
+            # not traced for the planner at all).
             traced = self.trace_joint(step, inputs, model_name=model_name)
             if traced is not None:
                 # Inputs are real by then: the trace refuses symbolic sizes.
