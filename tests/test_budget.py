@@ -294,7 +294,7 @@ def _largest_worker(rank: int, world_size: int) -> list[int]:
     from fxshard.driver.compile.plan_budget import largest_over_ranks
 
     sharded = fxshard.compile(TinyGPT(vocab=61, dim=32, heads=2, layers=1, seq=8), by_class(Block))
-    with FakeTensorMode():  # where the planner runs: inside the trace's fake mode
+    with FakeTensorMode():  # a caller inside a fake mode still communicates
         return largest_over_ranks(sharded._driver.world, [rank, 10 - rank])
 
 

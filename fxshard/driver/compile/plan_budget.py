@@ -5,7 +5,7 @@ answers its one question, "what would this candidate's peak be?", the way
 ``report()`` answers it for the schedule that runs: the candidate's passes on
 a copy of the traced joint graph (``GraphCompiler.emit``), then the liveness
 analysis of the emitted forward and backward graphs. The trace itself
-(AOTAutograd, the expensive part) happens once.
+(AOTAutograd's, ``Driver.trace_joint``) happens once, for every candidate.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def largest_over_ranks(world: World, nbytes: list[int]) -> list[int]:
     if world.group is None or world.job_size == 1 or dist.get_backend(world.group) == "fake":
         return nbytes
     group = world.job_group
-    # Real tensors: the planner runs inside the trace's fake mode, where a collective over
-    # fake tensors communicates nothing.
+    # Real tensors, also for a caller inside a fake mode (the planners read a Traced, outside
+    # any), where a collective over fake tensors would communicate nothing.
     with compat.fake_tensor.unset_fake_temporarily():
         value = torch.tensor(nbytes, dtype=torch.int64, device=comm_device(group))
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
