@@ -382,7 +382,6 @@ class Driver:
         recorder = _Recorder(self.config.on_pass, dump=self.config.dump_dir is not None)
         inductor = self.config.compute == "inductor"
         accumulators = self.state.accumulators_for(self.plan, self.device) if grad_sync != REDUCE else None
-        input_bytes = sum(x.numel() * x.element_size() for x in inputs)
         schedule = self.schedule
         if self.config.memory_budget is not None and schedule.budget is None and schedule.auto is None \
                 and torch.is_grad_enabled():
@@ -393,8 +392,8 @@ class Driver:
             traced = self.trace_joint(step, inputs, model_name=model_name)
             if traced is not None:
                 # Inputs are real by then: the trace refuses symbolic sizes.
-                schedule = self._plan_budget(traced, buffer_bytes, input_bytes, describe_tensors(inputs), grad_sync,
-                                             accumulators)
+                schedule = self._plan_budget(traced, buffer_bytes, sum(x.numel() * x.element_size() for x in inputs),
+                                             describe_tensors(inputs), grad_sync, accumulators)
         compiler = GraphCompiler(self.plan, self.world, self.layout, schedule, on_pass=recorder,
                                  finish=_inductor_finish if inductor and self.runs else None,
                                  grad_sync=grad_sync, accumulators=accumulators,
@@ -417,7 +416,7 @@ class Driver:
             fn, graphs, step.output_spec,
             step_collectives(graphs, self.layout.dimensions()),
             compiler.num_user_outputs,
-            recorder.names, input_bytes, buffer_bytes,
+            recorder.names, sum(x.numel() * x.element_size() for x in inputs), buffer_bytes,
             recorder.log, grad_sync=grad_sync if "backward" in graphs else REDUCE,
             groups=frozenset(range(len(self.plan.groups)) if groups is None else groups),
             inputs=describe_tensors(inputs), schedule=compiler.schedule, plan=plan,
