@@ -301,7 +301,7 @@ def _gather_then_traced(site: Site, ctx: Any) -> fx.Node:
     b = ChainBuilder(site, Direction.GATHER, "gather_then_traced", ctx.unit_of(site.group))
     wait = b.collective(P.ALL_GATHER, (b.cast(site.value, site.compute_dtype), shard.size, shard.name),
                         Role.ALL_GATHER)
-    return b.traced(_SPLICED, wait, factor=2.0, role=Role.DEQUANTIZE)
+    return b.traced(_SPLICED, wait, factor=2.0, role=Role.DECODE)
 
 
 def _doubled(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -323,7 +323,7 @@ def test_a_traced_function_is_spliced_in_as_the_chains_nodes(monkeypatch: pytest
     with fake_world(4):
         sharded = _compiled()
         for c in [c for c in chains(sharded.graphs["forward"].graph) if c.gathers]:
-            spliced = [n for n in c.tail if meta.role_of(n) is Role.DEQUANTIZE]
+            spliced = [n for n in c.tail if meta.role_of(n) is Role.DECODE]
             assert [n.target for n in spliced] == [torch.ops.aten.mul.Tensor, torch.ops.aten.view.default]
             assert c.result is spliced[-1] and all(isinstance(n.meta["val"], torch.Tensor) for n in spliced)
         monkeypatch.setattr(sys.modules[__name__], "_SPLICED", _with_a_constant)

@@ -150,7 +150,7 @@ def test_a_quantized_gather_is_one_chain_prefetched_whole_and_counted_in_its_byt
         for c in found:
             gather = next(n for n in c.collectives if P.is_all_gather(n))
             assert gather.meta["val"].dtype == torch.uint8
-            assert {meta.role_of(n) for n in c.tail} <= {Role.WAIT, Role.DEQUANTIZE}
+            assert {meta.role_of(n) for n in c.tail} <= {Role.WAIT, Role.DECODE}
             assert c.result.meta["val"].dtype == torch.bfloat16
             (free,) = c.frees
             assert free.args[0] is c.result
@@ -231,7 +231,7 @@ def _rounded(plan: Any, params: dict[str, torch.Tensor], dtype: torch.dtype, qma
         flat = torch.zeros(g.padded_numel)
         for slot in g.params:
             flat[slot.offset:slot.offset + slot.numel] = params[slot.name].detach().flatten()
-        block = g.quantized.block(g.padded_numel, torch.bfloat16.itemsize)
+        block = g.wire.block(g.padded_numel, torch.bfloat16.itemsize)
         blocks = -(-g.padded_numel // block)
         rows = F.pad(flat, (0, blocks * block - g.padded_numel)).view(blocks, block)
         rounded = _quantized(rows, scale_of(rows, 1), dtype, qmax).flatten()

@@ -51,8 +51,10 @@ class Role(enum.Enum):
     SCALE = "scale"  # a gradient divided by the ranks it is averaged over (before or after its sum)
     TO_DEVICE = "to_device"  # offload: a shard copied from the host before its gather
     TO_HOST = "to_host"  # offload: a reduced gradient copied to the host, where the optimizer steps
-    QUANTIZE = "quantize"  # a quantized gather: the shard's scales (its amax), and the shard scaled and cast
-    DEQUANTIZE = "dequantize"  # a quantized gather: the gathered bytes back in the compute dtype, scaled
+    # A wire format's (FlatGroup.wire) work before its collective: what its encoding needs
+    # (a quantized gather's scales, from its amax) and the shard encoded (scaled and cast).
+    ENCODE = "encode"
+    DECODE = "decode"  # a wire format's bytes back in the compute dtype (dequantized, scaled)
     SUM = "sum"  # reduce_in_rank_order: the ranks' received terms added in rank order
     CAST_BACK = "cast_back"  # mixed precision: a reduced gradient cast to the shard's dtype
     ACCUMULATE = "accumulate"  # no_sync: a gradient added to (or flushed from) its accumulator

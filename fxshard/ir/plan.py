@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fxshard.ir.errors import PlanError
-from fxshard.ir.precision import MixedPrecision, Quantized
+from fxshard.ir.precision import MixedPrecision, Wire
 from fxshard.ir.wrapping import Policy, WrapQuery
 
 log = logging.getLogger("fxshard")
@@ -107,8 +107,10 @@ class FlatGroup:
     # (``dtype``, and the dtype the gradient arrives in).
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    # MixedPrecision(gather_dtype=...): how the group's gathers are quantized (None: not).
-    quantized: Quantized | None = None
+    # How the group's gathers travel when not as its compute dtype: an option's wire format
+    # (``precision.Wire``, from ``MixedPrecision.wire_for``), the lowering table's wire. None:
+    # in the compute dtype.
+    wire: Wire | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -274,8 +276,8 @@ def _dtypes(group: FlatGroup) -> str:
         text += f">{name(group.param_dtype)}"
     if group.reduce_dtype is not None:
         text += f"/{name(group.reduce_dtype)}"
-    if group.quantized is not None:
-        text += f" gathered as {group.quantized}"
+    if group.wire is not None:
+        text += f" gathered as {group.wire}"
     return text
 
 
@@ -313,13 +315,13 @@ def make_plan(
         names_of.setdefault(id(p), []).append(name)
         param_of[id(p)] = p
     precision: dict[int, tuple[torch.dtype | None, torch.dtype | None]] = {}
-    quantized: dict[int, Quantized | None] = {}
+    wires: dict[int, Wire | None] = {}
     if mixed_precision is not None:
         for mod in module.modules():
             for own in mod._parameters.values():
                 if own is not None and id(own) not in precision:
                     precision[id(own)] = mixed_precision.dtypes_for(own, mod)
-                    quantized[id(own)] = mixed_precision.quantized_for(own, mod)
+                    wires[id(own)] = mixed_precision.wire_for(own, mod)
     if not param_of:
         raise PlanError(f"{type(module).__name__} has no parameters: there is nothing to shard")
 
@@ -384,9 +386,9 @@ def make_plan(
             small = whole or p.numel() < replicate_below
             compute, reduce = precision.get(pid, (None, None))
             keys.setdefault((p.dtype, p.requires_grad, small, compute, reduce,
-                             None if small else quantized.get(pid)), []).append(pid)
+                             None if small else wires.get(pid)), []).append(pid)
         group_ids = []
-        for (dtype, requires_grad, replicated, compute, reduce, quantize), members in keys.items():
+        for (dtype, requires_grad, replicated, compute, reduce, wire), members in keys.items():
             slots, end, align = [], 0, align_numel(dtype, compute)
             for pid in members:
                 p = param_of[pid]
@@ -398,7 +400,7 @@ def make_plan(
             group_ids.append(len(groups))
             groups.append(FlatGroup(len(groups), name, dtype, requires_grad, tuple(slots),
                                     sum(s.numel for s in slots), padded, world_size, replicated,
-                                    compute, reduce, quantize))
+                                    compute, reduce, wire))
         units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
 
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))

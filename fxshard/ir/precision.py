@@ -28,10 +28,42 @@ is rounded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
+
+from fxshard.ir.errors import FxShardError
+
+# The dtypes a unit can be gathered and computed in (``param_dtype``).
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class Wire(Protocol):
+    """How a flat group's gathers travel when not in its compute dtype: a value an option
+    gives each group (``MixedPrecision.wire_for``; ``FlatGroup.wire``). ``key`` is the
+    lowering table's wire (``fxshard/passes/lowering.py``), whose rows say what the chain
+    computes; ``agrees``: its lowering agrees values over the ranks at the graph's start
+    (``NodeInfo.agrees``), which ``batch_agreements_pass`` makes one collective per graph;
+    ``str()`` is what the plan prints."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def agrees(self) -> bool: ...
+
+
+class Group(Protocol):
+    """What ``MixedPrecision.refuse`` reads of a plan's flat group (``plan.FlatGroup``)."""
+
+    @property
+    def wire(self) -> Wire | None: ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
 
 # The largest magnitude each quantized gather dtype holds: a shard is scaled so that its
 # (a parameter's, a block's) largest magnitude lands on it.
@@ -67,6 +99,15 @@ class Quantized:
         blocks = -(-shard_numel // QUANTIZE_BLOCK)
         per_block = -(-shard_numel // blocks)
         return -(-per_block // align) * align
+
+    @property
+    def key(self) -> str:
+        return f"quantized_{self.scaling}"
+
+    @property
+    def agrees(self) -> bool:
+        """"tensor": each parameter's scale is agreed over the ranks before the gather."""
+        return self.scaling == "tensor"
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}/{self.scaling}"
@@ -115,17 +156,30 @@ class MixedPrecision:
                             f"e.g. (torch.nn.LayerNorm,); got {classes!r}")
 
     @property
-    def quantized(self) -> Quantized | None:
-        """How the gathers are quantized, ``gather_scaling`` resolved (None: no gather_dtype)."""
+    def wire(self) -> Wire | None:
+        """How the gathers travel (None: in the compute dtype): quantized with ``gather_dtype``,
+        ``gather_scaling`` resolved."""
         return None if self.gather_dtype is None else Quantized(self.gather_dtype, self.gather_scaling or "tensor")
 
-    def quantized_for(self, param: torch.Tensor, owner: nn.Module) -> Quantized | None:
-        """How the gather of ``param`` registered in ``owner`` is quantized (None: it is not:
-        no gather_dtype, a parameter that is not floating point, or one kept at full
-        precision)."""
+    def wire_for(self, param: torch.Tensor, owner: nn.Module) -> Wire | None:
+        """How the gathers of ``param`` registered in ``owner`` travel (None: in its compute
+        dtype): quantized with ``gather_dtype``, unless the parameter is not floating point
+        or is kept at full precision."""
         if not param.dtype.is_floating_point or isinstance(owner, self.full_precision_modules):
             return None
-        return self.quantized
+        return self.wire
+
+    def refuse(self, groups: Sequence[Group], device: torch.device | None, *, no_shard: bool) -> None:
+        """Refuse, with the fix, what this policy cannot do with a plan of ``groups`` on
+        ``device`` (None or meta: nothing is probed on it; ``no_shard``: a NO_SHARD mesh):
+        a ``param_dtype`` the device cannot multiply in; quantized gathers where nothing is
+        gathered, where the compute dtype cannot hold their scales, or where the device has
+        no such dtype."""
+        probed = device if device is not None and device.type != "meta" else None
+        if self.param_dtype is not None and probed is not None:
+            _refuse_compute_dtype(self.param_dtype, probed)
+        if self.gather_dtype is not None:
+            _refuse_quantized(self.gather_dtype, groups, probed, no_shard)
 
     def dtypes_for(self, param: torch.Tensor, owner: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(gather/compute dtype, reduce dtype) of ``param`` registered in ``owner``; None: its own."""
@@ -135,3 +189,56 @@ class MixedPrecision:
         compute = self.param_dtype if self.param_dtype not in (None, param.dtype) else None
         reduce = self.reduce_dtype or self.param_dtype
         return compute, (reduce if reduce != (compute or param.dtype) else None)
+
+
+def _refuse_compute_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a ``param_dtype`` this device cannot multiply in, before anything is sharded."""
+    if dtype not in COMPUTE_DTYPES:
+        # float8 matmuls on CPU "work" here, then the first gather fails in the backend
+        # ("Invalid scalar type" on gloo): float8 training needs scaled matmuls instead.
+        raise FxShardError(
+            f"MixedPrecision(param_dtype={dtype}) is not supported: fxshard gathers the parameters "
+            f"and computes in param_dtype, and {dtype} has no plain matmul and collective path "
+            "(float8 training needs scaled matmuls, e.g. torchao's Float8Linear, inside the model). "
+            f"Supported: {', '.join(map(str, COMPUTE_DTYPES))}."
+        )
+    try:
+        probe = torch.ones(2, 2, device=device).to(dtype)
+        probe @ probe
+    except (RuntimeError, NotImplementedError) as e:
+        raise FxShardError(
+            f"MixedPrecision(param_dtype={dtype}) cannot compute on {device}: a matmul in it "
+            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use a dtype the device "
+            "computes in (torch.bfloat16 on CPUs and recent GPUs, torch.float16 on older GPUs)."
+        ) from None
+
+
+def _refuse_quantized(dtype: torch.dtype, groups: Sequence[Group], device: torch.device | None,
+                      no_shard: bool) -> None:
+    """Refuse ``gather_dtype`` where it cannot work: nothing is gathered, a compute dtype whose
+    range cannot hold the scales, or a device that has no such dtype."""
+    quantized = [g for g in groups if isinstance(g.wire, Quantized)]
+    if not quantized:
+        why = ("a NO_SHARD mesh (N, 1) keeps every parameter whole on every rank" if no_shard
+               else "every floating-point parameter is kept whole on every rank (replicate=, "
+                    "replicate_below=) or at full precision (full_precision_modules)")
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={dtype}) quantizes the weight gathers, and this "
+            f"plan gathers none: {why}. Shard the parameters (a (1, N) or (R, S) mesh), or drop gather_dtype")
+    narrow = sorted({str(g.compute_dtype) for g in quantized if g.compute_dtype == torch.float16})
+    if narrow:
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={dtype}) with a compute dtype of {narrow[0]}: "
+            "the scales are kept in the compute dtype, and float16's range (smallest normal 6e-5) "
+            "cannot hold the scale of a small weight (its largest magnitude over "
+            f"{QUANTIZED_MAX[dtype]:g}). Compute in torch.bfloat16 "
+            "(param_dtype=torch.bfloat16) or torch.float32")
+    if device is None:
+        return
+    try:
+        torch.ones(2, device=device).to(dtype).view(torch.uint8)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise FxShardError(
+            f"MixedPrecision(gather_dtype={dtype}) cannot quantize on {device}: a cast to it "
+            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use another gather_dtype "
+            f"(one of {[str(d) for d in QUANTIZED_MAX]}), or none") from None

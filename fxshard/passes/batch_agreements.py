@@ -1,6 +1,7 @@
-"""One agreement per graph: the quantized "tensor" gathers' amax all_reduces made one.
+"""One agreement per graph: the all_reduces that gather chains agree at the graph's start made one.
 
-A "tensor" gather agrees its scales over the shard group before it gathers: an
+A lowering may agree values over the ranks before its gather (a wire format whose
+``Wire.agrees``): a quantized "tensor" gather agrees its scales over the shard group, an
 all_reduce (MAX) of its shard's per-parameter maxima (``all_gather_quantized_tensor``),
 declared agreed at the graph's start (``NodeInfo.agrees``), where
 ``place_gathers_pass`` puts it. One all_reduce per unit costs the start of every graph
@@ -79,7 +80,7 @@ def _merge(gm: fx.GraphModule, batch: list[tuple[Chain, fx.Node, fx.Node]]) -> N
         reduced = call(graph, reduce0.target, (joined, args.reduce_op, args.group_name))
     with graph.inserting_after(reduced):
         agreed = call(graph, P.WAIT, (reduced,))
-    for node, role in ((joined, Role.QUANTIZE), (reduced, Role.ALL_REDUCE), (agreed, Role.WAIT)):
+    for node, role in ((joined, Role.ENCODE), (reduced, Role.ALL_REDUCE), (agreed, Role.WAIT)):
         node.meta.update(meta.provenance(reduce0))
         meta.set_info(node, dataclasses.replace(owner, role=role))
     cursor, offset, slices = agreed, 0, []
@@ -90,7 +91,7 @@ def _merge(gm: fx.GraphModule, batch: list[tuple[Chain, fx.Node, fx.Node]]) -> N
         piece.meta.update(meta.provenance(reduce))
         info = meta.get_info(wait)
         assert info is not None
-        meta.set_info(piece, dataclasses.replace(info, role=Role.QUANTIZE))
+        meta.set_info(piece, dataclasses.replace(info, role=Role.ENCODE))
         wait.replace_all_uses_with(piece)
         graph.erase_node(wait)
         graph.erase_node(reduce)

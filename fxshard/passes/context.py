@@ -57,10 +57,10 @@ class Holding:
     NO_SHARD), "sharded" (over the shard group), "hybrid" (HSDP: sharded, and replicated
     over ``layout.replicate``).
     ``gather``, how a gather's bytes travel: "dtype", the group's compute dtype (its
-    shard's, or mixed precision's param_dtype); "quantized_tensor" / "quantized_block"
-    (``MixedPrecision(gather_dtype=...)``), the shard quantized with a scale per parameter
-    or per block, its bytes gathered as uint8 and dequantized to the compute dtype (on one
-    rank: quantized and dequantized, the same numbers).
+    shard's, or mixed precision's param_dtype); otherwise the key of the group's wire format
+    (``FlatGroup.wire``, an option's: e.g. "quantized_tensor" for
+    ``MixedPrecision(gather_dtype=...)``), whose lowering rows encode the shard before the
+    gather and decode the gathered bytes to the compute dtype.
     ``reduce``, a reduction's: "dtype", summed by the collective in the reduce dtype;
     "terms" (``reduce_in_rank_order``), each rank's term sent as it is and summed in rank
     order where it lands.
@@ -137,8 +137,8 @@ class PassContext:
             topology = "replicated"
         else:
             topology = "hybrid" if self.layout.replicate is not None else "sharded"
-        quantized = self.plan.groups[group].quantized
-        gather = f"quantized_{quantized.scaling}" if quantized is not None and topology != "replicated" else "dtype"
+        wire = self.plan.groups[group].wire
+        gather = wire.key if wire is not None and topology != "replicated" else "dtype"
         reduce = "terms" if self.options.reduce_in_rank_order and topology != "local" else "dtype"
         return Holding(topology, gather, reduce, "cpu" if self.options.offloads(self.unit_of(group)) else "device")
 

@@ -182,7 +182,7 @@ class ChainBuilder:
         node.meta.update(meta.provenance(self.like))
         return self.tag_node(node, role)
 
-    def traced(self, fn: Callable[..., torch.Tensor], *inputs: fx.Node, role: Role = Role.QUANTIZE,
+    def traced(self, fn: Callable[..., torch.Tensor], *inputs: fx.Node, role: Role = Role.ENCODE,
                **static: Any) -> fx.Node:
         """``fn(*inputs, **static)``, plain torch code on the inputs' tensors, traced under the
         graph's fake mode (``make_fx``) and spliced in before the chain's insertion point:
@@ -441,8 +441,8 @@ def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     the graph's start (``issuing(agreed=True)``): issued at prefetch, the all_reduce's wait
     would hold compute until the unit before had finished its gather."""
     layout, group = ctx.layout, ctx.plan.groups[site.group]
-    q, compute = group.quantized, group.compute_dtype
-    assert q is not None
+    q, compute = group.wire, group.compute_dtype
+    assert isinstance(q, Quantized)
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(site.group))
     lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
     here = _spans(group, lo, hi)
@@ -456,7 +456,7 @@ def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     if layout.communicates:
         data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
     return b.traced(_dequantize_per_parameter, data, scales, spans=_spans(group, 0, group.padded_numel),
-                    q=q, compute=compute, role=Role.DEQUANTIZE)
+                    q=q, compute=compute, role=Role.DECODE)
 
 
 def _quantize_blocks(shard: torch.Tensor, block: int, q: Quantized, compute: torch.dtype) -> torch.Tensor:
@@ -487,8 +487,8 @@ def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     its own scale; the data and the scales travel in one uint8 gather, so there is no other
     collective. Each rank's row is dequantized with its own scales."""
     layout, group = ctx.layout, ctx.plan.groups[site.group]
-    q, compute = group.quantized, group.compute_dtype
-    assert q is not None
+    q, compute = group.wire, group.compute_dtype
+    assert isinstance(q, Quantized)
     b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(site.group))
     ranks = layout.shard.size if layout.communicates else 1
     length = group.shard_numel if layout.communicates else group.padded_numel
@@ -497,7 +497,7 @@ def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     if layout.communicates:
         payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)
     return b.traced(_dequantize_blocks, payload, ranks=ranks, length=length, block=block, q=q, compute=compute,
-                    role=Role.DEQUANTIZE)
+                    role=Role.DECODE)
 
 
 def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:

@@ -122,8 +122,8 @@ def _partition(config: CompileConfig) -> list[PassSpec]:
 
 
 def _agreements(config: CompileConfig) -> list[PassSpec]:
-    quantized = config.mixed_precision.quantized if config.mixed_precision is not None else None
-    if quantized is None or quantized.scaling != "tensor":
+    wire = config.mixed_precision.wire if config.mixed_precision is not None else None
+    if wire is None or not wire.agrees:
         return []
     return [PassSpec(batch_agreements_pass,
                      "after the gathers are lowered (it joins what their lowerings agree on); "

@@ -73,7 +73,6 @@ from fxshard.ir.cost import Rates, optimizer_seconds, predict_step
 from fxshard.ir.errors import BudgetError, FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan, make_plan
-from fxshard.ir.precision import QUANTIZED_MAX
 from fxshard.ir.wrapping import Auto, ByPredicate
 from fxshard.passes.context import REDUCE, GradSync
 
@@ -205,7 +204,9 @@ class Driver:
                                    replicate=self.config.replicate)
         if self.world.layout.replicate is not None:  # HSDP: the plan says how many ranks the job has
             self._plan = replace(self._plan, replicas=self.world.layout.replicate.size)
-        _check_quantized_gathers(self.config, self._plan, self.device if self.runs else None)
+        if self.config.mixed_precision is not None:
+            self.config.mixed_precision.refuse(self._plan.groups, self.device if self.runs else None,
+                                               no_shard=self.config.no_shard)
         for name in ("reshard_units", "offload_units"):
             unknown = sorted((getattr(options, name) or frozenset()) - {u.name for u in self._plan.units})
             if unknown:
@@ -227,7 +228,6 @@ class Driver:
             self._planned = replace(self._planned, checkpointing=plan_checkpointing(
                 module, self.config.activation_checkpointing))
         if self.runs:
-            _check_compute_dtype(self.config, self.device)
             _check_cast_batch_norms(module, self.config, self.device)
         offload = options.offload_policy
         self.shard_device = torch.device("cpu") if offload is not None and self.device.type != "meta" \
@@ -540,9 +540,6 @@ class Driver:
         return written
 
 
-_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
 class _Captured(FxShardError):
     """Ends ``Driver.trace_joint``'s trace once AOTAutograd hands over the joint graph (an
     ``FxShardError``, so the trace lets it through); ``traced`` is None for a step traced for
@@ -557,65 +554,6 @@ def _not_compiled(gm: fx.GraphModule, example_inputs: Any) -> Any:
     raise AssertionError("trace_joint compiles nothing")
 
 
-def _check_compute_dtype(config: CompileConfig, device: torch.device | None) -> None:
-    """Refuse a ``param_dtype`` this device cannot multiply in, before anything is sharded."""
-    precision = config.mixed_precision
-    if precision is None or precision.param_dtype is None or device is None or device.type == "meta":
-        return
-    dtype = precision.param_dtype
-    if dtype not in _COMPUTE_DTYPES:
-        # float8 matmuls on CPU "work" here, then the first gather fails in the backend
-        # ("Invalid scalar type" on gloo): float8 training needs scaled matmuls instead.
-        raise FxShardError(
-            f"MixedPrecision(param_dtype={dtype}) is not supported: fxshard gathers the parameters "
-            f"and computes in param_dtype, and {dtype} has no plain matmul and collective path "
-            "(float8 training needs scaled matmuls, e.g. torchao's Float8Linear, inside the model). "
-            f"Supported: {', '.join(map(str, _COMPUTE_DTYPES))}."
-        )
-    try:
-        probe = torch.ones(2, 2, device=device).to(dtype)
-        probe @ probe
-    except (RuntimeError, NotImplementedError) as e:
-        raise FxShardError(
-            f"MixedPrecision(param_dtype={dtype}) cannot compute on {device}: a matmul in it "
-            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use a dtype the device "
-            "computes in (torch.bfloat16 on CPUs and recent GPUs, torch.float16 on older GPUs)."
-        ) from None
-
-
-def _check_quantized_gathers(config: CompileConfig, plan: ShardPlan, device: torch.device | None) -> None:
-    """Refuse ``MixedPrecision(gather_dtype=...)`` where it cannot work: nothing is gathered,
-    a compute dtype whose range cannot hold the scales, or a device that has no such dtype."""
-    precision = config.mixed_precision
-    if precision is None or precision.gather_dtype is None:
-        return
-    quantized = [g for g in plan.groups if g.quantized is not None]
-    if not quantized:
-        why = ("a NO_SHARD mesh (N, 1) keeps every parameter whole on every rank" if config.no_shard
-               else "every floating-point parameter is kept whole on every rank (replicate=, "
-                    "replicate_below=) or at full precision (full_precision_modules)")
-        raise FxShardError(
-            f"MixedPrecision(gather_dtype={precision.gather_dtype}) quantizes the weight gathers, and this "
-            f"plan gathers none: {why}. Shard the parameters (a (1, N) or (R, S) mesh), or drop gather_dtype")
-    narrow = sorted({str(g.compute_dtype) for g in quantized if g.compute_dtype == torch.float16})
-    if narrow:
-        raise FxShardError(
-            f"MixedPrecision(gather_dtype={precision.gather_dtype}) with a compute dtype of {narrow[0]}: "
-            "the scales are kept in the compute dtype, and float16's range (smallest normal 6e-5) "
-            "cannot hold the scale of a small weight (its largest magnitude over "
-            f"{QUANTIZED_MAX[precision.gather_dtype]:g}). Compute in torch.bfloat16 "
-            "(param_dtype=torch.bfloat16) or torch.float32")
-    if device is None or device.type == "meta":
-        return
-    try:
-        torch.ones(2, device=device).to(precision.gather_dtype).view(torch.uint8)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise FxShardError(
-            f"MixedPrecision(gather_dtype={precision.gather_dtype}) cannot quantize on {device}: a cast to it "
-            f"fails ({type(e).__name__}: {str(e).strip().splitlines()[0]}). Use another gather_dtype "
-            f"(one of {[str(d) for d in QUANTIZED_MAX]}), or none") from None
-
-
 def _check_cast_batch_norms(module: nn.Module, config: CompileConfig, device: torch.device | None) -> None:
     """Refuse BatchNorm layers that mixed precision casts where this device cannot run them.
 
@@ -625,7 +563,7 @@ def _check_cast_batch_norms(module: nn.Module, config: CompileConfig, device: to
     but found Float`` at the first step); with the layer in
     ``full_precision_modules`` its weights match its statistics and the mix of
     a reduced-precision input with fp32 weights is accepted. Probed on the
-    device, as ``_check_compute_dtype`` probes a matmul.
+    device, as ``MixedPrecision.refuse`` probes a matmul.
     """
     precision = config.mixed_precision
     if precision is None or precision.param_dtype is None or device is None or device.type == "meta":

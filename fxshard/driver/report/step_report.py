@@ -339,13 +339,13 @@ def build_report(
     peak_graph = forward if phase.startswith("forward") else graphs.get("backward", forward)
     node_of: dict[str, fx.Node] = {n.name: n for n in peak_graph.graph.nodes} if at_peak else {}
     # The buffers at the peak by their chain's declaration: a gather chain's gathered (or
-    # dequantized) buffer, a reduction chain's collective results.
+    # decoded) buffer, a reduction chain's collective results.
     def held_by(name: str) -> str:
         info = meta.get_info(node_of[name])
         if info is None or info.chain is None:
             return "activations"
         if info.chain.direction is meta.Direction.GATHER:
-            return "gathered" if info.role in (meta.Role.ALL_GATHER, meta.Role.DEQUANTIZE) else "activations"
+            return "gathered" if info.role in (meta.Role.ALL_GATHER, meta.Role.DECODE) else "activations"
         return "reducing" if info.role in COLLECTIVE_ROLES else "activations"
 
     owners = {name: held_by(name) for name in at_peak}
