@@ -205,8 +205,7 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
     everything = CompileConfig(inflight_groups=True, options=ShardingOptions(reshard_after_forward=2),
-                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
-                                                              gather_dtype=torch.float8_e4m3fn))
+                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     names: dict[str, None] = {}
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):
