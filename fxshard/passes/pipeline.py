@@ -123,12 +123,13 @@ def _partition(config: CompileConfig) -> list[PassSpec]:
 
 def _agreements(config: CompileConfig) -> list[PassSpec]:
     wire = config.mixed_precision.wire if config.mixed_precision is not None else None
-    if wire is None or not wire.agrees:
-        return []
-    return [PassSpec(batch_agreements_pass,
-                     "after the gathers are lowered (it joins what their lowerings agree on); "
-                     "before placement, which puts the one agreement at the graph's start",
-                     needs=("insert_all_gather_pass",))]
+    return [_AGREEMENTS] if wire is not None and wire.agrees else []
+
+
+_AGREEMENTS = PassSpec(batch_agreements_pass,
+                       "after the gathers are lowered (it joins what their lowerings agree on); "
+                       "before placement, which puts the one agreement at the graph's start",
+                       needs=("insert_all_gather_pass",))
 
 
 def _prefetch(config: CompileConfig, graph: GraphKind) -> list[PassSpec]:
@@ -205,12 +206,17 @@ def _backward(config: CompileConfig) -> list[PassSpec]:
 def all_pass_names() -> list[str]:
     """Every pass any pipeline can hold, in first-appearance order."""
     everything = CompileConfig(inflight_groups=True, options=ShardingOptions(reshard_after_forward=2),
-                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-    names: dict[str, None] = {}
+                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), memory_budget=1)
+    names: list[str] = []
     for graph in GRAPH_KINDS:
         for spec in _candidates(graph, everything):
-            names[spec.name] = None
-    return list(names)
+            if spec.name == "place_gathers_pass" and _AGREEMENTS.name not in names:
+                # Where a wire format that agrees (``Wire.agrees``) puts it; no option named
+                # here makes one.
+                names.append(_AGREEMENTS.name)
+            if spec.name not in names:
+                names.append(spec.name)
+    return names
 
 
 def _candidates(graph: GraphKind, config: CompileConfig) -> list[PassSpec]:
