@@ -4,7 +4,7 @@
         --input-shape 2,16 --input-dtype long [--option reshard_root=true] [--dump DIR] [--trace FILE] \\
         [--activation-checkpointing "selective(by_class(Block))"] [--memory-budget 2GiB] [--optimizer AdamW] \\
         [--device cuda]
-        [--mixed-precision bf16]
+        [--mixed-precision bf16 [--gather-dtype fp8|int8 [--gather-scaling tensor|block]]]
         [--hardware h100-ib]  # predict the step's time there; --policy "auto()" chooses by it
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
     fxshard calibrate [--hardware NAME]   # the rates fxshard predicts time with (this machine's;
@@ -142,6 +142,8 @@ def parse_checkpointing(text: str | None, namespace: ModuleType) -> Policy | Non
     return selective(inner)
 
 
+# --gather-dtype: MixedPrecision's gather_dtype, by torch's name (no torch is imported for --help).
+GATHER_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
@@ -300,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--graphs", action="store_true", help="print the emitted graphs' code")
     ex.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
                     help="param_dtype bf16/fp16, reduce_dtype fp32 (fxshard.MixedPrecision)")
+    ex.add_argument("--gather-dtype", choices=tuple(GATHER_DTYPES), default=None,
+                    help="quantized weight gathers (MixedPrecision's gather_dtype; with --mixed-precision bf16)")
+    ex.add_argument("--gather-scaling", choices=("tensor", "block"), default=None,
+                    help="a quantized gather's scales: per parameter (tensor, the default) or per block")
     ex.add_argument("--hardware", default=None, metavar="NAME",
                     help="predict the step's time on a named profile (fxshard calibrate --list)")
     ca = sub.add_parser("calibrate", help="the rates fxshard predicts time with: this machine's, or a profile's")
@@ -400,12 +406,16 @@ def _explain(args: argparse.Namespace) -> int:
             options["memory_budget"] = parse_bytes(args.memory_budget)
         if args.optimizer:
             options["optimizer"] = parse_optimizer(args.optimizer)
-        if args.mixed_precision:
+        if args.gather_scaling and not args.gather_dtype:
+            raise FxShardError("--gather-scaling needs --gather-dtype (fp8, fp8_e5m2 or int8)")
+        if args.mixed_precision or args.gather_dtype:
             from fxshard.ir.precision import MixedPrecision
 
             param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.mixed_precision]
             options["mixed_precision"] = MixedPrecision(
-                param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+                param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                gather_dtype=getattr(torch, GATHER_DTYPES[args.gather_dtype]) if args.gather_dtype else None,
+                gather_scaling=args.gather_scaling)
         inputs = _inputs(args.input_shape, args.input_dtype)
         if not args.input_dtype:
             inputs = _token_ids_as_int64(model, inputs)

@@ -250,6 +250,7 @@ def test_a_buffer_kept_for_backward_is_the_saved_row_of_the_table(monkeypatch: p
         sharded = _compiled(reshard_after_forward=False)
     saved = [c for c in _by_graph(sharded)["backward"] if c.lowering == "saved"]
     assert sorted(seen) == sorted((c.group, "placeholder") for c in saved) and len(saved) == 2
+    assert str(LoweringKey(Direction.GATHER, "saved", "quantized_block", "cpu")) in {str(k) for k in LOWERINGS}
 
 
 def test_the_table_names_each_row_and_refuses_a_missing_one() -> None:

@@ -16,6 +16,15 @@ gather     sharded           dtype       device     ``all_gather``: cast, all_ga
                                                     shard group, wait
 gather     partition         dtype       device     ``all_gather_within``: hpZ's kept piece
                                                     gathered over the partition (backward)
+gather     local, sharded,   quantized_  device     ``all_gather_quantized_tensor``: an amax per parameter,
+           hybrid            tensor                 all_reduced (MAX) over the shard group, the
+                                                    shard quantized, its bytes gathered (uint8),
+                                                    dequantized per parameter
+gather     local, sharded,   quantized_  device     ``all_gather_quantized_block``: the shard quantized in
+           hybrid            block                  blocks with a scale each; data and scales in
+                                                    one uint8 gather, dequantized per rank's row
+gather     partition         quantized_* device     ``all_gather_within``: hpZ's kept piece of
+                                                    the dequantized buffer, as it is
 gather     saved             any         any        ``keep_saved``: backward's input of a buffer
                                                     forward kept (a unit not resharded; hpZ's
                                                     piece until ``reshard_within_pass``): a
@@ -70,6 +79,8 @@ from fxshard.ir.chains import new_chain_id, tag_of
 from fxshard.ir.errors import GraphInvariantError
 from fxshard.ir.meta import ChainTag, Direction, Role
 from fxshard.ir.nodes import call
+from fxshard.ir.plan import FlatGroup
+from fxshard.ir.precision import Quantized
 
 from .context import Holding, PassContext
 
@@ -350,6 +361,145 @@ all_to_all_all_gather_sum = _terms("all_to_all_all_gather_sum")
 all_gather_sum = _terms("all_gather_sum")
 
 
+# -- quantized gathers (MixedPrecision(gather_dtype=...)) ------------------------------------
+#
+# What a quantized gather computes is written as plain torch code on tensors below, and
+# ChainBuilder.traced splices each function into the graph, traced under the graph's fake mode;
+# the lowerings only say where the collectives go between them.
+
+
+def _scales(amax: torch.Tensor, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """amax / the dtype's largest value, rounded once to the compute dtype: then used both to
+    quantize and to dequantize, so both sides agree on it. A parameter (a block) of zeros
+    gets 1e-12 / max, which bfloat16 holds, not 0."""
+    return (amax.clamp_min(1e-12) / q.max).to(compute)
+
+
+def _bytes(values: torch.Tensor, scales: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """``values`` / ``scales``, rounded into the gather dtype (saturating at its largest
+    value), as uint8: what gloo and NCCL both carry."""
+    scaled = values.float() / scales.float()  # in fp32, whatever the shard's dtype: one rounding
+    if q.dtype is torch.int8:
+        scaled = scaled.round()
+    return scaled.clamp(-q.max, q.max).to(q.dtype).view(torch.uint8)
+
+
+def _values(data: torch.Tensor, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """Gathered bytes back as values of the compute dtype, unscaled."""
+    return data.view(q.dtype).to(compute)
+
+
+Spans = list[tuple[int | None, int, int]]  # (parameter index or None for a gap, start, stop)
+
+
+def _spans(group: FlatGroup, lo: int, hi: int) -> Spans:
+    """The parameters (their index in the group, or None for a gap or the padding) of the
+    flat layout's range [lo, hi), as (index, start, stop) relative to ``lo``."""
+    found, offset = [], 0
+    index = {id(slot): i for i, slot in enumerate(group.params)}
+    for slot, length in group.spans():
+        start, stop = max(lo, offset), min(hi, offset + length)
+        if start < stop:
+            found.append((None if slot is None else index[id(slot)], start - lo, stop - lo))
+        offset += length
+    return found
+
+
+def _amax_per_parameter(shard: torch.Tensor, here: Spans, count: int) -> torch.Tensor:
+    """The largest magnitude of each of the group's ``count`` parameters in this shard (0 for
+    one it holds none of)."""
+    magnitude = shard.abs()
+    found = {i: magnitude[start:stop].amax() for i, start, stop in here if i is not None}
+    zero = magnitude.new_zeros(())
+    return torch.stack([found.get(i, zero) for i in range(count)])
+
+
+def _quantize_per_parameter(shard: torch.Tensor, scales: torch.Tensor, here: Spans, q: Quantized) -> torch.Tensor:
+    """The shard's bytes, each element scaled by its parameter's scale (1 in the gaps)."""
+    one = scales.new_ones(())
+    pieces = [(one if i is None else scales[i]).expand(stop - start) for i, start, stop in here]
+    return _bytes(shard, torch.cat(pieces) if len(pieces) > 1 else pieces[0], q)
+
+
+def _dequantize_per_parameter(data: torch.Tensor, scales: torch.Tensor, spans: Spans, q: Quantized,
+                              compute: torch.dtype) -> torch.Tensor:
+    """The gathered flat buffer in the compute dtype, each parameter multiplied by its scale:
+    converted span by span, so one span's unscaled values are alive at a time, not the
+    whole buffer's."""
+    pieces = [_values(data[start:stop], q, compute) if i is None
+              else _values(data[start:stop], q, compute) * scales[i] for i, start, stop in spans]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
+    """torchao's float8 all-gather: a scale per parameter, from its largest magnitude over the
+    ranks (an all_reduce, MAX, of this shard's per-parameter maxima), the shard quantized with
+    it and its bytes gathered; each parameter's values are dequantized with its scale. The
+    all_reduce, its wait and the quantization are declared part of the chain's issue, so
+    prefetch moves them ahead with the gather. Where the shard is the graph's input (not
+    offload's copy, made at prefetch), the amax, its all_reduce and the scales are agreed at
+    the graph's start (``issuing(agreed=True)``): issued at prefetch, the all_reduce's wait
+    would hold compute until the unit before had finished its gather."""
+    layout, group = ctx.layout, ctx.plan.groups[site.group]
+    q, compute = group.wire, group.compute_dtype
+    assert isinstance(q, Quantized)
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_tensor", ctx.unit_of(site.group))
+    lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
+    here = _spans(group, lo, hi)
+    with b.issuing(agreed=P.is_placeholder(site.value)):
+        amax = b.traced(_amax_per_parameter, site.value, here=here, count=len(group.params))
+        if layout.communicates:
+            amax = b.collective(P.ALL_REDUCE, (amax, "max", layout.shard.name), Role.ALL_REDUCE)
+        scales = b.traced(_scales, amax, q=q, compute=compute)
+    with b.issuing():
+        data = b.traced(_quantize_per_parameter, site.value, scales, here=here, q=q)
+    if layout.communicates:
+        data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
+    return b.traced(_dequantize_per_parameter, data, scales, spans=_spans(group, 0, group.padded_numel),
+                    q=q, compute=compute, role=Role.DECODE)
+
+
+def _quantize_blocks(shard: torch.Tensor, block: int, q: Quantized, compute: torch.dtype) -> torch.Tensor:
+    """The shard padded to whole blocks, each block scaled by its own largest magnitude: its
+    bytes, then its scales' bytes, in one uint8 tensor."""
+    blocks = -(-shard.numel() // block)
+    if blocks * block != shard.numel():
+        shard = torch.nn.functional.pad(shard, (0, blocks * block - shard.numel()))
+    rows = shard.view(blocks, block)
+    scales = _scales(rows.abs().amax(1, keepdim=True), q, compute)
+    return torch.cat([_bytes(rows, scales, q).view(-1), scales.view(torch.uint8).view(-1)])
+
+
+def _dequantize_blocks(payload: torch.Tensor, ranks: int, length: int, block: int, q: Quantized,
+                       compute: torch.dtype) -> torch.Tensor:
+    """Every rank's row of the gathered bytes: its blocks' values times their scales, trimmed
+    to the shard's length, the rows end to end."""
+    blocks = -(-length // block)
+    table = payload.view(ranks, -1)
+    values = _values(table[:, :blocks * block], q, compute).view(ranks, blocks, block)
+    scales = table[:, blocks * block:].view(compute).view(ranks, blocks, 1)
+    full = (values * scales).view(ranks, blocks * block)
+    return full.view(-1) if blocks * block == length else full[:, :length].reshape(-1)
+
+
+def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
+    """ZeRO++'s qwZ: each shard quantized in blocks (``Quantized.block``), each block with
+    its own scale; the data and the scales travel in one uint8 gather, so there is no other
+    collective. Each rank's row is dequantized with its own scales."""
+    layout, group = ctx.layout, ctx.plan.groups[site.group]
+    q, compute = group.wire, group.compute_dtype
+    assert isinstance(q, Quantized)
+    b = ChainBuilder(site, Direction.GATHER, "all_gather_quantized_block", ctx.unit_of(site.group))
+    ranks = layout.shard.size if layout.communicates else 1
+    length = group.shard_numel if layout.communicates else group.padded_numel
+    block = q.block(length, compute.itemsize)
+    payload = b.traced(_quantize_blocks, site.value, block=block, q=q, compute=compute)
+    if layout.communicates:
+        payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)
+    return b.traced(_dequantize_blocks, payload, ranks=ranks, length=length, block=block, q=q, compute=compute,
+                    role=Role.DECODE)
+
+
 def _joined(b: ChainBuilder, gm: fx.GraphModule, result: fx.Node) -> None:
     """Make the chain the inner lowering made for ``result`` (if any) part of ``b``'s, and
     ``result`` itself too when it is a node of the lowering's own (a cast out of no chain)."""
@@ -400,7 +550,15 @@ LOWERINGS: dict[LoweringKey, Lowering] = {
     LoweringKey(G, "sharded"): all_gather,
     LoweringKey(G, "hybrid"): all_gather,  # HSDP gathers within its shard group
     LoweringKey(G, "partition"): all_gather_within,
-    LoweringKey(G, "saved"): keep_saved,
+    # MixedPrecision(gather_dtype=...): quantized weight gathers (on one rank, quantized and
+    # dequantized: the same numbers). hpZ's backward gather moves a piece of the dequantized
+    # buffer, as it is.
+    **{LoweringKey(G, topology, wire=f"quantized_{scaling}"): lowering
+       for scaling, lowering in (("tensor", all_gather_quantized_tensor), ("block", all_gather_quantized_block))
+       for topology in ("local", "sharded", "hybrid")},
+    LoweringKey(G, "partition", wire="quantized_tensor"): all_gather_within,
+    LoweringKey(G, "partition", wire="quantized_block"): all_gather_within,
+    **{LoweringKey(G, "saved", wire=wire): keep_saved for wire in ("dtype", "quantized_tensor", "quantized_block")},
     LoweringKey(R, "local"): keep_local,
     LoweringKey(R, "sharded"): reduce_scatter,
     LoweringKey(R, "hybrid"): reduce_scatter_all_reduce,
