@@ -264,7 +264,6 @@ def test_disabling_passes_by_name() -> None:
                         backward_prefetch=None)
 
 
-
 def test_every_pass_of_the_package_can_be_named_to_disable_passes() -> None:
     # all_pass_names is what disable_passes accepts: every pass some configuration runs,
     # including those only an option switches on (checkpoint_activations_pass, under

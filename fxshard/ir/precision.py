@@ -47,7 +47,9 @@ class Wire(Protocol):
     lowering table's wire (``fxshard/passes/lowering.py``), whose rows say what the chain
     computes; ``agrees``: its lowering agrees values over the ranks at the graph's start
     (``NodeInfo.agrees``), which ``batch_agreements_pass`` makes one collective per graph;
-    ``str()`` is what the plan prints."""
+    ``str()`` is what the plan prints. The plan groups parameters by their wire, so a wire
+    is hashable and equal to another of the same value (a frozen dataclass, as
+    ``Quantized``)."""
 
     @property
     def key(self) -> str: ...
@@ -64,6 +66,7 @@ class Group(Protocol):
 
     @property
     def compute_dtype(self) -> torch.dtype: ...
+
 
 # The largest magnitude each quantized gather dtype holds: a shard is scaled so that its
 # (a parameter's, a block's) largest magnitude lands on it.

@@ -182,7 +182,7 @@ class ChainBuilder:
         node.meta.update(meta.provenance(self.like))
         return self.tag_node(node, role)
 
-    def traced(self, fn: Callable[..., torch.Tensor], *inputs: fx.Node, role: Role = Role.ENCODE,
+    def traced(self, fn: Callable[..., torch.Tensor], *inputs: fx.Node, role: Role,
                **static: Any) -> fx.Node:
         """``fn(*inputs, **static)``, plain torch code on the inputs' tensors, traced under the
         graph's fake mode (``make_fx``) and spliced in before the chain's insertion point:
@@ -447,12 +447,12 @@ def all_gather_quantized_tensor(site: Site, ctx: PassContext) -> fx.Node:
     lo, hi = group.shard_range(layout.shard_rank) if layout.communicates else (0, group.padded_numel)
     here = _spans(group, lo, hi)
     with b.issuing(agreed=P.is_placeholder(site.value)):
-        amax = b.traced(_amax_per_parameter, site.value, here=here, count=len(group.params))
+        amax = b.traced(_amax_per_parameter, site.value, here=here, count=len(group.params), role=Role.ENCODE)
         if layout.communicates:
             amax = b.collective(P.ALL_REDUCE, (amax, "max", layout.shard.name), Role.ALL_REDUCE)
-        scales = b.traced(_scales, amax, q=q, compute=compute)
+        scales = b.traced(_scales, amax, q=q, compute=compute, role=Role.ENCODE)
     with b.issuing():
-        data = b.traced(_quantize_per_parameter, site.value, scales, here=here, q=q)
+        data = b.traced(_quantize_per_parameter, site.value, scales, here=here, q=q, role=Role.ENCODE)
     if layout.communicates:
         data = b.collective(P.ALL_GATHER, (data, layout.shard.size, layout.shard.name), Role.ALL_GATHER)
     return b.traced(_dequantize_per_parameter, data, scales, spans=_spans(group, 0, group.padded_numel),
@@ -493,7 +493,7 @@ def all_gather_quantized_block(site: Site, ctx: PassContext) -> fx.Node:
     ranks = layout.shard.size if layout.communicates else 1
     length = group.shard_numel if layout.communicates else group.padded_numel
     block = q.block(length, compute.itemsize)
-    payload = b.traced(_quantize_blocks, site.value, block=block, q=q, compute=compute)
+    payload = b.traced(_quantize_blocks, site.value, block=block, q=q, compute=compute, role=Role.ENCODE)
     if layout.communicates:
         payload = b.collective(P.ALL_GATHER, (payload, ranks, layout.shard.name), Role.ALL_GATHER)
     return b.traced(_dequantize_blocks, payload, ranks=ranks, length=length, block=block, q=q, compute=compute,
