@@ -119,6 +119,21 @@ def test_a_layouts_dimension_names_its_ranks_and_this_ranks_place_and_refuses_a_
         CommGroup(2, "row", ranks=(0, 1, 2))
 
 
+def test_a_layout_is_its_named_dimensions_and_a_new_one_is_an_entry_of_the_dimensions_table() -> None:
+    from fxshard.ir.layout import DIMENSIONS, CommGroup
+
+    shard, replicate, partition = CommGroup(4, "row", rank=1), CommGroup(2, "column", rank=1), CommGroup(2, "block")
+    layout = Layout(shard, replicate, partition)
+    assert [name for name, _ in layout.dims] == [d.name for d in DIMENSIONS] == ["shard", "replicate", "partition"]
+    assert layout.get("partition") is partition and layout.get("nothing") is None
+    assert (layout.world_size, Layout(shard, partition=partition).world_size) == (8, 4)  # a partition cuts the shard
+    assert Layout(shard, partition=partition).describe() == "rank 0 of 2 in its hpZ partition"
+    with pytest.raises(ValueError, match=r"no layout dimension named \['tensor'\]; the dimensions are \['shard', "):
+        Layout(shard, tensor=CommGroup(2, "t"))
+    with pytest.raises(ValueError, match="a partition of 3 ranks does not divide a shard group of 4"):
+        Layout(shard, partition=CommGroup(3, "block"))
+
+
 def test_each_flat_groups_holding_is_one_value_and_keys_its_lowering() -> None:
     from fxshard.ir.meta import Direction
     from fxshard.passes.context import Holding

@@ -27,11 +27,16 @@ in it, the job's ranks of this rank's group along it, and the names of its proce
 groups (one per in-flight slot). The passes, the plan's replicas, calibration and
 the report read it; the runtime resolves a dimension's groups from their names
 (``World.groups``).
+
+The dimensions are data: ``Layout.dims`` names each one it has, and ``DIMENSIONS``
+says of each kind whether it multiplies the job's ranks or cuts another dimension's
+groups, and how a report names this rank's place in it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import prod
 
 
 @dataclass(frozen=True)
@@ -70,18 +75,72 @@ class CommGroup:
 
 
 @dataclass(frozen=True)
+class Dimension:
+    """A kind of layout dimension, as data (``DIMENSIONS``): its ``name``; ``within``, the
+    dimension whose groups it cuts into blocks (hpZ's partitions cut the shard group), or
+    None where it multiplies the job's ranks; ``place``, how a report names this rank's place
+    in it ("" for none), with ``{rank}`` and ``{size}``.
+
+    A new dimension is an entry here, the ``Layout`` the runtime builds with it, and the
+    lowering rows that run collectives over it (``fxshard/passes/lowering.py``)."""
+
+    name: str
+    within: str | None
+    place: str
+
+
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension("shard", None, ""),  # every layout has one: the flat groups are cut over it
+    Dimension("replicate", None, "replica {rank} of {size}"),  # HSDP
+    Dimension("partition", "shard", "rank {rank} of {size} in its hpZ partition"),  # hpZ
+)
+_DIMENSION = {d.name: d for d in DIMENSIONS}
+
+
+@dataclass(frozen=True, init=False)
 class Layout:
-    """How the ranks hold every flat group: sharded over ``shard``, and for HSDP the same
-    shards held by every rank of ``replicate``."""
+    """How the ranks hold every flat group: its named dimensions (``dims``, in the order of
+    ``DIMENSIONS``), each a ``CommGroup``. Every layout has "shard"; HSDP adds "replicate",
+    the ranks holding the same shards; hpZ adds "partition", blocks of the shard group.
+    ``Layout(shard, replicate=None, partition=None, **more)`` builds one from its
+    dimensions by name (None: not in the layout)."""
 
-    shard: CommGroup
-    replicate: CommGroup | None = None
-    partition: CommGroup | None = None
+    dims: tuple[tuple[str, CommGroup], ...]
 
-    def __post_init__(self) -> None:
-        if self.partition is not None and self.shard.size % self.partition.size:
-            raise ValueError(f"a partition of {self.partition.size} ranks does not divide a shard group of "
-                             f"{self.shard.size}")
+    def __init__(self, shard: CommGroup, replicate: CommGroup | None = None,
+                 partition: CommGroup | None = None, **more: CommGroup | None) -> None:
+        given = {"shard": shard, "replicate": replicate, "partition": partition, **more}
+        unknown = sorted(set(given) - set(_DIMENSION))
+        if unknown:
+            raise ValueError(f"no layout dimension named {unknown}; the dimensions are {list(_DIMENSION)}")
+        dims: tuple[tuple[str, CommGroup], ...] = tuple(
+            (d.name, group) for d in DIMENSIONS if (group := given.get(d.name)) is not None)
+        object.__setattr__(self, "dims", dims)
+        for name, group in dims:
+            within = _DIMENSION[name].within
+            if within is not None:
+                outer = self.get(within)
+                if outer is None or outer.size % group.size:
+                    raise ValueError(f"a {name} of {group.size} ranks does not divide a {within} group of "
+                                     f"{outer.size if outer is not None else 0}")
+
+    def get(self, name: str) -> CommGroup | None:
+        """The dimension named ``name`` (None: not in this layout)."""
+        return next((group for label, group in self.dims if label == name), None)
+
+    @property
+    def shard(self) -> CommGroup:
+        group = self.get("shard")
+        assert group is not None
+        return group
+
+    @property
+    def replicate(self) -> CommGroup | None:
+        return self.get("replicate")
+
+    @property
+    def partition(self) -> CommGroup | None:
+        return self.get("partition")
 
     @property
     def shard_rank(self) -> int:
@@ -97,20 +156,14 @@ class Layout:
 
     def without_slots(self) -> Layout:
         """The same layout with every collective on its dimension's one group (no in-flight slots)."""
-        def one(dim: CommGroup | None) -> CommGroup | None:
-            return replace(dim, slots=()) if dim is not None else None
-
-        return Layout(replace(self.shard, slots=()), one(self.replicate), one(self.partition))
+        shard, *rest = ((name, replace(group, slots=())) for name, group in self.dims)
+        return Layout(shard[1], **dict(rest))
 
     def describe(self) -> str:
         """This rank's place in the dimensions beyond its shard group, for reports; "" on one
         flat group."""
-        parts = []
-        if self.replicate is not None:
-            parts.append(f"replica {self.replicate.rank} of {self.replicate.size}")
-        if self.partition is not None:
-            parts.append(f"rank {self.partition.rank} of {self.partition.size} in its hpZ partition")
-        return "; ".join(parts)
+        return "; ".join(_DIMENSION[name].place.format(rank=group.rank, size=group.size)
+                         for name, group in self.dims if _DIMENSION[name].place)
 
     @classmethod
     def flat(cls, world_size: int, group_name: str | None, slots: tuple[str, ...] = ()) -> Layout:
@@ -120,7 +173,7 @@ class Layout:
     @property
     def world_size(self) -> int:
         """Ranks in the job."""
-        return self.shard.size * (self.replicate.size if self.replicate is not None else 1)
+        return prod(group.size for name, group in self.dims if _DIMENSION[name].within is None)
 
     @property
     def grad_divisor(self) -> int:
@@ -133,8 +186,7 @@ class Layout:
 
     def labelled(self) -> tuple[tuple[str, CommGroup], ...]:
         """The layout's dimensions by name: "shard", then "replicate" and "partition" where set."""
-        dims = (("shard", self.shard), ("replicate", self.replicate), ("partition", self.partition))
-        return tuple((label, dim) for label, dim in dims if dim is not None)
+        return self.dims
 
     def dimensions(self) -> dict[str, tuple[str, int]]:
         """Each process group's dimension ("shard", "replicate", "partition") and slot there."""
