@@ -212,8 +212,10 @@ class _TwoRanks:  # two gloo ranks, as far as measure_network asks (nothing runs
 
 def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tuple[str, int]]:
     """measure_network's collectives replaced by a scripted host: each call of a collective of
-    ``bus`` bytes takes ``slow(call number) * (100 us + bus / 1 GB/s)`` on the patched clock.
-    Returns the (kind, input bytes) of every call, in order."""
+    ``bus`` bytes takes ``slow(call number) * (100 us + bus / 1 GB/s)`` on the patched clock,
+    a fifth of its latency and a quarter of its bytes' time in the call that issues it (as
+    gloo's reduce_scatter copies its input), the rest until its wait returns. Returns the
+    (kind, input bytes) of every call, in order."""
     from fxshard.driver.report import calibrate
     from fxshard.ir.collectives import bus_bytes
 
@@ -222,13 +224,19 @@ def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tu
     def collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int, name: str) -> Any:
         given = (shard if kind == "all_gather" else full).numel() * 4
 
-        def run() -> None:
+        def issue() -> float:
             made.append((kind, given))
-            clock[0] += slow(len(made)) * (1e-4 + bus_bytes(kind, given, n) / 1e9)
-        return run, given
+            factor, bus = slow(len(made)), bus_bytes(kind, given, n)
+            clock[0] += factor * (2e-5 + bus / 4e9)
+            return factor * (8e-5 + bus * 3 / 4e9)  # what its wait takes
+        return issue, given
+
+    def wait(flight: float) -> None:
+        clock[0] += flight
 
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(calibrate, "_collective", collective)
+    monkeypatch.setattr(calibrate, "_wait", wait)
     monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
     monkeypatch.setattr(calibrate.dist, "get_backend", lambda group: "gloo")
     return made
@@ -243,8 +251,11 @@ def test_the_network_is_measured_by_the_mean_of_each_sizes_calls_interleaved(mon
     # Every kind at every size, its count of calls (after one to warm up), their mean fitted.
     sizes = calibrate.network_sizes(torch.device("cpu"))
     for kind in calibrate.KINDS:
-        assert network.links[kind].latency == pytest.approx(1e-4)
-        assert network.links[kind].bandwidth == pytest.approx(1e9)
+        link = network.links[kind]
+        # Its flight and its issue, each fitted; the whole collective as before.
+        assert (link.latency, link.bandwidth) == (pytest.approx(8e-5), pytest.approx(4e9 / 3))
+        assert (link.issue_latency, link.issue_bandwidth) == (pytest.approx(2e-5), pytest.approx(4e9))
+        assert link.seconds(1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
         for size, calls in sizes:
             given = (size // 8 if kind == "all_gather" else size // 4) * 4
             assert made.count((kind, given)) == 1 + calls
@@ -267,7 +278,8 @@ def test_a_slow_moment_of_the_host_moves_every_size_alike_not_the_bandwidth(monk
         for window in windows:
             _scripted_network(monkeypatch, lambda call, window=window: 3.0 if call in window else 1.0)
             network = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
-            lowest = min(lowest, *(network.links[kind].bandwidth for kind in calibrate.KINDS))
+            lowest = min(lowest, *(1 / (1 / link.bandwidth + 1 / link.issue_bandwidth)  # issue and flight
+                                   for link in network.links.values()))
         return lowest
 
     # Interleaved, every size's mean rises alike (a tenth of its calls, at most one in five of
@@ -507,6 +519,28 @@ def test_a_collective_that_takes_its_time_from_compute_slows_what_overlaps_it(fp
     free = predict_step({"forward": gm}, Rates("free overlap", rates.device, rates.network),
                         dimensions={"g0": ("shard", 0)})
     assert free.seconds == pytest.approx(max(a, m)) and free.compute_seconds == pytest.approx(m)
+
+
+@pytest.mark.parametrize("fp32", [GFLOP, GFLOP / 100])
+def test_a_collective_whose_call_copies_its_input_holds_compute_that_long_then_flies(fp32: float) -> None:
+    """gather A (its call holds the thread for a quarter of its bytes' time, as gloo's
+    reduce_scatter copies its input), a matmul that does not need it, wait A. The collective
+    alone takes as long as before; the matmul starts only when the call returns."""
+    gm = _gather_beside_a_matmul()
+    bus = 5000 * 4
+    held, flight = 2e-4 + bus / (4 * BETA), ALPHA - 2e-4 + 3 * bus / (4 * BETA)
+    link = Link(ALPHA - 2e-4, 4 * BETA / 3, issue_latency=2e-4, issue_bandwidth=4 * BETA)
+    assert link.seconds(bus, 2) == pytest.approx(Link(ALPHA, BETA).seconds(bus, 2))  # alone: the same
+    rates = Rates("issue", _device(fp32=fp32), Network("test", {"all_gather": link}))
+    m = 2 * 100 ** 3 / fp32  # 2 ms or 200 ms of matmul
+    t = predict_step({"forward": gm}, rates, dimensions={"g0": ("shard", 0)})
+    assert t.compute_seconds == pytest.approx(held + m)  # the call's copy is compute's time
+    assert t.seconds == pytest.approx(held + max(flight, m))
+    (span,) = t.collectives
+    assert (span.issued, span.start, span.end) == pytest.approx((held, held, held + flight))
+    before = predict_step({"forward": gm}, Rates("no issue", rates.device, Network("test", {"all_gather": Link(
+        ALPHA, BETA)})), dimensions={"g0": ("shard", 0)})
+    assert before.seconds == pytest.approx(max(ALPHA + bus / BETA, m))  # the call free: all of it overlaps
 
 
 def test_the_agreement_before_each_graph_is_waited_for() -> None:

@@ -140,14 +140,24 @@ def _interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:
 @dataclass(frozen=True)
 class Link:
     """One collective kind over one kind of wire: ``latency`` seconds, plus ``hop_latency``
-    per ring step (n - 1 of them), plus bus bytes over ``bandwidth`` (bytes/s)."""
+    per ring step (n - 1 of them), plus bus bytes over ``bandwidth`` (bytes/s), in flight;
+    before that, its issue holds the thread that calls it for ``issue_latency`` plus bus
+    bytes over ``issue_bandwidth`` (gloo's reduce_scatter copies its whole input before the
+    call returns; NCCL's calls only enqueue: 0, inf)."""
 
     latency: float
     bandwidth: float
     hop_latency: float = 0.0
+    issue_latency: float = 0.0
+    issue_bandwidth: float = math.inf
+
+    def issue(self, bus: float) -> float:
+        """Seconds the call holds its thread before the collective is in flight."""
+        return self.issue_latency + bus / self.issue_bandwidth
 
     def seconds(self, bus: float, group_size: int) -> float:
-        return self.latency + self.hop_latency * (group_size - 1) + bus / self.bandwidth
+        """The whole collective alone: its issue, then its flight."""
+        return self.issue(bus) + self.latency + self.hop_latency * (group_size - 1) + bus / self.bandwidth
 
 
 # Kinds a network table may leave out, and the kind whose link they take instead.
@@ -237,8 +247,11 @@ class Rates:
             lines.append(f"  network {self.network.name}{where}:")
             for kind, link in table.items():
                 hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""
+                issue = (f"; its issue {link.issue_latency * 1e6:.1f} us + bus bytes / "
+                         f"{link.issue_bandwidth / 1e9:.3g} GB/s on the calling thread"
+                         if link.issue_latency or link.issue_bandwidth != math.inf else "")
                 lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + bus bytes / "
-                             f"{link.bandwidth / 1e9:.3g} GB/s")
+                             f"{link.bandwidth / 1e9:.3g} GB/s{issue}")
         if self.contention:
             lines.append(f"  contention {self.contention:.2f}: compute runs at 1/{1 + self.contention:.2f} of "
                          "its speed while a collective is in flight")
@@ -747,6 +760,11 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             cost = node_cost(node, device)
             if i < len(fresh) and fresh[i]:
                 cost = replace(cost, seconds=cost.seconds + fresh[i] / device.fresh_bandwidth)
+            if node in info and info[node].group_size > 1:  # its call holds the thread, then it flies
+                c = info[node]
+                held = network.link(c.kind, c.group_size, c.dimension or "shard").issue(
+                    _bus(c.kind, c.input_bytes, c.group_size))
+                cost = replace(cost, seconds=cost.seconds + held) if held else cost
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
                 if device.asynchronous:  # launched by the host, then run when the stream is free

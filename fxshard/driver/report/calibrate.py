@@ -63,7 +63,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 8
+METHOD = 9
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -366,14 +366,19 @@ def network_sizes(device: torch.device) -> tuple[tuple[int, int], ...]:
 
 
 def _collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int,
-                name: str) -> tuple[Callable[[], object], int]:
-    """One collective of ``kind`` and its wait, as the emitted graphs run them; its input's bytes."""
+                name: str) -> tuple[Callable[[], torch.Tensor], int]:
+    """The call that issues one collective of ``kind``, as the emitted graphs make it (its
+    wait: ``ops.wait_tensor`` of what it returns); its input's bytes."""
     ops = compat.c10d_functional
     if kind == "all_gather":
-        return (lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, n, name))), shard.numel() * 4
+        return (lambda: ops.all_gather_into_tensor(shard, n, name)), shard.numel() * 4
     if kind == "reduce_scatter":
-        return (lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", n, name))), full.numel() * 4
-    return (lambda: ops.wait_tensor(ops.all_reduce(full, "sum", name))), full.numel() * 4
+        return (lambda: ops.reduce_scatter_tensor(full, "sum", n, name)), full.numel() * 4
+    return (lambda: ops.all_reduce(full, "sum", name)), full.numel() * 4
+
+
+def _wait(handle: torch.Tensor) -> None:
+    compat.c10d_functional.wait_tensor(handle)
 
 
 def interleaved(counts: Sequence[int]) -> list[int]:
@@ -399,32 +404,40 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     in the same order: a rank never waits on a call others skip."""
     device = comm_device(group)
     n, name = group.size(), group.group_name
-    points: list[tuple[str, Callable[[], object], int]] = []
+    points: list[tuple[str, Callable[[], torch.Tensor], int]] = []
     counts: list[int] = []
     for size, calls in network_sizes(device):
         numel = size // 4 // n * n
         full = torch.ones(numel, device=device)
         shard = torch.ones(numel // n, device=device)
         for kind in KINDS:
-            run, given = _collective(kind, full, shard, n, name)
-            run()  # to warm up
-            points.append((kind, run, given))
+            issue, given = _collective(kind, full, shard, n, name)
+            _wait(issue())  # to warm up
+            points.append((kind, issue, given))
             counts.append(calls)
     _sync(device)
     # The mean of each point's calls: a step pays every call, and on a shared host a few in ten
     # small ones take several times the median (gloo on 2 cores: the mean of a 256 KiB
     # reduce_scatter twice its median); a collective waits on its peers, whose own delays are
-    # part of its time.
-    total = [0.0] * len(points)
+    # part of its time. Each call is timed in two parts: its issue (until the call returns:
+    # the thread that computes is held that long; gloo's reduce_scatter copies its whole input
+    # first, a quarter of its time) and its flight (until its wait returns).
+    issued, flown = [0.0] * len(points), [0.0] * len(points)
     for i in interleaved(counts):
         start = time.perf_counter()
-        points[i][1]()
+        handle = points[i][1]()
+        returned = time.perf_counter()
+        _wait(handle)
         _sync(device)
-        total[i] += time.perf_counter() - start
+        issued[i] += returned - start
+        flown[i] += time.perf_counter() - returned
     links: dict[str, Link] = {}
     for kind in KINDS:
-        links[kind] = fit([(float(bus_bytes(kind, given, n)), total[i] / counts[i])
-                           for i, (k, _, given) in enumerate(points) if k == kind])
+        mine = [(float(bus_bytes(kind, given, n)), i) for i, (k, _, given) in enumerate(points) if k == kind]
+        flight = fit([(bus, flown[i] / counts[i]) for bus, i in mine])
+        held = fit([(bus, issued[i] / counts[i]) for bus, i in mine])
+        links[kind] = Link(flight.latency, flight.bandwidth, issue_latency=held.latency,
+                           issue_bandwidth=held.bandwidth)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
@@ -567,7 +580,8 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     values += [1.0 / device.bandwidth, device.overhead, device.view_overhead]
     for kind in KINDS:
         link = network.links.get(kind) if network is not None else None
-        values += [link.latency, 1.0 / link.bandwidth] if link is not None else [0.0, 0.0]
+        values += [link.latency, 1.0 / link.bandwidth, link.issue_latency, 1.0 / link.issue_bandwidth] \
+            if link is not None else [0.0, 0.0, 0.0, 0.0]
     for d in DTYPES:
         values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
     values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
@@ -580,8 +594,10 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
             network_name: str) -> tuple[DeviceRates, Network, float, float, float]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
-    links = {kind: Link(values[5 + 2 * i], 1.0 / values[6 + 2 * i]) for i, kind in enumerate(KINDS)}
-    rest, curves = iter(values[5 + 2 * len(KINDS):]), {}
+    links = {kind: Link(values[5 + 4 * i], 1.0 / values[6 + 4 * i], issue_latency=values[7 + 4 * i],
+                        issue_bandwidth=1.0 / values[8 + 4 * i] if values[8 + 4 * i] > 0 else math.inf)
+             for i, kind in enumerate(KINDS)}
+    rest, curves = iter(values[5 + 4 * len(KINDS):]), {}
     for d in DTYPES:
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
@@ -655,14 +671,17 @@ def calibrate(world: World, device: torch.device) -> Rates:
 
 
 def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
-    return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth}
+    return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth, "issue_latency": link.issue_latency,
+                      "issue_bandwidth": link.issue_bandwidth}
                for kind, link in network.links.items()},
             "contention": contention, "starvation": starvation, "latency_sharing": sharing}
 
 
 def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] | None:
     try:
-        return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]))
+        return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]),
+                                              issue_latency=float(entry[kind]["issue_latency"]),
+                                              issue_bandwidth=float(entry[kind]["issue_bandwidth"]))
                                    for kind in KINDS}),
                 float(entry["contention"]), float(entry["starvation"]), float(entry["latency_sharing"]))
     except (KeyError, TypeError, ValueError):
