@@ -760,11 +760,13 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             cost = node_cost(node, device)
             if i < len(fresh) and fresh[i]:
                 cost = replace(cost, seconds=cost.seconds + fresh[i] / device.fresh_bandwidth)
-            if node in info and info[node].group_size > 1:  # its call holds the thread, then it flies
-                c = info[node]
-                held = network.link(c.kind, c.group_size, c.dimension or "shard").issue(
-                    _bus(c.kind, c.input_bytes, c.group_size))
-                cost = replace(cost, seconds=cost.seconds + held) if held else cost
+            c = info.get(node)
+            if c is not None:  # a collective
+                link = network.link(c.kind, c.group_size, c.dimension or "shard")
+                bus = _bus(c.kind, c.input_bytes, c.group_size)
+                held = link.issue(bus) if c.group_size > 1 else 0.0
+                if held:  # its call holds the thread, then it flies
+                    cost = replace(cost, seconds=cost.seconds + held)
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
                 if device.asynchronous:  # launched by the host, then run when the stream is free
@@ -781,10 +783,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 total_flops += cost.flops
                 outs = _tensors(node.meta.get("val"))
                 peak += cost.flops / device.peak_rate(outs[0].dtype if outs else None)
-            if node in info:
-                c = info[node]
-                link = network.link(c.kind, c.group_size, c.dimension or "shard")
-                bus = _bus(c.kind, c.input_bytes, c.group_size)
+            if c is not None:
                 flight = _Flight(key, c.group_name, c.dimension or "shard",
                                  link.latency + link.hop_latency * (c.group_size - 1) if c.group_size > 1 else 0.0,
                                  bus / link.bandwidth if c.group_size > 1 else 0.0, now)

@@ -184,14 +184,10 @@ class Layout:
     def communicates(self) -> bool:
         return self.shard.name is not None
 
-    def labelled(self) -> tuple[tuple[str, CommGroup], ...]:
-        """The layout's dimensions by name: "shard", then "replicate" and "partition" where set."""
-        return self.dims
-
     def dimensions(self) -> dict[str, tuple[str, int]]:
         """Each process group's dimension ("shard", "replicate", "partition") and slot there."""
         named: dict[str, tuple[str, int]] = {}
-        for label, dim in self.labelled():
+        for label, dim in self.dims:
             if dim.name is not None:
                 named[dim.name] = (label, 0)
                 named.update({name: (label, i) for i, name in enumerate(dim.slots)})
@@ -199,7 +195,7 @@ class Layout:
 
     def dimension(self, group_name: str) -> CommGroup | None:
         """The dimension a collective on ``group_name`` belongs to (its slots' or its own)."""
-        for _, dim in self.labelled():
+        for _, dim in self.dims:
             if group_name == dim.name or group_name in dim.slots:
                 return dim
         return None

@@ -31,7 +31,7 @@ def assign_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     # Each dimension of the layout (the shard group; HSDP's replicas, hpZ's partition) has
     # slots of its own.
-    dims = [d for _, d in ctx.layout.labelled()]
+    dims = [d for _, d in ctx.layout.dims]
     if not all(d.slots for d in dims):
         raise GraphInvariantError("assign_groups_pass needs the in-flight slots' process groups "
                                   "(ctx.layout.shard.slots); build_pipeline leaves it out otherwise")
