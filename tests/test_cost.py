@@ -335,6 +335,61 @@ def test_a_timed_matmul_costs_what_it_took_here_each_layout_its_own() -> None:
     assert node_cost(plain, device).seconds == pytest.approx(2 * 64 * 128 * 32 / GFLOP + 1e-6)  # roofline
 
 
+def test_a_timed_node_whose_operands_left_the_cache_costs_its_cold_time() -> None:
+    """An operand is cold when more than the cache's bytes of traffic passed since its memory
+    was last touched: a placeholder is (the step before touched it), unless an earlier graph's
+    node of its name touched it lately; a view touches its base."""
+    from fxshard.ir.cost import cold_operands, node_key
+
+    mm, relu = torch.ops.aten.mm.default, torch.ops.aten.relu.default
+    kib = 128 * 128 * 4  # 64 KiB a matrix
+    f = Builder()
+    x, w, big = f.input("x", 128, 128), f.input("w", 128, 128), f.input("big", 512, 512)  # big: 1 MiB
+    a = f.op(relu, x)  # a fresh, x touched
+    first = f.op(mm, a, w)  # a warm, w cold (a placeholder): half its operand bytes
+    flushed = f.op(relu, big)  # 2 MiB of traffic: everything before is out of the cache
+    second = f.op(mm, a, w)  # both cold
+    view = f.op(torch.ops.aten.view.default, w, [128, 128])
+    third = f.op(mm, second, view)  # second fresh, and w (through its view) touched just before
+    forward = f.done(third, a, flushed)
+    bw = Builder()
+    # AOTAutograd names a saved value after the forward node (or input) it is.
+    saved_late, saved_early = bw.input(third.name, 128, 128), bw.input(x.name, 128, 128)
+    again = bw.op(mm, saved_late, saved_early)  # forward's third was last; its x long before
+    backward = bw.done(again)
+
+    key = node_key(first)
+    assert key is not None and {node_key(n) for n in (second, third, again)} == {key}
+    device = replace(_device(overhead=1e-6), node_seconds={key: 1.0}, node_cold_seconds={key: 3.0},
+                     cache_bytes=8 * kib)
+    cold = cold_operands([("forward", forward), ("backward", backward)], device)
+    assert cold == {("forward", first.name): 0.5, ("forward", second.name): 1.0, ("forward", third.name): 0.0,
+                    ("backward", again.name): 0.5}
+    assert node_cost(first, device, 0.5).seconds == pytest.approx(2.0 + 1e-6)  # halfway to cold
+    assert node_cost(second, device, 1.0).seconds == pytest.approx(3.0 + 1e-6)
+    assert node_cost(third, device).seconds == pytest.approx(1.0 + 1e-6)
+    # The step charges each timed node so: 2 + 3 + 1 in forward, 2 in backward.
+    time = predict_step({"forward": forward, "backward": backward}, Rates("r", device, Network.free()))
+    assert time.compute_seconds == pytest.approx(8.0, abs=1e-3)
+    # Without a cache (a profile, another OS), or without cold timings, every node is warm.
+    assert cold_operands([("forward", forward)], replace(device, cache_bytes=None)) == {}
+    assert cold_operands([("forward", forward)], replace(device, node_cold_seconds={})) == {}
+
+
+def test_the_cache_a_cold_operand_left_is_the_largest_data_cache_linux_describes(tmp_path: Any) -> None:
+    from fxshard.driver.report.calibrate import last_level_cache
+
+    for i, (kind, size) in enumerate([("Data", "32K"), ("Instruction", "64K"), ("Unified", "1024K"),
+                                      ("Unified", "32768K")]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert last_level_cache(str(tmp_path)) == 32 << 20
+    (tmp_path / "index3" / "size").write_text("2M\n")
+    assert last_level_cache(str(tmp_path)) == 2 << 20
+    assert last_level_cache(str(tmp_path / "none")) is None  # no description: no cache modelled
+
+
 def test_calibration_times_each_distinct_matmul_once_and_keeps_it(tmp_path: Any, monkeypatch: Any) -> None:
     from fxshard.driver.report import calibrate
 
@@ -346,14 +401,17 @@ def test_calibration_times_each_distinct_matmul_once_and_keeps_it(tmp_path: Any,
     again = b.op(torch.ops.aten.mm.default, mm, x)  # the same shapes: one timing
     gm = b.done(again)
     cpu = torch.device("cpu")
-    measured = Rates("r", replace(_device(), measured=True), Network.free())
+    measured = Rates("r", replace(_device(), measured=True, cache_bytes=1 << 20), Network.free())
     timed = calibrate.with_node_times(measured, {"forward": gm}, cpu)
     assert list(timed.device.node_seconds) == [cost_key(mm)] and timed.device.node_seconds[cost_key(mm)] > 0
+    # And cold, where the device knows its cache: operands of 256 KiB each, under twice 1 MiB.
+    assert list(timed.device.node_cold_seconds) == [cost_key(mm)] and timed.device.node_cold_seconds[cost_key(mm)] > 0
     # Kept on disk: another process reads it and times nothing.
     monkeypatch.setattr(calibrate, "_NODES", {})
     monkeypatch.setattr(calibrate, "_time_node", lambda *a: pytest.fail("timed again"))
-    assert calibrate.with_node_times(measured, {"forward": gm}, cpu).device.node_seconds == \
-        timed.device.node_seconds
+    again_timed = calibrate.with_node_times(measured, {"forward": gm}, cpu).device
+    assert (again_timed.node_seconds, again_timed.node_cold_seconds) == \
+        (timed.device.node_seconds, timed.device.node_cold_seconds)
     # A profile's figures are not this machine's, and a GPU's matmuls keep the curve.
     profile = Rates("p", _device(), Network.free())
     assert calibrate.with_node_times(profile, {"forward": gm}, cpu) is profile

@@ -95,6 +95,13 @@ class DeviceRates:
     # convolutions, whose rate depends on their shapes and layouts more than on their FLOPs); the
     # node costs that, plus its overhead, in place of its roofline.
     node_seconds: Mapping[str, float] = field(default_factory=dict)
+    # The same nodes timed with their operands out of the caches (a read of twice the
+    # last-level cache before each call): a step touches each weight once per phase, so it
+    # comes from memory, where the repeated calls of ``node_seconds`` find it in the cache.
+    # ``cache_bytes``: the last-level cache; an operand last touched more than that many bytes
+    # of the step's traffic ago is cold (``cold_operands``). None: no cache modelled.
+    node_cold_seconds: Mapping[str, float] = field(default_factory=dict)
+    cache_bytes: int | None = None
     # Fresh memory (the CPU): memory the allocator takes from the system anew is faulted in,
     # page by page, as it is first written, at ``fresh_bandwidth`` bytes/s on top of the write.
     # ``fresh_bytes``: the largest mmap threshold of the allocator (glibc: 32 MiB), from which
@@ -393,8 +400,10 @@ def op_name(node: fx.Node) -> str:
     return str(getattr(packet, "__name__", "")) if packet is not None else ""
 
 
-def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
-    """What ``node`` costs on the compute stream (a collective: its issue; its wait: nothing)."""
+def node_cost(node: fx.Node, device: DeviceRates, cold: float = 0.0) -> NodeCost:
+    """What ``node`` costs on the compute stream (a collective: its issue; its wait: nothing).
+    ``cold``: the fraction of its operands' bytes out of the caches (``cold_operands``), which
+    moves a timed node from its warm time towards its cold one."""
     if node.op != "call_function" or P.is_getitem(node) or P.is_wait(node):
         return _FREE
     if P.is_collective(node):
@@ -405,8 +414,11 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     moved = _nbytes(out) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))  # each operand read
     count = flops(node)
     if device.node_seconds:
-        timed = device.node_seconds.get(node_key(node) or "")
+        key = node_key(node) or ""
+        timed = device.node_seconds.get(key)
         if timed is not None:
+            if cold and key in device.node_cold_seconds:
+                timed += cold * max(0.0, device.node_cold_seconds[key] - timed)
             return NodeCost(count, moved, timed + device.overhead, device.overhead)
     outs = _tensors(out)
     seconds = moved / device.bandwidth
@@ -417,6 +429,52 @@ def node_cost(node: fx.Node, device: DeviceRates) -> NodeCost:
     if count:
         seconds = max(seconds, count / device.flop_rate(outs[0].dtype if outs else None, count))
     return NodeCost(count, moved, seconds + device.overhead, device.overhead)
+
+
+def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRates) -> dict[tuple[str, str], float]:
+    """For each timed node of ``graphs`` ((name, graph), in the order they run), the fraction
+    of its operands' bytes that are out of the caches when it runs, by (graph, node name).
+
+    An operand is cold when more than ``device.cache_bytes`` of the step's traffic (each
+    node's bytes moved, ``node_cost``; a collective's result where it is waited for) passed
+    since its memory was last touched: a view touches its base's memory, a wait lands its
+    collective's result, and a placeholder of a later graph named as a node of an earlier one
+    (AOTAutograd's saved activations) is that node's. Other placeholders (parameters, inputs:
+    last touched by the step before) are cold. Empty without a cache or cold timings."""
+    if device.cache_bytes is None or not device.node_cold_seconds:
+        return {}
+    clock = 0
+    last: dict[str, int] = {}  # a memory's name: the clock when it was last touched
+    fractions: dict[tuple[str, str], float] = {}
+    for name, gm in graphs:
+        base: dict[fx.Node, str] = {}  # a node: the memory it is (its own, or its base's)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                base[node] = node.name  # the earlier graph's node of that name, if any
+                continue
+            if node.op != "call_function":
+                continue
+            inputs = node.all_input_nodes
+            if (P.is_view(node) or P.is_getitem(node)) and inputs:
+                base[node] = base.get(inputs[0], inputs[0].name)
+                continue
+            if P.is_wait(node) and inputs:
+                base[node] = base.get(inputs[0], inputs[0].name)
+                clock += _nbytes(node.meta.get("val"))
+                last[base[node]] = clock
+                continue
+            base[node] = node.name
+            key = node_key(node)
+            if key is not None and key in device.node_cold_seconds:
+                sizes = [(_nbytes(a.meta.get("val")), last.get(base.get(a, a.name))) for a in inputs]
+                total = sum(b for b, _ in sizes)
+                cold = sum(b for b, t in sizes if t is None or clock - t > device.cache_bytes)
+                fractions[(name, node.name)] = cold / total if total else 0.0
+            clock += node_cost(node, device).bytes
+            for a in inputs:
+                last[base.get(a, a.name)] = clock
+            last[node.name] = clock
+    return fractions
 
 
 # The smallest mmap threshold of glibc's malloc (its default, before any free raises it).
@@ -728,6 +786,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
         phases = [p for p in ("forward", "loss", "backward", "optimizer step") if p in memory]
         largest = largest_tensor([graphs[n] for n in names])
         faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device)))
+    cold = cold_operands([(n, graphs[n]) for n in names], device)
     net = _Streams(rates.latency_sharing)
     now = 0.0  # the compute stream's clock
     host = 0.0  # where the host has launched up to (an asynchronous device's; else ``now``)
@@ -757,7 +816,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
         info = {node: c for node, c in collective_nodes(name, gm, dimensions)}
         fresh = faulted.get("forward" if name == "inference" else name, [])
         for i, node in enumerate(gm.graph.nodes):
-            cost = node_cost(node, device)
+            cost = node_cost(node, device, cold.get((name, node.name), 0.0))
             if i < len(fresh) and fresh[i]:
                 cost = replace(cost, seconds=cost.seconds + fresh[i] / device.fresh_bandwidth)
             c = info.get(node)

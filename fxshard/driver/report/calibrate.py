@@ -62,12 +62,14 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
 NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
+# A timed node's cold calls, each on operands of its own (``_time_node``).
+COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 9
+METHOD = 10
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
-_NODES: dict[str, dict[str, float]] = {}  # timed nodes' seconds, by device cache key
+_NODES: dict[str, dict[str, tuple[float, float]]] = {}  # timed nodes' (warm, cold) seconds, by device key
 _NETWORKS: dict[str, dict[str, Any]] = {}
 _LIBRARY: dict[str, int] = {}  # library_bytes, by device
 
@@ -197,7 +199,29 @@ def measure_device(device: torch.device) -> DeviceRates:
     fresh_bytes, fresh_bandwidth = measure_fresh(device)
     return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
                        per_element, asynchronous=device.type != "cpu", measured=True,
-                       fresh_bytes=fresh_bytes, fresh_bandwidth=fresh_bandwidth)
+                       fresh_bytes=fresh_bytes, fresh_bandwidth=fresh_bandwidth,
+                       cache_bytes=last_level_cache() if device.type == "cpu" else None)
+
+
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The CPU's largest data cache in bytes, as Linux describes it (``index*/size``, e.g.
+    "32768K"), which a timed node's operands are cold beyond (``cost.cold_operands``); None
+    where it says nothing (another OS): the timed nodes then keep their warm times."""
+    sizes = []
+    for index in Path(root).glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    if not sizes:
+        log.info("fxshard: no CPU cache size under %s; timed nodes keep their warm times", root)
+    return max(sizes, default=None)
 
 
 FRESH_LARGEST = 64 << 20  # the largest allocation probed for fresh pages
@@ -320,7 +344,8 @@ def _device_entry(rates: DeviceRates) -> dict[str, Any]:
             "overhead": rates.overhead, "view_overhead": rates.view_overhead,
             "matmul_curve": {k: [list(p) for p in v] for k, v in rates.matmul_curve.items()},
             "per_element": dict(rates.per_element), "asynchronous": rates.asynchronous,
-            "fresh_bytes": rates.fresh_bytes, "fresh_bandwidth": rates.fresh_bandwidth}
+            "fresh_bytes": rates.fresh_bytes, "fresh_bandwidth": rates.fresh_bandwidth,
+            "cache_bytes": rates.cache_bytes}
 
 
 def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
@@ -332,7 +357,8 @@ def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
                            {k: float(v) for k, v in entry["per_element"].items()},
                            asynchronous=bool(entry["asynchronous"]), measured=True,
                            fresh_bytes=None if entry["fresh_bytes"] is None else int(entry["fresh_bytes"]),
-                           fresh_bandwidth=float(entry["fresh_bandwidth"]))
+                           fresh_bandwidth=float(entry["fresh_bandwidth"]),
+                           cache_bytes=None if entry["cache_bytes"] is None else int(entry["cache_bytes"]))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry of an older fxshard: measured again
 
@@ -587,6 +613,7 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
     # The MAX over ranks: the smallest allocation any rank maps afresh, the slowest fault rate.
     values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
+    values += [1.0 / device.cache_bytes if device.cache_bytes else 0.0]  # the smallest cache
     return [*values, contention, starvation, sharing]
 
 
@@ -601,11 +628,12 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
     for d in DTYPES:
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
-    inverse_fresh, fault = next(rest), next(rest)
+    inverse_fresh, fault, inverse_cache = next(rest), next(rest), next(rest)
     return (DeviceRates(name, flops, bandwidth, overhead, view, {d: c for d, c in curves.items() if c},
                         per_element, asynchronous=like.asynchronous, measured=like.measured,
                         fresh_bytes=round(1.0 / inverse_fresh) if inverse_fresh > 0 else None,
-                        fresh_bandwidth=1.0 / fault if fault > 0 else math.inf),
+                        fresh_bandwidth=1.0 / fault if fault > 0 else math.inf,
+                        cache_bytes=round(1.0 / inverse_cache) if inverse_cache > 0 else None),
             Network(network_name, links), next(rest), next(rest), next(rest))
 
 
@@ -690,9 +718,11 @@ def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] 
 
 def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: torch.device) -> Rates:
     """``rates`` with each matmul and convolution of ``graphs`` (``cost.TIMED``) timed on
-    ``device``, once per distinct node (``cost.node_key``), cached beside the device's rates.
-    On the CPU only, and only for rates measured here (a profile's are its figures). Each rank
-    times its own: no collective (``report()`` may run on one rank alone)."""
+    ``device``, once per distinct node (``cost.node_key``), cached beside the device's rates:
+    warm (``node_seconds``) and, where the device knows its cache, with its operands evicted
+    (``node_cold_seconds``). On the CPU only, and only for rates measured here (a profile's
+    are its figures). Each rank times its own: no collective (``report()`` may run on one
+    rank alone)."""
     if device.type != "cpu" or not rates.device.measured:
         return rates
     nodes: dict[str, fx.Node] = {}
@@ -705,38 +735,67 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
         return rates
     where = f"nodes | {device_key(device)}"
     if where not in _NODES:
-        _NODES[where] = {k: float(v) for k, v in (_load(where) or {}).items() if isinstance(v, (int, float))}
+        _NODES[where] = {k: (float(v[0]), float(v[1])) for k, v in (_load(where) or {}).items()
+                         if isinstance(v, list) and len(v) == 2}
     table = _NODES[where]
     missing = [k for k in nodes if k not in table]
+    cache = rates.device.cache_bytes
+    evict = torch.ones(cache // 2, device=device) if missing and cache is not None else None  # 2x, float32
     for key in missing:
-        seconds = _time_node(nodes[key], device)
+        seconds = _time_node(nodes[key], device, evict)
         if seconds is not None:
             table[key] = seconds
     if missing:
-        _save(where, table)
+        _save(where, {k: list(v) for k, v in table.items()})
     timed = {k: table[k] for k in nodes if k in table}
-    return replace(rates, device=replace(rates.device, node_seconds={**rates.device.node_seconds, **timed}))
+    d = rates.device
+    return replace(rates, device=replace(
+        d, node_seconds={**d.node_seconds, **{k: w for k, (w, _) in timed.items()}},
+        node_cold_seconds={**d.node_cold_seconds, **{k: c for k, (_, c) in timed.items()}}
+        if d.cache_bytes is not None else d.node_cold_seconds))
 
 
-def _time_node(node: fx.Node, device: torch.device) -> float | None:
-    """One run of ``node`` on tensors of its arguments' shapes, strides and dtypes (random
-    values) on ``device``: the median of a few (``_seconds``); None where it does not run on them."""
+def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None = None) -> tuple[float, float] | None:
+    """One run of ``node`` on tensors of its arguments' shapes, strides and dtypes on
+    ``device``, warm and cold: the median of a few calls on the same operands, one after the
+    other (``_seconds``: they stay in the caches), and the median of ``COLD_CALLS`` calls each on
+    operands of its own, made before a read of ``evict`` (twice the cache; untimed) evicted
+    them all: where a step finds a weight, with the kernel's code as hot as in the step (an
+    eviction before each call also evicts the code, and charged a 10 us matmul 50 us more).
+    Operands as large as ``evict`` are cold even when warm. Without ``evict`` cold is warm.
+    None where the node does not run on such tensors."""
 
-    def real(v: Any) -> Any:
+    def real(v: Any, fill: float | None = None) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         span = 1 + sum((n - 1) * s for n, s in zip(v.shape, v.stride()) if n > 0) if v.numel() else 0
-        if v.dtype.is_floating_point:
+        if not v.dtype.is_floating_point:
+            base = torch.zeros(span, dtype=v.dtype, device=device)
+        elif fill is None:
             base = torch.randn(span, device=device).to(v.dtype)
         else:
-            base = torch.zeros(span, dtype=v.dtype, device=device)
+            base = torch.full((span,), fill, dtype=v.dtype, device=device)
         return base.as_strided(tuple(v.shape), tuple(v.stride()))
 
     try:
-        args = pytree.tree_map(real, fx.node.map_arg(node.args, lambda n: n.meta.get("val")))
-        kwargs = pytree.tree_map(real, fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val")))
+        vals = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        args, kwargs = pytree.tree_map(real, vals)
         target: Callable[..., Any] = node.target  # type: ignore[assignment]
-        return _seconds(lambda: target(*args, **kwargs), device)
+        warm = _seconds(lambda: target(*args, **kwargs), device)
+        operands = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor))
+        if evict is None or operands >= evict.nbytes:
+            return warm, warm
+        copies = [pytree.tree_map(lambda v: real(v, 0.5), vals) for _ in range(COLD_CALLS + 1)]
+        evict.sum()
+        cold = []
+        for a, k in copies:  # the first call warms the code the read evicted
+            _sync(device)
+            start = time.perf_counter()
+            target(*a, **k)
+            _sync(device)
+            cold.append(time.perf_counter() - start)
+        return warm, statistics.median(cold[1:])
     except Exception as e:  # noqa: BLE001 - the roofline stands in for it
         log.info("fxshard: could not time %s: %s", node.format_node(), e)
         return None
