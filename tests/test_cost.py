@@ -579,6 +579,28 @@ def test_a_collective_that_takes_its_time_from_compute_slows_what_overlaps_it(fp
     assert free.seconds == pytest.approx(max(a, m)) and free.compute_seconds == pytest.approx(m)
 
 
+@pytest.mark.parametrize("contention", [0.5, 1.0])
+def test_each_collective_in_flight_takes_its_share_from_compute(contention: float) -> None:
+    """gather A and gather B in flight at once (another dimension's wires: each at full
+    speed, 21 ms), a 200 ms matmul that needs neither, wait A, wait B. On the CPU each is a
+    gloo thread wanting a core: compute runs at 1 / (1 + 2 c) while both fly."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    gather_a, gather_b = b.gather(b.input("a", 5000), "a", "g0"), b.gather(b.input("b", 5000), "b", "g1")
+    y = b.op(torch.ops.aten.mm.default, x, x)
+    for gather in (gather_a, gather_b):
+        b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
+    gm = b.done(y)
+    fp32 = GFLOP / 100
+    a, m = ALPHA + 5000 * 4 / BETA, 2 * 100 ** 3 / fp32
+    rates = Rates("contended", _device(fp32=fp32), Network("test", {"all_gather": Link(ALPHA, BETA)}),
+                  contention=contention)
+    t = predict_step({"forward": gm}, rates, dimensions={"g0": ("shard", 0), "g1": ("replicate", 0)})
+    # Both fly for a: compute gets a / (1 + 2c) done meanwhile, then the rest at full speed.
+    assert t.compute_seconds == pytest.approx(a + m - a / (1 + 2 * contention))
+    assert t.exposed_comm_seconds == pytest.approx(0.0)
+
+
 @pytest.mark.parametrize("fp32", [GFLOP, GFLOP / 100])
 def test_a_collective_whose_call_copies_its_input_holds_compute_that_long_then_flies(fp32: float) -> None:
     """gather A (its call holds the thread for a quarter of its bytes' time, as gloo's

@@ -221,8 +221,8 @@ class Rates:
     # How much of a collective's time in flight the compute stream loses to it: 0, compute
     # and communication overlap for free (the profiles: NCCL's SMs are not modelled); 1, a
     # collective takes its whole time from compute (gloo's threads on cores that compute,
-    # as calibration measures on the CPU). Compute runs at 1 / (1 + contention) of its speed
-    # while any collective is in flight.
+    # as calibration measures on the CPU). Compute runs at 1 / (1 + contention k) of its speed
+    # while k collectives are in flight (on the CPU each is a gloo thread wanting a core).
     contention: float = 0.0
     # How much longer a collective's latency takes while compute runs: 0, as long (the
     # profiles); on the CPU, gloo's thread waits for a core to wake on, so a small collective
@@ -720,8 +720,8 @@ class _Streams:
         q.append(f)
 
     def compute(self, now: float, seconds: float, contention: float, starvation: float = 0.0) -> float:
-        """When ``seconds`` of compute that start at ``now`` end: slowed by ``1 + contention``
-        while any collective is in flight (those already issued: nothing is issued meanwhile),
+        """When ``seconds`` of compute that start at ``now`` end: slowed by ``1 + contention k``
+        while k collectives are in flight (those already issued: nothing is issued meanwhile),
         the collectives' latencies passing at ``1 / (1 + starvation)`` of their pace meanwhile."""
         self.advance(now)
         if not contention and not starvation:
@@ -733,11 +733,11 @@ class _Streams:
                     self.now = now + seconds
                     return now + seconds
                 at, _ = self._next_event()
-                slow = seconds * (1 + contention)
+                slow = seconds * (1 + contention * len(self._active()))
                 if now + slow <= at:
                     self.advance(now + slow)
                     return now + slow
-                seconds -= (at - now) / (1 + contention)
+                seconds -= (at - now) / (1 + contention * len(self._active()))
                 self.advance(at)
                 now = at
             return now
