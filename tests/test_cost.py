@@ -350,7 +350,7 @@ def test_a_timed_node_whose_operands_left_the_cache_costs_its_cold_time() -> Non
     flushed = f.op(relu, big)  # 2 MiB of traffic: everything before is out of the cache
     second = f.op(mm, a, w)  # both cold
     view = f.op(torch.ops.aten.view.default, w, [128, 128])
-    third = f.op(mm, second, view)  # second fresh, and w (through its view) touched just before
+    third = f.op(mm, second, view)  # second fresh, and w touched by second just before
     forward = f.done(third, a, flushed)
     bw = Builder()
     # AOTAutograd names a saved value after the forward node (or input) it is.
@@ -374,6 +374,65 @@ def test_a_timed_node_whose_operands_left_the_cache_costs_its_cold_time() -> Non
     # Without a cache (a profile, another OS), or without cold timings, every node is warm.
     assert cold_operands([("forward", forward)], replace(device, cache_bytes=None)) == {}
     assert cold_operands([("forward", forward)], replace(device, node_cold_seconds={})) == {}
+
+
+def test_a_gathered_weight_is_warm_where_it_lands_and_a_saved_view_or_a_tangent_where_it_was_written() -> None:
+    """A collective's result is touched where its wait lands it, not where it was issued; a
+    backward placeholder named as a forward view is that view's base; a tangent was just
+    written by the loss's backward."""
+    from fxshard.ir.cost import cold_operands, node_key
+
+    mm, relu, view = torch.ops.aten.mm.default, torch.ops.aten.relu.default, torch.ops.aten.view.default
+    f = Builder()
+    x, shard, big = f.input("x", 128, 128), f.input("shard", 128 * 64), f.input("big", 512, 512)
+    gather = f.gather(shard, "a", "g0")  # issued here; 64 KiB gathered
+    flushed = f.op(relu, big)  # 2 MiB of traffic while it flies
+    weight = f.op(view, f.wait(gather), [128, 128])  # lands here
+    a = f.op(relu, x)
+    used = f.op(mm, a, weight)  # both warm: a just computed, the weight just landed
+    saved = f.op(view, a, [128, 128])  # a view of a, saved for backward under its own name
+    later = f.op(relu, x)  # 128 KiB of traffic after a was last touched
+    forward = f.done(used, saved, flushed, later)
+    bw = Builder()
+    saved_view, tangent = bw.input(saved.name, 128, 128), bw.input("tangents_1", 128, 128)
+    grad = bw.op(mm, tangent, saved_view)  # the tangent just written; a (through the view) long ago
+    backward = bw.done(grad)
+
+    key = node_key(used)
+    assert key is not None and node_key(grad) == key
+    device = replace(_device(), node_seconds={key: 1.0}, node_cold_seconds={key: 3.0}, cache_bytes=512 << 10)
+    cold = cold_operands([("forward", forward), ("backward", backward)], device)
+    assert cold[("forward", used.name)] == 0.0
+    # a was last touched by `used`, 128 KiB of traffic before backward: in a 512 KiB cache
+    # its view is warm; in a 64 KiB one it is cold, and the tangent still warm.
+    assert cold[("backward", grad.name)] == 0.0
+    small = cold_operands([("forward", forward), ("backward", backward)], replace(device, cache_bytes=64 << 10))
+    assert small[("backward", grad.name)] == 0.5
+
+
+def test_cold_timing_holds_at_most_the_eviction_and_two_copies_of_large_operands(monkeypatch: Any) -> None:
+    """Small operands: one copy per cold call, all evicted by one read. Operands near the
+    cache's size: as few copies as evict each other, called in turn."""
+    from fxshard.driver.report import calibrate
+
+    made: list[int] = []
+    full = torch.full
+
+    def counting(size: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        made.append(int(size[0]))
+        return full(size, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "full", counting)
+    evict = torch.ones(1 << 18)  # 1 MiB: the read for a 512 KiB cache
+    # 2 x 16 KiB of operands: a copy per call; 2 x 256 KiB: ceil(1 MiB / 512 KiB) + 1 = 3 in turn.
+    for n, copies in ((64, calibrate.COLD_CALLS + 1), (256, 3)):
+        b = Builder()
+        x = b.input("x", n, n)
+        node = b.op(torch.ops.aten.mm.default, x, x)
+        made.clear()
+        timed = calibrate._time_node(node, torch.device("cpu"), evict)
+        assert timed is not None and min(timed) > 0
+        assert len(made) == 2 * copies  # two operands a copy
 
 
 def test_the_cache_a_cold_operand_left_is_the_largest_data_cache_linux_describes(tmp_path: Any) -> None:

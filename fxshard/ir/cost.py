@@ -95,9 +95,10 @@ class DeviceRates:
     # convolutions, whose rate depends on their shapes and layouts more than on their FLOPs); the
     # node costs that, plus its overhead, in place of its roofline.
     node_seconds: Mapping[str, float] = field(default_factory=dict)
-    # The same nodes timed with their operands out of the caches (a read of twice the
-    # last-level cache before each call): a step touches each weight once per phase, so it
-    # comes from memory, where the repeated calls of ``node_seconds`` find it in the cache.
+    # The same nodes timed with their operands out of the caches (operands of its own per
+    # call, evicted by a read of twice the last-level cache): a step touches each weight once
+    # per phase, so it comes from memory, where the repeated calls of ``node_seconds`` find it
+    # in the cache.
     # ``cache_bytes``: the last-level cache; an operand last touched more than that many bytes
     # of the step's traffic ago is cold (``cold_operands``). None: no cache modelled.
     node_cold_seconds: Mapping[str, float] = field(default_factory=dict)
@@ -437,31 +438,38 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
 
     An operand is cold when more than ``device.cache_bytes`` of the step's traffic (each
     node's bytes moved, ``node_cost``; a collective's result where it is waited for) passed
-    since its memory was last touched: a view touches its base's memory, a wait lands its
-    collective's result, and a placeholder of a later graph named as a node of an earlier one
-    (AOTAutograd's saved activations) is that node's. Other placeholders (parameters, inputs:
-    last touched by the step before) are cold. Empty without a cache or cold timings."""
+    since its memory was last touched. A view (or a getitem) is its base's memory; a wait
+    lands its collective's result, touching it; a placeholder of a later graph named as a
+    node of an earlier one (AOTAutograd's saved activations, views among them) is that
+    node's memory; a tangent was just written (by the loss's backward). Other placeholders
+    (parameters, inputs: last touched by the step before) are cold. Empty without a cache
+    or cold timings."""
     if device.cache_bytes is None or not device.node_cold_seconds:
         return {}
     clock = 0
     last: dict[str, int] = {}  # a memory's name: the clock when it was last touched
+    alias: dict[str, str] = {}  # a view's name: its base's, across graphs (a saved view)
     fractions: dict[tuple[str, str], float] = {}
     for name, gm in graphs:
-        base: dict[fx.Node, str] = {}  # a node: the memory it is (its own, or its base's)
+        # A node: the memory it is. A graph's placeholders come first, so a saved view's
+        # alias is read before a node of this graph of the same name could replace it.
+        base: dict[fx.Node, str] = {}
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                base[node] = node.name  # the earlier graph's node of that name, if any
+                base[node] = alias.get(node.name, node.name)
+                if P.is_tangent(node):
+                    last[base[node]] = clock
                 continue
             if node.op != "call_function":
                 continue
             inputs = node.all_input_nodes
-            if (P.is_view(node) or P.is_getitem(node)) and inputs:
-                base[node] = base.get(inputs[0], inputs[0].name)
-                continue
-            if P.is_wait(node) and inputs:
+            if P.is_wait(node) and inputs:  # a view of its collective's result, landed now
                 base[node] = base.get(inputs[0], inputs[0].name)
                 clock += _nbytes(node.meta.get("val"))
                 last[base[node]] = clock
+                continue
+            if (P.is_view(node) or P.is_getitem(node)) and inputs:
+                base[node] = alias[node.name] = base.get(inputs[0], inputs[0].name)
                 continue
             base[node] = node.name
             key = node_key(node)

@@ -733,13 +733,13 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
                 nodes.setdefault(key, node)
     if not nodes:
         return rates
-    where = f"nodes | {device_key(device)}"
+    cache = rates.device.cache_bytes  # cold times are measured against it: part of the key
+    where = f"nodes | {device_key(device)}" + (f" | cache {cache}" if cache is not None else "")
     if where not in _NODES:
         _NODES[where] = {k: (float(v[0]), float(v[1])) for k, v in (_load(where) or {}).items()
                          if isinstance(v, list) and len(v) == 2}
     table = _NODES[where]
     missing = [k for k in nodes if k not in table]
-    cache = rates.device.cache_bytes
     evict = torch.ones(cache // 2, device=device) if missing and cache is not None else None  # 2x, float32
     for key in missing:
         seconds = _time_node(nodes[key], device, evict)
@@ -762,8 +762,9 @@ def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None =
     operands of its own, made before a read of ``evict`` (twice the cache; untimed) evicted
     them all: where a step finds a weight, with the kernel's code as hot as in the step (an
     eviction before each call also evicts the code, and charged a 10 us matmul 50 us more).
-    Operands as large as ``evict`` are cold even when warm. Without ``evict`` cold is warm.
-    None where the node does not run on such tensors."""
+    Where that many copies would outgrow ``evict``, fewer copies in turn, as many as evict
+    each other (at most ``evict`` and two copies' bytes). Operands as large as ``evict`` are
+    cold even when warm. Without ``evict`` cold is warm. None where the node does not run."""
 
     def real(v: Any, fill: float | None = None) -> Any:
         if not isinstance(v, torch.Tensor):
@@ -786,10 +787,14 @@ def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None =
                        if isinstance(t, torch.Tensor))
         if evict is None or operands >= evict.nbytes:
             return warm, warm
-        copies = [pytree.tree_map(lambda v: real(v, 0.5), vals) for _ in range(COLD_CALLS + 1)]
-        evict.sum()
+        # Each copy is called once its successors' bytes (or the read) evicted it.
+        count = min(COLD_CALLS + 1, math.ceil(evict.nbytes / max(operands, 1)) + 1)
+        copies = [pytree.tree_map(lambda v: real(v, 0.5), vals) for _ in range(count)]
+        if count == COLD_CALLS + 1:
+            evict.sum()
         cold = []
-        for a, k in copies:  # the first call warms the code the read evicted
+        for i in range(COLD_CALLS + 1):  # the first call warms the code the read evicted
+            a, k = copies[i % count]
             _sync(device)
             start = time.perf_counter()
             target(*a, **k)
