@@ -261,8 +261,8 @@ class Rates:
                 lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + bus bytes / "
                              f"{link.bandwidth / 1e9:.3g} GB/s{issue}")
         if self.contention:
-            lines.append(f"  contention {self.contention:.2f}: compute runs at 1/{1 + self.contention:.2f} of "
-                         "its speed while a collective is in flight")
+            lines.append(f"  contention {self.contention:.2f}: compute runs at 1/(1 + {self.contention:.2f} k) of "
+                         "its speed while k collectives are in flight")
         if self.starvation:
             lines.append(f"  starvation {self.starvation:.2f}: a collective's latency passes at "
                          f"1/{1 + self.starvation:.2f} of its pace while compute runs")
@@ -401,6 +401,11 @@ def op_name(node: fx.Node) -> str:
     return str(getattr(packet, "__name__", "")) if packet is not None else ""
 
 
+def _moved(node: fx.Node) -> int:
+    """The bytes a computing node moves: its output written, each operand read (twice if twice)."""
+    return _nbytes(node.meta.get("val")) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))
+
+
 def node_cost(node: fx.Node, device: DeviceRates, cold: float = 0.0) -> NodeCost:
     """What ``node`` costs on the compute stream (a collective: its issue; its wait: nothing).
     ``cold``: the fraction of its operands' bytes out of the caches (``cold_operands``), which
@@ -412,7 +417,7 @@ def node_cost(node: fx.Node, device: DeviceRates, cold: float = 0.0) -> NodeCost
     if P.is_view(node) or P.is_free(node):
         return NodeCost(0, 0, device.view_overhead, device.view_overhead)
     out = node.meta.get("val")
-    moved = _nbytes(out) + _nbytes(_val(node.args)) + _nbytes(_val(node.kwargs))  # each operand read
+    moved = _moved(node)
     count = flops(node)
     if device.node_seconds:
         key = node_key(node) or ""
@@ -478,7 +483,7 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
                 total = sum(b for b, _ in sizes)
                 cold = sum(b for b, t in sizes if t is None or clock - t > device.cache_bytes)
                 fractions[(name, node.name)] = cold / total if total else 0.0
-            clock += node_cost(node, device).bytes
+            clock += 0 if P.is_collective(node) or P.is_free(node) else _moved(node)  # node_cost's bytes
             for a in inputs:
                 last[base.get(a, a.name)] = clock
             last[node.name] = clock

@@ -751,8 +751,7 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
     d = rates.device
     return replace(rates, device=replace(
         d, node_seconds={**d.node_seconds, **{k: w for k, (w, _) in timed.items()}},
-        node_cold_seconds={**d.node_cold_seconds, **{k: c for k, (_, c) in timed.items()}}
-        if d.cache_bytes is not None else d.node_cold_seconds))
+        node_cold_seconds={**d.node_cold_seconds, **{k: c for k, (_, c) in timed.items()}}))
 
 
 def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None = None) -> tuple[float, float] | None:
