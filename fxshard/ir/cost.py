@@ -230,12 +230,6 @@ class Rates:
     # issued before compute barely moves until the compute stops (calibration measures it).
     # The latency passes at 1 / (1 + starvation) of its pace while compute runs.
     starvation: float = 0.0
-    # How much longer a collective takes to move its bytes while compute runs: 0, as long
-    # (the profiles: NCCL's kernels on their own SMs); on the CPU gloo's thread shares a core
-    # with the compute and copies at its share of it (calibration measures an all_gather
-    # under matmuls: twice its time alone, on 2 gloo ranks of 2 cores). The bytes move at
-    # 1 / (1 + data_starvation) of their pace while compute runs.
-    data_starvation: float = 0.0
     # How far the latencies of collectives in flight at once add up: 0, they pass together
     # (NCCL's kernels, the profiles); 1, one after the other (gloo's threads on the CPU wait
     # for the same cores: two small collectives on two groups at once take as long as one
@@ -272,9 +266,6 @@ class Rates:
         if self.starvation:
             lines.append(f"  starvation {self.starvation:.2f}: a collective's latency passes at "
                          f"1/{1 + self.starvation:.2f} of its pace while compute runs")
-        if self.data_starvation:
-            lines.append(f"  data starvation {self.data_starvation:.2f}: a collective's bytes move at "
-                         f"1/{1 + self.data_starvation:.2f} of their pace while compute runs")
         if self.latency_sharing:
             lines.append(f"  latency sharing {self.latency_sharing:.2f}: k latencies at once pass at "
                          f"1/(1 + {self.latency_sharing:.2f} (k - 1)) of their pace")
@@ -668,13 +659,11 @@ class _Streams:
     on one link share its bandwidth equally (processor sharing). A collective's latency
     passes at ``pace`` (1, or slower while compute runs where its wake-ups wait for a core:
     ``Rates.starvation``), divided among the latencies passing at once as ``sharing`` says
-    (``Rates.latency_sharing``); its bytes move at ``data_pace`` (1, or slower while compute
-    runs where its thread shares a core with the compute: ``Rates.data_starvation``)."""
+    (``Rates.latency_sharing``)."""
 
     def __init__(self, sharing: float = 0.0) -> None:
         self.now = 0.0
         self.pace = 1.0
-        self.data_pace = 1.0
         self.sharing = sharing
         self.queues: dict[str, deque[_Flight]] = {}
 
@@ -697,7 +686,7 @@ class _Streams:
         sharing, pace = self._sharing(active), self._latency_pace(active)
         best, who = math.inf, None
         for f in active:
-            at = self.now + (f.pending / pace if not f.in_data() else f.left * sharing[f.link] / self.data_pace)
+            at = self.now + (f.pending / pace if not f.in_data() else f.left * sharing[f.link])
             if at < best:
                 best, who = at, f
         return best, who
@@ -714,7 +703,7 @@ class _Streams:
             if not f.in_data():
                 f.pending -= elapsed * pace
             else:
-                f.left -= elapsed * self.data_pace / sharing[f.link]
+                f.left -= elapsed / sharing[f.link]
         self.now = max(self.now, target)
         if who is None or at > until:
             return False
@@ -743,16 +732,14 @@ class _Streams:
             f.begin(f.issued)
         q.append(f)
 
-    def compute(self, now: float, seconds: float, contention: float, starvation: float = 0.0,
-                data_starvation: float = 0.0) -> float:
+    def compute(self, now: float, seconds: float, contention: float, starvation: float = 0.0) -> float:
         """When ``seconds`` of compute that start at ``now`` end: slowed by ``1 + contention k``
         while k collectives are in flight (those already issued: nothing is issued meanwhile),
-        the collectives' latencies passing at ``1 / (1 + starvation)`` of their pace meanwhile
-        and their bytes moving at ``1 / (1 + data_starvation)`` of theirs."""
+        the collectives' latencies passing at ``1 / (1 + starvation)`` of their pace meanwhile."""
         self.advance(now)
-        if not contention and not starvation and not data_starvation:
+        if not contention and not starvation:
             return now + seconds
-        self.pace, self.data_pace = 1.0 / (1.0 + starvation), 1.0 / (1.0 + data_starvation)
+        self.pace = 1.0 / (1.0 + starvation)
         try:
             while seconds > 0:
                 if not self._active():
@@ -768,7 +755,7 @@ class _Streams:
                 now = at
             return now
         finally:
-            self.pace = self.data_pace = 1.0
+            self.pace = 1.0
 
     def finish(self, f: _Flight) -> float:
         while math.isnan(f.end):
@@ -857,10 +844,9 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 if device.asynchronous:  # launched by the host, then run when the stream is free
                     host += cost.launch
                     start, kernel = max(now, host), cost.seconds - cost.launch
-                    end = net.compute(start, kernel, rates.contention, rates.starvation, rates.data_starvation) if kernel > 0 else start
+                    end = net.compute(start, kernel, rates.contention, rates.starvation) if kernel > 0 else start
                 else:
-                    end = net.compute(now, cost.seconds, rates.contention, rates.starvation,
-                                      rates.data_starvation)
+                    end = net.compute(now, cost.seconds, rates.contention, rates.starvation)
                 node_spans.append(NodeSpan(name, node.name, unit, now, end))
                 compute += end - now
                 per_unit.setdefault(unit, [0.0, 0.0, 0.0])[0] += end - now

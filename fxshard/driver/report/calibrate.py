@@ -479,25 +479,22 @@ STARVATION_PAIRS = 9
 SHARING_REPEATS = 5
 
 
-def measure_contention(group: dist.ProcessGroup) -> tuple[float, float]:
-    """How much compute and a collective in flight slow each other: what compute loses over a
-    collective's time alone, and ``Rates.data_starvation`` (``contention_of`` makes
-    ``Rates.contention`` of both): ``CONTENTION_PAIRS`` times, every rank together, an
-    all_gather alone (8 MiB on the CPU, 128 MiB on a GPU), then matmuls for about three
-    times its time alone with the all_gather in flight, polled after each matmul and on until
-    it has ended, then as many matmuls alone. Of the pairs' middle half (each pair over its own all_gather's time): the
-    all_gather under the matmuls takes 1 + data_starvation times its time alone, and the
-    matmuls lose r of its time alone (at most 1 + data_starvation; data starvation at most 8).
-    On an accelerator the matmuls only queue where the flight is polled: data starvation 0.
+def measure_contention(group: dist.ProcessGroup) -> float:
+    """How much of a collective's time compute loses to it in flight (``Rates.contention``),
+    the same on every rank. ``CONTENTION_PAIRS`` times, every rank together: an all_gather
+    alone (8 MiB on the CPU, 128 MiB on a GPU), then matmuls for about three times its time
+    with the all_gather in flight (on the CPU polled after each matmul, and on until it has
+    ended), then as many matmuls alone. Of every rank's pairs, the mean of the middle half
+    of their slowdowns, each over its own all_gather's time; between 0 and 1.
 
     On the CPU gloo's threads take their time from cores that compute, and the all_gather
-    itself slows under the compute: on 2 gloo ranks of 2 cores it took 1.9-2.2 times its
-    time alone, and the matmuls lost 0.4-0.6 of it. In pairs, not all the loops alone and
-    then all the overlapped ones: a slow moment of a shared host then slows both halves of
-    a pair or one pair, where before it could slow the loops alone and measure 0. Each pair
-    over the all_gather timed beside it, and the middle half of many pairs: nine pairs' median
-    over one all_gather's time of three calls, twelve measurements back to back gave a
-    slowdown of 0.24 to 1.00 (docs/time.md)."""
+    itself slows under the compute (1.6-2.2 times its time alone on 2 gloo ranks of 2
+    cores), so the matmuls must outlast it. In pairs, not all the loops alone and then all
+    the overlapped ones: a slow moment of a shared host then slows both halves of a pair or
+    one pair, where before it could slow the loops alone and measure 0. Each pair over the
+    all_gather timed beside it, and the middle half of every rank's pairs: nine pairs' median
+    over one all_gather's time of three calls, then the ranks' MAX, gave 0.24 to 1.00 in
+    twelve measurements back to back (docs/time.md)."""
     device = comm_device(group)
     cpu = device.type == "cpu"
     n = group.size()
@@ -512,57 +509,38 @@ def measure_contention(group: dist.ProcessGroup) -> tuple[float, float]:
 
     # The same collectives on every rank, in the same order; the loops are each rank's own.
     comm = _seconds(gather, device, least=0.0, calls=3, how="median")
-    matmul = _seconds(lambda: torch.mm(a, a), device, how="fastest")
-    repeats = max(1, math.ceil(3 * comm / matmul))
-    pairs = []
+    repeats = max(1, math.ceil(3 * comm / _seconds(lambda: torch.mm(a, a), device, how="fastest")))
+    slowdowns = []
     for _ in range(CONTENTION_PAIRS):
         dist.barrier(group=group)
         start = time.perf_counter()
         gather()
         alone = time.perf_counter() - start
         dist.barrier(group=group)
-        # The matmuls with the all_gather in flight, on until it has ended (on the CPU: a slow
-        # moment while the loop was sized must not cut the flight short), then as many alone.
+        # The matmuls with the all_gather in flight, on until it has ended (a slow moment
+        # while the loop was sized must not cut the flight short), then as many alone. On an
+        # accelerator the matmuls only queue here: its flight is not polled.
         work = compat.all_gather_single(full, shard, group=group, async_op=True)
         assert work is not None
-        start, ended, done = time.perf_counter(), None, 0
-        while done < repeats or cpu and ended is None and done < 100 * repeats:
+        start, done = time.perf_counter(), 0
+        while done < repeats or cpu and not work.is_completed() and done < 100 * repeats:
             torch.mm(a, a)
             done += 1
-            if cpu and ended is None and work.is_completed():
-                ended = time.perf_counter() - start
         _sync(device)
         hindered = time.perf_counter() - start
         work.wait()
         _sync(device)
-        polled = ended is not None
-        flown = ended if ended is not None else time.perf_counter() - start
         dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(done):
             torch.mm(a, a)
         _sync(device)
-        unhindered = time.perf_counter() - start
-        if polled:  # it ended during the matmul before the poll that saw it: in its middle
-            flown -= unhindered / done / 2
-        if alone > 0:
-            pairs.append((max(flown, alone) / alone, (hindered - unhindered) / alone))
-    if not pairs:
-        return 0.0, 0.0
-    lost = _middle_mean([p[1] for p in pairs])
-    if not cpu:  # the matmuls are queued, not run, where the flight is polled: not timed
-        return min(1.0, max(0.0, lost)), 0.0
-    stretch = min(9.0, _middle_mean([p[0] for p in pairs]))
-    return min(max(lost, 0.0), stretch), stretch - 1.0
-
-
-def contention_of(lost: float, data_starvation: float) -> float:
-    """``Rates.contention`` from ``measure_contention``'s two numbers (each the MAX over the
-    ranks): over a flight that lasts ``1 + data_starvation`` times its time alone, compute
-    loses ``contention / (1 + contention)`` of it, which is ``lost`` times its time alone;
-    at most 1."""
-    stretch = 1.0 + data_starvation
-    return min(1.0, lost / (stretch - lost)) if stretch > lost else 1.0
+        slowdowns.append((hindered - (time.perf_counter() - start)) / max(alone, 1e-9))
+    # Every rank's pairs together: each rank's own, then their MAX, took the noisier rank's.
+    mine = torch.tensor(slowdowns, dtype=torch.float64, device=device)
+    everyone = torch.empty(mine.numel() * n, dtype=torch.float64, device=device)
+    compat.all_gather_single(everyone, mine, group=group)
+    return min(1.0, max(0.0, _middle_mean(everyone.tolist())))
 
 
 def _middle_mean(values: Sequence[float]) -> float:
@@ -656,8 +634,8 @@ def measure_latency_sharing(world: World) -> float:
 # -- agreeing ---------------------------------------------------------------------------------
 
 
-def _pack(device: DeviceRates, network: Network | None, lost: float = 0.0,
-          starvation: float = 0.0, sharing: float = 0.0, data_starvation: float = 0.0) -> list[float]:
+def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
+          starvation: float = 0.0, sharing: float = 0.0) -> list[float]:
     """Seconds per unit of work, so that the MAX over ranks is the slowest rank's. Every rank
     measures the same sizes (its device type's), so the vectors line up."""
     values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
@@ -672,11 +650,11 @@ def _pack(device: DeviceRates, network: Network | None, lost: float = 0.0,
     # The MAX over ranks: the smallest allocation any rank maps afresh, the slowest fault rate.
     values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
     values += [1.0 / device.cache_bytes if device.cache_bytes else 0.0]  # the smallest cache
-    return [*values, lost, starvation, sharing, data_starvation]
+    return [*values, contention, starvation, sharing]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
-            network_name: str) -> tuple[DeviceRates, Network, float, float, float, float]:
+            network_name: str) -> tuple[DeviceRates, Network, float, float, float]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     links = {kind: Link(values[5 + 4 * i], 1.0 / values[6 + 4 * i], issue_latency=values[7 + 4 * i],
@@ -692,7 +670,7 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
                         fresh_bytes=round(1.0 / inverse_fresh) if inverse_fresh > 0 else None,
                         fresh_bandwidth=1.0 / fault if fault > 0 else math.inf,
                         cache_bytes=round(1.0 / inverse_cache) if inverse_cache > 0 else None),
-            Network(network_name, links), next(rest), next(rest), next(rest), next(rest))
+            Network(network_name, links), next(rest), next(rest), next(rest))
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -740,42 +718,36 @@ def calibrate(world: World, device: torch.device) -> Rates:
     if agreed[0] > 0:  # some rank has no entry: every rank measures, now
         start = time.perf_counter()
         group = measured_group(world)
-        measured, (lost, data_starvation) = measure_network(group), measure_contention(group)
+        measured, contention = measure_network(group), measure_contention(group)
         starvation = measure_starvation(group, measured.link("all_gather", group.size()))
         sharing = measure_latency_sharing(world)
-        _NETWORKS[key] = _network_entry(measured, lost, starvation, sharing, data_starvation)
+        _NETWORKS[key] = _network_entry(measured, contention, starvation, sharing)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
-        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, lost, starvation, sharing,
-                                                         data_starvation))]
+        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention, starvation, sharing))]
     elif entry is not None:
         _NETWORKS[key] = entry
-    device_rates_, network, lost, starvation, sharing, data_starvation = _unpack(
+    device_rates_, network, contention, starvation, sharing = _unpack(
         agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
         f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
-                 (f"measured on this job's ranks; cached in {cache_path()}",),
-                 contention=contention_of(lost, data_starvation) if device.type == "cpu" else lost,
-                 starvation=starvation, data_starvation=data_starvation, latency_sharing=sharing)
+                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing)
 
 
-def _network_entry(network: Network, lost: float, starvation: float, sharing: float,
-                   data_starvation: float) -> dict[str, Any]:
+def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
     return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth, "issue_latency": link.issue_latency,
                       "issue_bandwidth": link.issue_bandwidth}
                for kind, link in network.links.items()},
-            "contention_lost": lost, "starvation": starvation, "latency_sharing": sharing,
-            "data_starvation": data_starvation}
+            "contention": contention, "starvation": starvation, "latency_sharing": sharing}
 
 
-def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float, float] | None:
+def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] | None:
     try:
         return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]),
                                               issue_latency=float(entry[kind]["issue_latency"]),
                                               issue_bandwidth=float(entry[kind]["issue_bandwidth"]))
                                    for kind in KINDS}),
-                float(entry["contention_lost"]), float(entry["starvation"]), float(entry["latency_sharing"]),
-                float(entry["data_starvation"]))
+                float(entry["contention"]), float(entry["starvation"]), float(entry["latency_sharing"]))
     except (KeyError, TypeError, ValueError):
         return None  # an entry of an older fxshard: measured again
 
