@@ -910,13 +910,13 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     assert all(math.isfinite(e.get("ts", 0)) for e in trace["traceEvents"])
 
 
-def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: float | None = None,
+def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: list[float] | None = None,
                          flight: float = 10e-3) -> list[int]:
     """measure_contention on a scripted host: an 8 MiB all_gather takes 5 ms alone and
     ``flight`` under compute; a matmul takes 1 ms times ``slow(matmul number)``, and half as
     long again while the all_gather is in flight. Of a loop of 15, those starting at 0, 1.5,
     ... 9 ms are slowed under a 10 ms flight: 3.5 ms lost over the all_gather's 5 alone, 0.7.
-    The other rank measured the same, or every pair at ``other``. Returns the number of
+    The other rank measured the same, or its 21 pairs ``other``. Returns the number of
     matmuls made, as it goes."""
     from fxshard.driver.report import calibrate
 
@@ -931,7 +931,7 @@ def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: 
 
     def all_gather_single(full: torch.Tensor, shard: torch.Tensor, group: Any = None,
                           async_op: bool = False) -> Work | None:
-        theirs = shard if other is None or shard.dtype != torch.float64 else torch.full_like(shard, other)
+        theirs = shard if other is None or shard.dtype != torch.float64 else torch.tensor(other).to(shard)
         full.copy_(torch.cat([shard, theirs]))
         if not async_op:
             clock[0] += 5e-3
@@ -962,8 +962,10 @@ def _on_scripted_host(monkeypatch: Any, clock: list[float], mm: Callable[[torch.
 def test_contention_is_what_compute_loses_over_the_flight_pooled_over_the_ranks(monkeypatch: Any) -> None:
     """What the matmuls lose over the flight, over its time alone: under a 10 ms flight 3.5 ms,
     0.7 of its 5 ms alone; under a 7 ms one 2.5 ms; under a 17 ms one 6 ms, more than its
-    time alone: 1, the most. The ranks' pairs are pooled: 21 at 0.7 and 21 at 0.3 leave 11
-    of each in the middle half, where each rank's own and then the MAX gave 0.7."""
+    time alone: 1, the most. The ranks' pairs are pooled: 21 at 0.7 and the other rank's 10
+    at 0 and 11 at 2 leave 21 at 0.7 and one at 2 in the middle half, 16.7 / 22 (their
+    median would be 0.7, their mean 36.7 / 42, each rank's own middle half and then the
+    MAX 1)."""
     from fxshard.driver.report import calibrate
 
     _scripted_contention(monkeypatch, lambda k: 1.0)
@@ -972,13 +974,26 @@ def test_contention_is_what_compute_loses_over_the_flight_pooled_over_the_ranks(
     assert calibrate.measure_contention(_TwoRanks()) == pytest.approx(1.0)  # type: ignore[arg-type]
     _scripted_contention(monkeypatch, lambda k: 1.0, flight=7e-3)  # 5 slowed: 2.5 ms lost
     assert calibrate.measure_contention(_TwoRanks()) == pytest.approx(0.5)  # type: ignore[arg-type]
-    _scripted_contention(monkeypatch, lambda k: 1.0, other=0.3)
-    assert calibrate.measure_contention(_TwoRanks()) == pytest.approx(0.5)  # type: ignore[arg-type]
+    _scripted_contention(monkeypatch, lambda k: 1.0, other=[0.0] * 10 + [2.0] * 11)
+    assert calibrate.measure_contention(_TwoRanks()) == pytest.approx(16.7 / 22)  # type: ignore[arg-type]
+
+
+def test_contention_runs_its_matmuls_on_until_the_flight_has_ended(monkeypatch: Any) -> None:
+    """The loop is sized at three times the all_gather's time alone (15 matmuls), but under
+    compute a flight can last longer: one of 29 ms ends during the 20th slowed matmul, and the
+    loop runs on to there, then as many alone: 2 x 5 more matmuls in each of the 21 pairs."""
+    from fxshard.driver.report import calibrate
+
+    made = _scripted_contention(monkeypatch, lambda k: 1.0)
+    calibrate.measure_contention(_TwoRanks())  # type: ignore[arg-type]
+    longer = _scripted_contention(monkeypatch, lambda k: 1.0, flight=29e-3)
+    assert calibrate.measure_contention(_TwoRanks()) == 1.0  # type: ignore[arg-type]  # 10 ms lost over 5
+    assert longer[0] - made[0] == calibrate.CONTENTION_PAIRS * 2 * 5
 
 
 def test_contention_is_the_middle_of_paired_loops_so_a_slow_moment_cannot_move_it(monkeypatch: Any) -> None:
-    """Each pair times the all_gather alone, the loop alone, then the loop with the all_gather
-    in flight: a slow moment of the host (every matmul three times slower, for two loops'
+    """Each pair times the all_gather alone, the loop with the all_gather in flight, then the
+    loop alone: a slow moment of the host (every matmul three times slower, for two loops'
     worth, wherever it falls) moves one or two pairs, not the middle half's mean. Timed
     over one all_gather's time measured before all the pairs, and nine pairs' median,
     twelve measurements back to back on 2 gloo ranks gave 0.24 to 1.00."""
@@ -1082,11 +1097,11 @@ def _scripted_sharing(monkeypatch: Any, sharing: float, slow: Callable[[int], fl
     monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
 
 
-def test_latency_sharing_is_the_median_of_three_measurements_so_a_slow_moment_cannot_move_it(
+def test_latency_sharing_is_the_median_of_five_measurements_so_a_slow_moment_cannot_move_it(
         monkeypatch: Any) -> None:
     """Each measurement is a ratio of two differences of one latency each: a slow moment of the
     host (every wait three times slower, for thirty waits, wherever it falls) over the calls
-    one after the other moves one measurement by half or more, not the median of three.
+    one after the other moves one measurement by half or more, not the median of five.
     Measured once, 16 fresh calibrations on the host gave 0.0 to 0.4 in three to five of them
     where the rest gave 1.00 (benchmarks/results/calibration_spread.md)."""
     from types import SimpleNamespace

@@ -130,8 +130,10 @@ def device_key(device: torch.device) -> str:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for what ``device`` has queued (an accelerator's: CUDA's, XPU's; the CPU runs
+    each call to its end)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.01, calls: int = 3,
@@ -468,9 +470,9 @@ def measure_network(group: dist.ProcessGroup) -> Network:
 
 
 # Pairs of a loop alone and with an all_gather in flight (measure_contention), and the side of
-# the loop's matmuls: 512, whose operands outgrow a core's L2 cache as the step's matmuls do
-# (on 2 gloo ranks, loops of 256x256 matmuls lost 0.1-0.5 of the all_gather's time, of
-# 512x512 0.4-0.7).
+# the loop's matmuls on the CPU: 512, whose operands outgrow a core's L2 cache as the step's
+# matmuls do (on 2 gloo ranks, loops of 256x256 matmuls lost 0.1-0.5 of the all_gather's
+# time, of 512x512 0.4-0.7); on an accelerator 4096.
 CONTENTION_PAIRS = 21
 CONTENTION_MATMUL = 512
 # Pairs of a small all_gather alone and under compute (measure_starvation).
