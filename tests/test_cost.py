@@ -931,8 +931,8 @@ def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: 
 
     def all_gather_single(full: torch.Tensor, shard: torch.Tensor, group: Any = None,
                           async_op: bool = False) -> Work | None:
-        theirs = shard if other is None or shard.dtype != torch.float64 else torch.tensor(other).to(shard)
-        full.copy_(torch.cat([shard, theirs]))
+        if shard.dtype == torch.float64:  # the ranks' slowdowns, pooled (the probe's own: float32)
+            full.copy_(torch.cat([shard, shard if other is None else torch.tensor(other).to(shard)]))
         if not async_op:
             clock[0] += 5e-3
             return None
