@@ -41,7 +41,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -105,12 +104,13 @@ def graphs_key(sharded: Any) -> str:
 
 
 def rank_main(rank: int, world_size: int, port: int, name: str, args: Any, out: str) -> None:
-    from run import wrap
+    from run import flush_subnormals, wrap
 
     import fxshard
     from fxshard.measure import peak_memory
 
     torch.set_num_threads(1)
+    flush_subnormals()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{rank}")  # a fresh calibration
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -265,7 +265,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return "–" if v is None else format(v * scale, fmt)
 
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, 2 ranks, one thread each; "
-             f"fxshard {meta['fxshard']}. Budget: FSDP2's measured peak (MemTracker, one step with "
+             f"fxshard {meta['fxshard']}; subnormal floats flushed to zero. Budget: FSDP2's measured peak (MemTracker, one step with "
              "AdamW, the largest over the ranks). Step: the median of "
              f"{meta['rounds']} rounds x {meta['per_round']} steps of each system, the systems' order "
              "rotated each round, on rank 0 (forward, loss, backward, AdamW step); fits: the measured "
@@ -319,7 +319,7 @@ def _port() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from run import fxshard_version
+    from run import fxshard_version, machine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="net,gpt,mlp")
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  auto() {s['auto_chosen']}: {s['auto_step_s'] * 1e3:.1f} ms; fastest that fits "
                   f"{s['fastest_that_fits']}: {(s['fastest_step_s'] or 0) * 1e3:.1f} ms; ratio "
                   f"{s['auto_over_fastest']}; peak / budget {s['auto_peak_over_budget']:.3f}", flush=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+    meta = {"machine": machine(), "torch": torch.__version__,
             "fxshard": fxshard_version(), "rounds": args.rounds, "per_round": args.per_round,
             "warmup": args.warmup, "sizes_in_blocks": list(SIZES), "target": TARGET}
     out = Path(args.out)

@@ -691,6 +691,24 @@ def keep_earlier(results: list[dict[str, Any]], params: dict[str, int], meta: di
     return results + kept, {**earlier["meta"].get("params", {}), **params}
 
 
+def flush_subnormals() -> None:
+    """Flush subnormal floats to zero in this process, in a benchmark that compares a step's
+    measured time with the time model. The GPT's gradients turn subnormal from its third AdamW
+    step on (about a million of its 42M, the optimizer's state after them), and on an x86 CPU
+    without flushing, a matmul over subnormal operands takes about four times as long: its
+    steps then slow down 2.5 times and the time model (rates measured on normal numbers)
+    cannot know it (docs/time.md, "Where the model is known to err"). Flushing changes the
+    numbers a step computes; the correctness tests never flush."""
+    torch.set_flush_denormal(True)
+
+
+def machine() -> str:
+    """This machine in a benchmark's first line: its architecture, CPU model and cores."""
+    from fxshard.driver.report.calibrate import device_name
+
+    return f"{platform.machine()}, {device_name(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores"
+
+
 def fxshard_version() -> str | None:
     """The commit measured, and whether the library had local changes."""
     def git(*cmd: str) -> str:

@@ -81,10 +81,13 @@ def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
 
 
 def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str) -> None:
+    from run import flush_subnormals
+
     import fxshard
     from fxshard.policies import by_class, by_size
 
     torch.set_num_threads(1)
+    flush_subnormals()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # A fresh calibration: a cache of its own.
     os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{world_size}-{rank}")
@@ -175,7 +178,7 @@ def error(predicted: float, measured: float) -> float:
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ms = 1e3
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, one thread per rank; "
-             f"fxshard {meta['fxshard']}. Predicted: `report().predicted_step_seconds` with the rates "
+             f"fxshard {meta['fxshard']}; subnormal floats flushed to zero. Predicted: `report().predicted_step_seconds` with the rates "
              "calibration measured when the model was compiled (a fresh cache); measured: the median "
              f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step). One rank: the "
              "same model in one process, no collectives: the compute model alone.", "",
@@ -210,9 +213,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import platform
-
-    from run import fxshard_version
+    from run import fxshard_version, machine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="net,gpt,mlp")
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  measured {r['measured_step_s'] * 1e3:.1f} ms, predicted "
                       f"{r['predicted_step_s'] * 1e3:.1f} ms "
                       f"({error(r['predicted_step_s'], r['measured_step_s']):+.0%})", flush=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+    meta = {"machine": machine(), "torch": torch.__version__,
             "fxshard": fxshard_version(), "steps": args.steps, "warmup": args.warmup}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
