@@ -265,7 +265,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return "–" if v is None else format(v * scale, fmt)
 
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, 2 ranks, one thread each; "
-             f"fxshard {meta['fxshard']}; subnormal floats flushed to zero. Budget: FSDP2's measured peak (MemTracker, one step with "
+             f"fxshard {meta['fxshard']}; {meta['subnormals']}. Budget: FSDP2's measured peak (MemTracker, one step with "
              "AdamW, the largest over the ranks). Step: the median of "
              f"{meta['rounds']} rounds x {meta['per_round']} steps of each system, the systems' order "
              "rotated each round, on rank 0 (forward, loss, backward, AdamW step); fits: the measured "
@@ -319,7 +319,7 @@ def _port() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from run import fxshard_version, machine
+    from run import flush_subnormals, fxshard_version, machine, subnormals
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="net,gpt,mlp")
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  auto() {s['auto_chosen']}: {s['auto_step_s'] * 1e3:.1f} ms; fastest that fits "
                   f"{s['fastest_that_fits']}: {(s['fastest_step_s'] or 0) * 1e3:.1f} ms; ratio "
                   f"{s['auto_over_fastest']}; peak / budget {s['auto_peak_over_budget']:.3f}", flush=True)
-    meta = {"machine": machine(), "torch": torch.__version__,
+    meta = {"machine": machine(), "subnormals": subnormals(flush_subnormals()), "torch": torch.__version__,
             "fxshard": fxshard_version(), "rounds": args.rounds, "per_round": args.per_round,
             "warmup": args.warmup, "sizes_in_blocks": list(SIZES), "target": TARGET}
     out = Path(args.out)

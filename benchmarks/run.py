@@ -691,15 +691,21 @@ def keep_earlier(results: list[dict[str, Any]], params: dict[str, int], meta: di
     return results + kept, {**earlier["meta"].get("params", {}), **params}
 
 
-def flush_subnormals() -> None:
+def flush_subnormals() -> bool:
     """Flush subnormal floats to zero in this process, in a benchmark that compares a step's
     measured time with the time model. The GPT's gradients turn subnormal from its third AdamW
     step on (about a million of its 42M, the optimizer's state after them), and on an x86 CPU
     without flushing, a matmul over subnormal operands takes about four times as long: its
     steps then slow down 2.5 times and the time model (rates measured on normal numbers)
     cannot know it (docs/time.md, "Where the model is known to err"). Flushing changes the
-    numbers a step computes; the correctness tests never flush."""
-    torch.set_flush_denormal(True)
+    numbers a step computes; the correctness tests never flush. False where this CPU cannot
+    flush them (torch's ``set_flush_denormal``): the benchmark's first line then says so."""
+    return bool(torch.set_flush_denormal(True))
+
+
+def subnormals(flushed: bool) -> str:
+    """What a benchmark's first line says of subnormal floats."""
+    return "subnormal floats flushed to zero" if flushed else "subnormal floats not flushed (this CPU cannot)"
 
 
 def machine() -> str:

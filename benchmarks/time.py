@@ -178,7 +178,7 @@ def error(predicted: float, measured: float) -> float:
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ms = 1e3
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, one thread per rank; "
-             f"fxshard {meta['fxshard']}; subnormal floats flushed to zero. Predicted: `report().predicted_step_seconds` with the rates "
+             f"fxshard {meta['fxshard']}; {meta['subnormals']}. Predicted: `report().predicted_step_seconds` with the rates "
              "calibration measured when the model was compiled (a fresh cache); measured: the median "
              f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step). One rank: the "
              "same model in one process, no collectives: the compute model alone.", "",
@@ -213,7 +213,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from run import fxshard_version, machine
+    from run import flush_subnormals, fxshard_version, machine, subnormals
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="net,gpt,mlp")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  measured {r['measured_step_s'] * 1e3:.1f} ms, predicted "
                       f"{r['predicted_step_s'] * 1e3:.1f} ms "
                       f"({error(r['predicted_step_s'], r['measured_step_s']):+.0%})", flush=True)
-    meta = {"machine": machine(), "torch": torch.__version__,
+    meta = {"machine": machine(), "subnormals": subnormals(flush_subnormals()), "torch": torch.__version__,
             "fxshard": fxshard_version(), "steps": args.steps, "warmup": args.warmup}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
