@@ -3,7 +3,7 @@
     device_rates(device)      matmul FLOP/s per dtype (float32, bfloat16), memory bandwidth,
                               the overhead of an operator and of a view: measured once per
                               device, torch release and thread count, cached on disk
-    measure_network(group)    all_gather, reduce_scatter and all_reduce at three sizes each,
+    measure_network(group)    all_gather, reduce_scatter and all_reduce at five sizes each,
                               fitted by least squares to latency + bus bytes / bandwidth
     calibrate(world, device)  both, the same on every rank: each rank's numbers, then the
                               slowest of each over the job (a MAX all_reduce), so every rank
@@ -57,15 +57,20 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # with it; over 240 calls (about 0.6 s more) 16 fresh calibrations fitted the all_gather's
 # latency within -14% to +21% of their median, where 60 calls gave -31% to +41%
 # (benchmarks/results/calibration_spread.md). On the CPU up to 16 MiB: gloo's bandwidth falls
-# as buffers outgrow the caches. (A fourth size, 10 calls of 4 MiB, and 8 calls of 16 MiB
-# cost a third of a second more and left the bandwidth's swing between calibrations as it
-# was: 0.50-0.77 GB/s for all_gather, on 2 cores.)
-NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 24, 5)),
+# as buffers outgrow the caches. The CPU's 4 and 8 MiB (calibration method 12, about 0.35 s
+# more) put the line where the steps' 2-17 MB collectives are: gloo moves 4-8 MiB buffers
+# faster per byte than 16 MiB ones, and the line through 64 KiB, 1 MiB and 16 MiB alone
+# predicted them long. Timed alone after twelve calibrations on 2 gloo ranks here, all_gathers
+# and reduce_scatters of 1-16 MiB came within 25% of the five-size line in 111 of 120 and of the
+# three-size line refitted from the same calls in 86 (benchmarks/network_sizes.py). (A fourth size alone, 10
+# calls of 4 MiB, with 8 calls of 16 MiB, had left the bandwidth's swing between calibrations
+# as it was: 0.50-0.77 GB/s for all_gather.)
+NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 22, 10), (1 << 23, 6), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 11
+METHOD = 12
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -420,8 +425,8 @@ def interleaved(counts: Sequence[int]) -> list[int]:
 
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
-    three sizes each, through the functional collectives the emitted graphs run; about 1.3
-    seconds on gloo between two processes of one host.
+    five sizes each (``NETWORK_SIZES``), through the functional collectives the emitted graphs
+    run; about 1.6 seconds on gloo between two processes of one host.
 
     Each size's calls are interleaved with every other size's and kind's (``interleaved``).
     Measured one point after the other, the largest size's few calls (a fitted bandwidth's
