@@ -152,3 +152,35 @@ def test_auto_benchmark_compares_with_the_fastest_that_fits_and_marks_the_same_p
     assert "| GPT | by_size(2 block = 8) | 3 | defaults | 500.0 (450-750) | 140.0 | no |" in table
     assert "| GPT | by_class(Block) | 3 | defaults | 1000.0 (900-1500) | 90.0 | yes | 1000.0 | 90.0 | = |" in table
     assert "failed: memory_budget 100 MiB cannot be met" in table
+
+
+def test_time_benchmark_gives_each_models_errors_run_by_run() -> None:
+    """benchmarks/time.py on made-up rows of two runs: each model's step error in each run, how
+    many fall within 15%, and how many of its collectives over 1 MB within 25% of their time alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("time_benchmark", ROOT / "benchmarks" / "time.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def row(run: int, measured: float, predicted: float, big: list[tuple[float, float]]) -> dict:
+        return {"label": "net", "world_size": 2, "run": run, "params": 1e6, "units": 2,
+                "measured_step_s": measured, "predicted_step_s": predicted,
+                "measured_forward_backward_s": measured, "predicted_forward_backward_s": predicted,
+                "measured_optimizer_s": 0.0, "predicted_optimizer_s": 0.0, "predicted_compute_s": predicted,
+                "predicted_exposed_comm_s": 0.0, "load_1min": 1.0,
+                "big_collectives": [{"kind": "all_gather", "unit": "fc1", "input_bytes": 2e6,
+                                     "measured_alone_s": m, "predicted_alone_s": p, "predicted_in_step_s": p}
+                                    for m, p in big]}
+
+    rows = [row(1, 0.100, 0.098, [(0.010, 0.011), (0.010, 0.013)]),  # -2%; +10%, +30%
+            row(2, 0.100, 0.080, [(0.010, 0.009), (0.010, 0.010)])]  # -20%; -10%, 0%
+    table = module.markdown(rows, {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s", "fxshard": "f",
+                                    "steps": 10})
+    assert "| net | 2 | -2%, -20% | 1 of 2 | 3 of 4 |" in table
+    assert "| net, run 2 | 2 | 1.00M | 2 | 100.0 | 80.0 | -20% |" in table
+    # One run: no run numbers, no summary.
+    single = module.markdown([{**rows[0], "run": 1}], {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s",
+                                                        "fxshard": "f", "steps": 10})
+    assert "run by run" not in single and "| net | 2 | 1.00M |" in single
