@@ -164,12 +164,12 @@ def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None
 
 @pytest.mark.release("inductor_partition_fn")
 def test_compile_runs_inductor_compute_like_the_backend() -> None:
-    """The MLP, one unit per layer. From a cold cache Inductor compiles its kernels in about 20 s
+    """The MLP, one unit per layer. From a cold cache Inductor compiles its kernels in 20-30 s
     where the GPT's took 45-65 s of the fast tier's 8 minutes on a fresh machine; the GPT through
     Inductor trains against DDP in the slow tier (test_backend's test_inductor_compute_matches_ddp)."""
-    from torch._dynamo.utils import counters
+    from fxshard.driver.compile import inductor
 
-    counters.clear()
+    before = sum(inductor._outcome_counts())
     torch.manual_seed(0)
     model = MLP()
     ref = MLP()
@@ -180,7 +180,7 @@ def test_compile_runs_inductor_compute_like_the_backend() -> None:
     torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
     assert len(sm.plan.units) == 3  # two layers and the head
     # Forward and backward went through Inductor's compile (its FX graph cache, hit or miss).
-    assert counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"] == 2
+    assert sum(inductor._outcome_counts()) - before == 2
     # Inductor frees buffers itself: the pipeline has no explicit frees.
     assert not [n for gm in sm.graphs.values() for n in gm.graph.nodes if P.is_free(n)]
 
