@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the whole benchmark this many times, one after the other, each model with a fresh "
                         "calibration every time: on a shared host one run says little (docs/time.md)")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, not {args.runs}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fxshard-time-") as scratch:
         for run in range(1, args.runs + 1):
