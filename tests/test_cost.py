@@ -775,6 +775,17 @@ def test_fresh_boundary_finds_where_every_larger_allocation_is_slow() -> None:
     assert fresh_boundary(lambda n: True, sizes) == 0  # every size slow: from the first byte
 
 
+def test_a_fresh_fill_is_slow_at_the_ratios_measured_where_pages_were_faulted_in() -> None:
+    """Fresh fill over kept fill, measured on the project's 2-core host: 0.7-1.7 from the heap,
+    3.4-4.0 at 64 MiB (mmapped; the kept tensor outgrows the caches), 4.1-9.1 at 32 MiB."""
+    from fxshard.driver.report.calibrate import fresh_is_slow
+
+    for ratio in (0.7, 1.0, 1.3, 1.7):
+        assert not fresh_is_slow(ratio * 1e-3, 1e-3), ratio
+    for ratio in (3.4, 3.7, 4.1, 9.1):
+        assert fresh_is_slow(ratio * 1e-3, 1e-3), ratio
+
+
 def test_an_asynchronous_device_runs_behind_the_host_that_launches_its_kernels() -> None:
     """CUDA's model: the host pays each node's launch, the device its kernel, in order."""
     b = Builder()
