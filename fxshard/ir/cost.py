@@ -369,7 +369,7 @@ PER_ELEMENT = (
     "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
     "native_layer_norm", "native_layer_norm_backward",
     "max_pool2d_with_indices", "max_pool2d_with_indices_backward",
-    "native_dropout", "embedding_dense_backward",
+    "native_dropout", "native_dropout_backward", "embedding_dense_backward",
 )
 
 

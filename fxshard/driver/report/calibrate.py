@@ -70,7 +70,7 @@ NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 22, 10), (1 << 23,
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 13  # 13: fresh pages where a fresh fill takes 2.5x a kept one (was 4x)
+METHOD = 13  # 13: fresh pages where a fresh fill takes 2.5x a kept one (was 4x); dropout's backward per element
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -315,6 +315,7 @@ def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], objec
     image = randn(numel // (64 * 32 * 32), 64, 32, 32)
     pooled, where = aten.max_pool2d_with_indices(image, [2, 2], [2, 2])
     tokens = torch.randint(0, 8192, (rows,), device=device)
+    kept = aten.native_dropout(x, 0.1, True)[1]
     ops: dict[str, tuple[Callable[[], object], int]] = {
         "tanh": (lambda: aten.tanh(x), numel),
         "sigmoid": (lambda: aten.sigmoid(x), numel),
@@ -334,6 +335,9 @@ def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], objec
         "max_pool2d_with_indices_backward": (lambda: aten.max_pool2d_with_indices_backward(
             pooled, image, [2, 2], [2, 2], [0, 0], [1, 1], False, where), pooled.numel()),
         "native_dropout": (lambda: aten.native_dropout(x, 0.1, True), numel),
+        # Its mask is bool: cast to the gradient's dtype, then two multiplies (about 2 ns an
+        # element here, 4-8x its bytes over the bandwidth).
+        "native_dropout_backward": (lambda: aten.native_dropout_backward(g, kept, 1 / 0.9), numel),
         "embedding_dense_backward": (lambda: aten.embedding_dense_backward(gm, tokens, 8192, -1, False), numel),
     }
     assert tuple(ops) == PER_ELEMENT, "calibrate every operator the cost model charges per element"
