@@ -146,6 +146,13 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
                 "measured_alone_s": _collective_alone(driver, c),
                 "predicted_alone_s": rates.network.seconds(c.kind, c.input_bytes, c.group_size),
                 "predicted_in_step_s": span.seconds}
+    by_op: dict[str, float] = {}  # the predicted compute by operator, forward and backward
+    from fxshard.ir import cost
+
+    for graph in ("forward", "backward"):
+        for node, (begin, end) in cost.node_times(t, graph, sharded.graphs[graph]).items():
+            key = cost.op_name(node) or str(node.target)
+            by_op[key] = by_op.get(key, 0.0) + end - begin
     result = {
         "model": name, "label": s.get("label", name), "rank": rank, "world_size": world_size,
         "params": sum(g.numel for g in sharded.plan.groups), "units": len(sharded.plan.units),
@@ -158,6 +165,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "predicted_compute_s": t.compute_seconds, "predicted_exposed_comm_s": t.exposed_comm_seconds,
         "predicted_comm_s": t.comm_seconds, "collectives": len(t.collectives),
         "big_collectives": list(big.values()), "compile_and_calibrate_s": calibrated,
+        "predicted_by_op_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12]),
         "rates": str(rates), "load_1min": os.getloadavg()[0], "load_1min_before": load_before,
     }
     torch.save(result, os.path.join(out, f"{name}-{world_size}-{rank}.pt"))
