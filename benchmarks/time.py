@@ -132,6 +132,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
     rates = driver.rates
     big: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     spans = {(c.graph, c.node): c for c in t.collectives}
+    from fxshard.ir import cost
     from fxshard.ir.collectives import collective_nodes
 
     for graph in ("forward", "backward") if world_size > 1 else ():
@@ -146,9 +147,9 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
                 "measured_alone_s": _collective_alone(driver, c),
                 "predicted_alone_s": rates.network.seconds(c.kind, c.input_bytes, c.group_size),
                 "predicted_in_step_s": span.seconds}
-    by_op: dict[str, float] = {}  # the predicted compute by operator, forward and backward
-    from fxshard.ir import cost
-
+    # The compute stream's predicted seconds by operator, forward and backward: the collectives'
+    # issue under their own names, the waits' exposed communication under wait_tensor.
+    by_op: dict[str, float] = {}
     for graph in ("forward", "backward"):
         for node, (begin, end) in cost.node_times(t, graph, sharded.graphs[graph]).items():
             key = cost.op_name(node) or str(node.target)
@@ -165,7 +166,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "predicted_compute_s": t.compute_seconds, "predicted_exposed_comm_s": t.exposed_comm_seconds,
         "predicted_comm_s": t.comm_seconds, "collectives": len(t.collectives),
         "big_collectives": list(big.values()), "compile_and_calibrate_s": calibrated,
-        "predicted_by_op_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12]),
+        "predicted_by_op_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12]),  # the 12 largest
         "rates": str(rates), "load_1min": os.getloadavg()[0], "load_1min_before": load_before,
     }
     torch.save(result, os.path.join(out, f"{name}-{world_size}-{rank}.pt"))
