@@ -263,7 +263,7 @@ def measure_fresh(device: torch.device) -> tuple[int | None, float]:
         fresh = _seconds(lambda: torch.empty(numel).fill_(1.0), device, least=0.0, calls=3, how="fastest")
         return fresh, reused
 
-    extra: dict[int, float] = {}  # a slow size's fresh fill over its kept one: the smaller of two
+    extra: dict[int, float] = {}  # seconds a slow size's fresh fill takes beyond its kept one (the less of two)
 
     def slow(nbytes: int) -> bool:
         # Slow twice over: one 16 MiB probe in about ten, under glibc's threshold, came out slow.
