@@ -324,7 +324,10 @@ def trace_step(
     try:
         with torch.fx.traceback.preserve_node_meta(), compat.functorch_config.patch(
             force_non_lazy_backward_lowering=True
-        ), _compiling():
+        ), _compiling(), compat.lazy_graph_modules(True):
+            # Graph modules generate their Python code when it is first read or called, not
+            # at each pass's recompile (the passes' and AOTAutograd's recompiles cost a fifth
+            # of a small model's compile).
             # Typed for GraphModules, but lifts the parameters and buffers of any module.
             module: Any = step
             return aot_module_simplified(
