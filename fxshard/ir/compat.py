@@ -89,7 +89,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
 - ``lazy_graph_modules``, ``make_graph_module`` (``torch.fx._lazy_graph_module``): graph
   modules that generate their Python code only when it is read or called. The memory budget's
   trials (``GraphCompiler.emit``) never do either: their passes' ``recompile()`` then costs
-  nothing, where it was half of each trial.
+  nothing, where it was half of each trial. The trace (``trace_step``) runs under it too: a
+  step's graphs generate their code once, where they run or are read.
 - ``profiler_enabled`` (``torch.autograd.profiler._is_profiler_enabled``): torch's fast check
   that a profiler is recording; the eager graphs then run the copy with named ranges
   (``driver/compile/codegen.py``).
