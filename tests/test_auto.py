@@ -116,8 +116,8 @@ def test_each_candidate_is_predicted_from_the_one_trace_as_from_its_own() -> Non
             own = fxshard.explain(_Tied(), x, policy=candidate.policy, **common, **options)
             issued = sum(1 for gm in own.graphs.values() for node in gm.graph.nodes
                          if P.is_all_gather(node) or P.is_reduce_scatter(node) or P.is_all_reduce(node))
-            assert (trial.plan, trial.peak, trial.units, trial.collectives) == \
-                (trial.plan, own.report.predicted_peak_bytes, len(own.plan.units), issued)
+            assert (trial.peak, trial.units, trial.collectives) == \
+                (own.report.predicted_peak_bytes, len(own.plan.units), issued), trial.plan
             # A trial's seconds are whole nanoseconds (taken the largest over the ranks as integers).
             assert trial.seconds == pytest.approx(own.report.predicted_step_seconds, abs=0.5e-9), trial.plan
             compared += 1
@@ -438,6 +438,32 @@ def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units
 def test_a_budget_nothing_meets_is_a_budget_error() -> None:
     with pytest.raises(fxshard.BudgetError, match="cannot be met"):
         _explain("tiny", memory_budget=1024, optimizer=torch.optim.SGD)
+
+
+def test_when_no_plan_fits_auto_raises_the_error_of_the_plan_that_came_closest() -> None:
+    """Each candidate's budget ladder that fits nothing raises a BudgetError naming its lowest
+    peak; auto() raises the one whose peak is lowest, whatever the order it tried them in. Every
+    such message begins with the budget, so the peak is the error's own number, not its text's
+    first."""
+    from fxshard.driver.compile.plan_auto import closest
+    from fxshard.ir.budget import MIB, Candidate, Prediction, search
+
+    def failure(lowest_mib: int) -> fxshard.BudgetError:
+        def evaluate(c: Candidate) -> Prediction:
+            peak = (lowest_mib + 20 - 10 * len(c.resharded)) * MIB  # both units resharded: the lowest
+            return Prediction(peak, "here", {"activations and temporaries": peak}, {})
+
+        with pytest.raises(fxshard.BudgetError) as raised:
+            search(MIB, evaluate, ["a", ""], [], 1, {})
+        return raised.value
+
+    far, near = failure(60), failure(40)
+    assert (far.peak, near.peak) == (60 * MIB, 40 * MIB)
+    assert "40.000 MiB" in str(near)
+    assert closest([far, near]) is near and closest([near, far]) is near
+    unpredicted = fxshard.BudgetError("memory_budget 1.000 MiB cannot be met: every plan has a unit that alone "
+                                      "gathers more")
+    assert unpredicted.peak is None and closest([unpredicted, far]) is far
 
 
 @pytest.mark.slow  # explain emits every candidate's variants: seconds

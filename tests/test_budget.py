@@ -206,6 +206,21 @@ def test_a_budget_above_a_reachable_peak_is_met(kib: int) -> None:
         assert lowest <= report.predicted_peak_bytes / 2**20 + 5e-4
 
 
+def test_the_budgets_table_gives_each_unit_in_the_dtype_it_is_gathered_in() -> None:
+    """Under bf16 mixed precision a unit is gathered in bf16: two bytes a parameter (padding
+    included), not its fp32 shards' four, in the table's "gathered MiB" and its hints."""
+    with torch.device("meta"):
+        model = TinyGPT()
+    explained = fxshard.explain(model, torch.zeros(8, 16, dtype=torch.long), policy=by_class(Block), world_size=4,
+                                memory_budget=100 << 20,
+                                mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16))
+    budget = explained.report.budget
+    assert budget is not None
+    plan = explained.plan
+    bf16 = {u.name: sum(plan.groups[g].padded_numel for g in u.groups) * 2 for u in plan.units}
+    assert {u.unit: u.gathered_bytes for u in budget.units} == bf16
+
+
 def test_the_backend_plans_the_budget_too() -> None:
     for r in results():
         res = r["backend_roomy"]

@@ -119,10 +119,15 @@ def test_a_small_matmul_runs_at_the_measured_rate_for_its_size() -> None:
     assert device.flop_rate(torch.float32, 1e7) == pytest.approx(10 ** 9.5)  # halfway in log-log
     assert device.flop_rate(torch.float32, 1e3) == 1e9 and device.flop_rate(torch.float32, 1e12) == 1e10
     assert device.flop_rate(torch.float32) == 1e10  # no size: the peak
+    # Utilisation is against the highest rate measured, wherever on the curve it fell.
+    bumpy = replace(device, matmul_curve={"float32": ((1e6, 1e9), (1e7, 1.2e10), (1e8, 1e10))})
+    assert bumpy.peak_rate(torch.float32) == 1.2e10 and bumpy.peak_rate(torch.bfloat16) == 1.2e10
+    assert replace(bumpy, peak_flops={"float32": 5e10}).peak_rate(torch.float32) == 5e10
     assert device.flop_rate(torch.bfloat16, 1e7) == pytest.approx(10 ** 9.5)  # no bf16 of its own: fp32's
     b = Builder()
     mm = b.op(torch.ops.aten.mm.default, b.input("x", 100, 100), b.input("w", 100, 100))  # 2 MFLOP
-    assert node_cost(mm, device).seconds == pytest.approx(2e6 / device.flop_rate(torch.float32, 2e6))
+    # 2 MFLOP: log10(2) / 2 = 0.15 of the way from 1e6 to 1e8 in log-log: 10^9.15 FLOP/s (by hand).
+    assert node_cost(mm, device).seconds == pytest.approx(2e6 / 10 ** (9 + math.log10(2) / 2))
 
 
 def test_an_operator_slower_than_its_bytes_costs_its_measured_seconds_per_element() -> None:
@@ -173,6 +178,16 @@ def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> 
     assert Network.free().seconds("all_reduce", 1 << 30, 8) == 0.0
 
 
+def test_a_broadcast_moves_its_buffer_once_and_the_agreement_is_an_all_gather() -> None:
+    """A broadcast's input is the whole buffer, which every link carries once (NCCL's bus
+    bandwidth for it, the report's broadcast bytes); the agreement's input is each rank's
+    own few bytes, gathered from every other rank."""
+    link = Link(ALPHA, BETA)
+    net = Network("n", {"all_gather": link})
+    assert net.seconds("broadcast", 1000, 8) == pytest.approx(ALPHA + 1000 / BETA)
+    assert net.seconds("agreement", 8, 8) == pytest.approx(ALPHA + 7 * 8 / BETA)
+
+
 def test_calibration_fits_latency_and_bandwidth_by_least_squares() -> None:
     from fxshard.driver.report.calibrate import fit
 
@@ -192,9 +207,10 @@ def test_calibration_fits_latency_and_bandwidth_by_least_squares() -> None:
     exact = [(x, 5e-4 + x / 5e8) for x in (32768, 524288, 4194304)]
     off = fit([*exact[:2], (exact[2][0], exact[2][1] * 1.05)])
     assert off.latency == pytest.approx(5e-4, rel=0.02)
-    # A fit that would need a negative latency goes through the origin instead.
+    # A fit that would need a negative latency goes through the origin instead: the slope of
+    # relative residuals, sum(x/y) / sum(x^2/y^2) = 1 / 7.913 GB/s (by hand).
     through_zero = fit([(1e6, 1e-4), (2e6, 3e-4), (4e6, 7e-4)])
-    assert through_zero.latency == 0.0 and through_zero.bandwidth > 0
+    assert through_zero.latency == 0.0 and through_zero.bandwidth == pytest.approx(7.9129e9, rel=1e-4)
 
 
 def test_calibration_times_the_device_by_a_typical_call_and_the_network_by_the_mean(monkeypatch: Any) -> None:
@@ -554,6 +570,19 @@ def test_a_gather_in_flight_while_compute_uses_the_previous_one_against_a_hand_s
     assert slow.seconds == pytest.approx(a + 100 * (m1 + m2))
 
 
+def test_a_collective_the_graph_never_waits_for_still_ends_it_and_is_exposed() -> None:
+    """gather A, a 2 ms matmul, and no wait (a verified graph always waits; the simulation
+    holds its sum anyway): the graph ends when the gather has, 21 ms, of which 19 exposed."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    b.gather(b.input("a", 5000), "a", "g0")
+    gm = b.done(b.op(torch.ops.aten.mm.default, x, x))
+    t = predict_step({"forward": gm}, _rates(), dimensions={"g0": ("shard", 0)})
+    flight, m = ALPHA + 5000 * 4 / BETA, 2 * 100 ** 3 / GFLOP
+    assert t.seconds == pytest.approx(flight)
+    assert (t.compute_seconds, t.exposed_comm_seconds) == pytest.approx((m, flight - m))
+
+
 def _two_in_flight(group_b: str) -> fx.GraphModule:
     """gather A, gather B (both issued first), wait A, compute, wait B, compute."""
     b = Builder()
@@ -834,6 +863,28 @@ def test_an_asynchronous_device_runs_behind_the_host_that_launches_its_kernels()
     agreement = Rates("r", rates(True).device, Network("n", {"all_gather": Link(1e-3, math.inf)}))
     agreed = predict_step({"forward": gm, "backward": gm}, agreement, agreement=(8, 2))
     assert agreed.seconds == pytest.approx(2 * (1e-3 + launch + 3 * kernel))
+
+
+def test_on_an_asynchronous_device_a_collectives_call_holds_the_host_not_the_device() -> None:
+    """A 20 ms matmul, gather A (its call holds the host 10 ms: NCCL's enqueue, as calibration
+    measures it), a second matmul, wait A. The host is back long before the first kernel ends,
+    so the call is hidden; the device runs the two kernels back to back and the gather flies
+    from where the device stream reached it (after the first kernel), 21 ms."""
+    b = Builder()
+    x = b.input("x", 100, 100)
+    y = b.op(torch.ops.aten.mm.default, x, x)
+    gather = b.gather(b.input("a", 5000), "a", "g0")
+    z = b.op(torch.ops.aten.mm.default, y, x)
+    gm = b.done(z, b.wait(gather))
+    launch, held, m = 1e-4, 1e-2, 2e-2
+    device = DeviceRates("d", {"float32": 2 * 100 ** 3 / m}, 1e18, launch, asynchronous=True)
+    link = Link(ALPHA, BETA, issue_latency=held, issue_bandwidth=math.inf)
+    t = predict_step({"forward": gm}, Rates("r", device, Network("n", {"all_gather": link})),
+                     dimensions={"g0": ("shard", 0)})
+    flight = ALPHA + 5000 * 4 / BETA  # 21 ms
+    (span,) = t.collectives
+    assert span.issued == pytest.approx(launch + m)
+    assert t.seconds == pytest.approx(launch + m + flight)  # the device never ran the call's 10 ms
 
 
 # -- a real step --------------------------------------------------------------------------------------
@@ -1143,7 +1194,7 @@ def test_latency_sharing_is_the_median_of_five_measurements_so_a_slow_moment_can
         def __init__(self, name: str) -> None:
             self.group_name = name
 
-    world = SimpleNamespace(comm=[Group("first"), Group("second")])
+    world = SimpleNamespace(comm=[Group("first"), Group("second")], size=2, layout=SimpleNamespace(replicate=None))
     for sharing in (1.0, 0.25):
         _scripted_sharing(monkeypatch, sharing, lambda k: 1.0)
         assert calibrate.measure_latency_sharing(world) == pytest.approx(sharing)  # type: ignore[arg-type]
@@ -1153,3 +1204,43 @@ def test_latency_sharing_is_the_median_of_five_measurements_so_a_slow_moment_can
         _scripted_sharing(monkeypatch, 1.0, lambda k, start=start: 3.0 if start <= k < start + 30 else 1.0)
         found.append(calibrate.measure_latency_sharing(world))  # type: ignore[arg-type]
     assert min(found) >= 0.9, sorted(found)[:5]
+
+
+def test_the_network_is_measured_on_the_dimension_that_communicates_and_cached_by_its_groups(
+        monkeypatch: Any) -> None:
+    """A NO_SHARD mesh's shard groups are one rank each: the latency sharing, as the network,
+    is measured on its replicas' groups. A job with one group measures no latency sharing (0),
+    so its cache entry is not the one a job with two groups reads."""
+    from types import SimpleNamespace
+
+    from fxshard.driver.report import calibrate
+
+    class Group(_TwoRanks):
+        def __init__(self, name: str, size: int = 2) -> None:
+            self.group_name, self._size = name, size
+
+        def size(self) -> int:
+            return self._size
+
+    monkeypatch.setattr(calibrate.dist, "get_backend", lambda group: "gloo")
+    flat = SimpleNamespace(comm=(Group("s0"), Group("s1")), size=2, layout=SimpleNamespace(replicate=None))
+    one = SimpleNamespace(comm=(Group("s0"),), size=2, layout=SimpleNamespace(replicate=None))
+    replicas = (Group("r0"), Group("r1"))
+    no_shard = SimpleNamespace(comm=(Group("o0", 1), Group("o1", 1)), size=1,
+                               layout=SimpleNamespace(replicate="replicate"), groups=lambda dim: replicas)
+    assert calibrate.measured_groups(no_shard) == replicas  # type: ignore[arg-type]
+    assert calibrate.measured_groups(flat) == flat.comm  # type: ignore[arg-type]
+    assert calibrate.network_key(one) != calibrate.network_key(flat)  # type: ignore[arg-type]
+
+    _scripted_sharing(monkeypatch, 0.5, lambda k: 1.0)
+    gathered: list[str] = []
+    issue = calibrate.compat.c10d_functional.all_gather_into_tensor
+
+    def recorded(shard: torch.Tensor, n: int, name: str) -> Any:
+        gathered.append(name)
+        return issue(shard, n, name)
+
+    monkeypatch.setattr(calibrate.compat.c10d_functional, "all_gather_into_tensor", recorded)
+    assert calibrate.measure_latency_sharing(no_shard) == pytest.approx(0.5)  # type: ignore[arg-type]
+    assert set(gathered) == {"r0", "r1"}
+    assert calibrate.measure_latency_sharing(one) == 0.0  # type: ignore[arg-type]

@@ -264,7 +264,8 @@ def _unmet(budget: int, best: Candidate, smallest: Prediction, what: str) -> Bud
         f"memory_budget {budget / MIB:.3f} MiB cannot be met: {what} {smallest.peak / MIB:.3f} MiB "
         f"({best.describe()}), at {smallest.where}. "
         "There it holds " + ", ".join(f"{k} {v / MIB:.3f} MiB" for k, v in parts if v)
-        + f". The largest part is {dominant}: {smallest.hints.get(dominant, '')}"
+        + f". The largest part is {dominant}: {smallest.hints.get(dominant, '')}",
+        peak=smallest.peak,
     )
 
 

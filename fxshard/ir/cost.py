@@ -131,6 +131,9 @@ class DeviceRates:
         for candidate in (name, "bfloat16" if name == "float16" else name, "float32"):
             if candidate in self.peak_flops:
                 return self.peak_flops[candidate]
+        for candidate in (name, "bfloat16" if name == "float16" else name, "float32"):
+            if candidate in self.matmul_flops:  # the highest it was measured at, on its curve too
+                return max([self.matmul_flops[candidate], *(r for _, r in self.matmul_curve.get(candidate, ()))])
         return self.flop_rate(dtype)
 
 
@@ -151,7 +154,9 @@ class Link:
     per ring step (n - 1 of them), plus bus bytes over ``bandwidth`` (bytes/s), in flight;
     before that, its issue holds the thread that calls it for ``issue_latency`` plus bus
     bytes over ``issue_bandwidth`` (gloo's reduce_scatter copies its whole input before the
-    call returns; NCCL's calls only enqueue: 0, inf)."""
+    call returns; NCCL's calls only enqueue, which the profiles take as free: 0, inf, and
+    calibration measures as the call's time on the host). On an asynchronous device the
+    issue is the host's time, not the device stream's."""
 
     latency: float
     bandwidth: float
@@ -206,7 +211,9 @@ class Network:
 
 
 def _bus(kind: str, input_bytes: int, group_size: int) -> int:
-    if kind in ("broadcast", "agreement"):
+    if kind == "broadcast":  # the whole buffer over each link of the ring or tree (the report's count)
+        return input_bytes
+    if kind == "agreement":  # each rank's few bytes to every other: an all_gather
         kind = "all_gather"
     return bus_bytes(kind, input_bytes, group_size)
 
@@ -837,8 +844,9 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
                 bus = _bus(c.kind, c.input_bytes, c.group_size)
                 held = link.issue(bus) if c.group_size > 1 else 0.0
-                if held:  # its call holds the thread, then it flies
-                    cost = replace(cost, seconds=cost.seconds + held)
+                if held:  # its call holds the thread, then it flies (the host's, on a device)
+                    cost = replace(cost, seconds=cost.seconds + held,
+                                   launch=cost.launch + held if device.asynchronous else cost.launch)
             unit = unit_of(node, units) if cost.seconds else ""
             if cost.seconds:
                 if device.asynchronous:  # launched by the host, then run when the stream is free
@@ -877,6 +885,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 now += wait
         for flight, _ in issued.values():  # not waited in this graph (never, once verified)
             end = net.finish(flight)
+            exposed += max(0.0, end - now)  # the graph ends when it has: seconds stay compute + exposed
             now = max(now, end)
         windows.append((name, begin, now))
     if host > now:  # the host launched the last node after the device had finished the rest

@@ -62,4 +62,10 @@ class CollectiveMismatchError(FxShardError):
 
 class BudgetError(FxShardError):
     """``memory_budget``: no schedule fxshard can choose has its predicted peak within the
-    budget. Raised before anything runs; names the lowest peak found and its largest part."""
+    budget. Raised before anything runs; names the lowest peak found and its largest part.
+    ``peak``: that lowest peak in bytes, where the search found one (None: nothing was
+    predicted, e.g. every plan has a unit that alone gathers more than the budget)."""
+
+    def __init__(self, message: str, *, peak: int | None = None):
+        super().__init__(message)
+        self.peak = peak

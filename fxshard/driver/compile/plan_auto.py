@@ -174,7 +174,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     best = fastest([t for t, _ in found])
     if best is None:
         if failures:
-            raise min(failures, key=_lowest)
+            raise closest(failures)
         if over and not found:
             assert config.memory_budget is not None
             label, nbytes = min(over, key=lambda o: o[1])
@@ -465,14 +465,10 @@ def _trace_finest(driver: Driver, module: nn.Module, leaves: list[Any], tree: py
         "this step traced no backward. Give a policy for inference, e.g. by_class(<your block>)")
 
 
-def _lowest(e: BudgetError) -> float:
-    """The lowest peak a BudgetError names (its first MiB figure), to raise the closest."""
-    for word in str(e).split():
-        try:
-            return float(word)
-        except ValueError:
-            continue
-    return math.inf
+def closest(failures: Sequence[BudgetError]) -> BudgetError:
+    """Of the candidates' budget errors, the one whose lowest peak came closest to the budget
+    (the first of equals; one without a peak last): what auto() raises when nothing fits."""
+    return min(failures, key=lambda e: math.inf if e.peak is None else e.peak)
 
 
 def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_inputs: Any, n: int,

@@ -54,7 +54,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
     accumulator_bytes = (sum(a.numel() * a.element_size() for a in (accumulators or {}).values())
                          if grad_sync != REDUCE else 0)
     assert config.memory_budget is not None
-    unit_bytes = {u.name: plan.unit_bytes(u) for u in plan.units}
+    unit_bytes = {u.name: plan.unit_bytes(u, gathered=True) for u in plan.units}  # what a gather holds
 
     def configured(c: Candidate) -> tuple[CompileConfig, Checkpointing | None]:
         return config.with_options(options=c.options(config.options)), c.checkpointing(regions)

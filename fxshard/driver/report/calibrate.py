@@ -3,15 +3,21 @@
     device_rates(device)      matmul FLOP/s per dtype (float32, bfloat16), memory bandwidth,
                               the overhead of an operator and of a view: measured once per
                               device, torch release and thread count, cached on disk
-    measure_network(group)    all_gather, reduce_scatter and all_reduce at five sizes each,
-                              fitted by least squares to latency + bus bytes / bandwidth
+    measure_network(group)    all_gather, reduce_scatter and all_reduce at five sizes each (three
+                              on an accelerator), fitted by least squares to latency + bus
+                              bytes / bandwidth
     calibrate(world, device)  both, the same on every rank: each rank's numbers, then the
                               slowest of each over the job (a MAX all_reduce), so every rank
                               predicts (and, later, plans) the same
+    with_node_times(...)      on the CPU, each distinct matmul of the graphs timed here, by
+                              each rank alone (report() may run on one rank): a CPU report's
+                              prediction may differ between ranks by their node times, so
+                              auto() takes each trial's largest over the ranks
 
 The cache is one JSON file, ``calibration.json``, in ``$FXSHARD_CACHE_DIR`` or
-``~/.cache/fxshard``. The network's entry is keyed by backend, group size, host,
-torch release and thread count; a rank without an entry makes every rank
+``~/.cache/fxshard``. The network's entry is keyed by backend, group size, whether
+the job has two groups to measure latency sharing on, host, torch release and
+thread count; a rank without an entry makes every rank
 measure (they decide together, in the same all_reduce), so ranks never wait on
 a measurement only some of them run. Delete the file to measure again.
 """
@@ -447,8 +453,9 @@ def interleaved(counts: Sequence[int]) -> list[int]:
 
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
-    five sizes each (``NETWORK_SIZES``), through the functional collectives the emitted graphs
-    run; about 1.6 seconds on gloo between two processes of one host.
+    five sizes each on the CPU, three on an accelerator (``NETWORK_SIZES``), through the
+    functional collectives the emitted graphs run; about 1.6 seconds on gloo between two
+    processes of one host.
 
     Each size's calls are interleaved with every other size's and kind's (``interleaved``).
     Measured one point after the other, the largest size's few calls (a fitted bandwidth's
@@ -625,7 +632,8 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
 def measure_latency_sharing(world: World) -> float:
     """How far two small collectives on two of the job's process groups at once take as long as
     one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
-    two groups of the shard dimension's slots, one after the other and both in flight, 24
+    two groups of the measured dimension's slots (``measured_groups``: the shard dimension's,
+    or a NO_SHARD mesh's replicas'), one after the other and both in flight, 24
     times each (the mean); (together - alone) / (one after the other - alone), alone being
     the slower one by itself, between 0 and 1; measured ``SHARING_REPEATS`` times, the
     median kept. 0 where the job has one such group (nothing is in flight at once) or an
@@ -635,9 +643,10 @@ def measure_latency_sharing(world: World) -> float:
     moment of the host over one variant's calls moves it by its whole range: measured once,
     16 fresh calibrations on 2 gloo ranks gave 0.0 to 0.4 in three to five of them, where
     the rest gave 1.00 (benchmarks/results/calibration_spread.md)."""
-    if len(world.comm) < 2:
+    groups = measured_groups(world)
+    if len(groups) < 2:
         return 0.0
-    first, second = world.comm[0], world.comm[1]
+    first, second = groups[0], groups[1]
     device = comm_device(first)
     if device.type != "cpu":
         return 0.0
@@ -708,17 +717,26 @@ def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
-def measured_group(world: World) -> dist.ProcessGroup:
-    """The group the network is measured on: the shard group's first slot, or where the shard
-    group is one rank (a NO_SHARD mesh), the replicas' (every rank has one of each)."""
+def measured_groups(world: World) -> tuple[dist.ProcessGroup, ...]:
+    """The groups the network is measured on, in slot order: the shard dimension's, or where
+    the shard group is one rank (a NO_SHARD mesh), the replicas' (every rank has one of each)."""
     if world.size == 1 and world.layout.replicate is not None:
-        return world.groups(world.layout.replicate)[0]
-    return world.comm_group
+        return world.groups(world.layout.replicate)
+    return tuple(world.comm) or (world.comm_group,)
+
+
+def measured_group(world: World) -> dist.ProcessGroup:
+    """The group the network is measured on: the first of ``measured_groups``."""
+    return measured_groups(world)[0]
 
 
 def network_key(world: World) -> str:
+    """The cache entry of a host's network: also whether the job had two groups to measure the
+    latency sharing on (one that had not measures 0, which a later job with two must not
+    take)."""
     group = measured_group(world)
-    return (f"network | {dist.get_backend(group)} | {group.size()} ranks | {socket.gethostname()} | "
+    groups = "two groups" if len(measured_groups(world)) >= 2 else "one group"
+    return (f"network | {dist.get_backend(group)} | {group.size()} ranks, {groups} | {socket.gethostname()} | "
             f"torch {torch.__version__} | {torch.get_num_threads()} threads | method {METHOD}")
 
 
