@@ -262,6 +262,13 @@ class FxShardStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self._layer_sync is not None:  # Trainer(sync_batchnorm=True), which DDP's setup applies
+            raise FxShardError(
+                "FxShardStrategy does not synchronise BatchNorm's batch statistics over the ranks "
+                "(Trainer(sync_batchnorm=True)): each rank would normalise with its own batch's, "
+                "unlike Lightning's DDP. Leave sync_batchnorm off (each rank normalising with its own "
+                "batch, as DDP without it), or use a normalisation without batch statistics (LayerNorm, "
+                "GroupNorm)")
         assert self.model is not None and self.lightning_module is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -371,7 +378,8 @@ class FxShardStrategy(ParallelStrategy):
             raise FxShardError(f"{path} is an fxshard checkpoint without Lightning's state: it was not "
                                "written by trainer.save_checkpoint under FxShardStrategy")
         raw = io.BytesIO(base64.b64decode(extra[_EXTRA_KEY]))
-        loaded: dict[str, Any] = torch.load(raw, map_location="cpu", weights_only=bool(weights_only))
+        # As Lightning's own load: None is torch.load's default (weights_only=True).
+        loaded: dict[str, Any] = torch.load(raw, map_location="cpu", weights_only=weights_only)
         return loaded
 
     def remove_checkpoint(self, filepath: Any) -> None:

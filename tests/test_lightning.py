@@ -232,6 +232,11 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
     strategy.precision_plugin = type("Bitsandbytes", (Precision,), {})()
     with pytest.raises(fxshard.FxShardError, match="does not support the precision plugin Bitsandbytes"):
         strategy._map_precision()
+    # Trainer(sync_batchnorm=True): DDP's setup converts BatchNorm; fxshard refuses, not ignores.
+    synced = L.Trainer(accelerator="cpu", devices=1, strategy=FxShardStrategy(), sync_batchnorm=True,
+                       logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(fxshard.FxShardError, match="sync_batchnorm=True"):
+        synced.strategy.setup(synced)
     del lit.head
     lit.scale = torch.nn.Parameter(torch.ones(1))
     with pytest.raises(fxshard.FxShardError, match="\\['scale'\\] lie outside it"):
