@@ -46,7 +46,7 @@ from fxshard.checkpoint import (
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.precision import MixedPrecision
-from fxshard.ir.wrapping import Policy, by_class
+from fxshard.ir.wrapping import Auto, Policy, by_class
 
 __all__ = ["FxShardTrainer", "default_policy"]
 
@@ -125,6 +125,15 @@ def compile_options(args: TrainingArguments | None, policy: Policy | None,
     if "policy" in options:
         problems.append("fxshard_options names 'policy': pass it as FxShardTrainer(policy=...)")
         options.pop("policy")
+    if isinstance(policy, Auto):
+        problems.append("policy=auto() chooses its units from a trace of the model on a batch (example_inputs=), "
+                        "which the Trainer shards before any batch: pin a policy (e.g. by_class(<your decoder "
+                        "layer>)), after fxshard.explain(model, batch, policy=auto()) shows what auto() chooses")
+    if args is not None and args.ddp_broadcast_buffers is not None:  # DDP's broadcast_buffers, as the Trainer's DDP
+        chosen = options.setdefault("broadcast_buffers", bool(args.ddp_broadcast_buffers))
+        if chosen != bool(args.ddp_broadcast_buffers):
+            problems.append(f"ddp_broadcast_buffers={args.ddp_broadcast_buffers}, but fxshard_options names "
+                            f"broadcast_buffers={chosen}: drop one")
     if args is not None and args.bf16:
         precision = options.setdefault(
             "mixed_precision", MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))

@@ -240,6 +240,24 @@ def test_refused_arguments_name_the_problem_and_the_fix(tmp_path: Any, change: d
     assert words in str(e.value)
 
 
+def test_ddp_broadcast_buffers_is_fxshards_broadcast_buffers_and_auto_is_refused(tmp_path: Any) -> None:
+    """The Trainer hands ddp_broadcast_buffers to DDP; here it is fxshard's option of the same
+    meaning (unset: fxshard's default, FSDP's, no broadcast). auto() needs a batch to plan on,
+    which the Trainer shards before it has."""
+    from fxshard.hf import compile_options
+    from fxshard.policies import auto
+
+    for given in (True, False):
+        options, problems = compile_options(_args(str(tmp_path), ddp_broadcast_buffers=given), None, {})
+        assert options["broadcast_buffers"] is given and not problems
+    assert "broadcast_buffers" not in compile_options(_args(str(tmp_path)), None, {})[0]
+    _, problems = compile_options(_args(str(tmp_path), ddp_broadcast_buffers=True), None,
+                                  {"broadcast_buffers": False})
+    assert problems == ["ddp_broadcast_buffers=True, but fxshard_options names broadcast_buffers=False: drop one"]
+    with pytest.raises(fxshard.FxShardError, match="policy=auto\\(\\) chooses its units .* pin a policy"):
+        FxShardTrainer(model=_model(), args=_args(str(tmp_path)), policy=auto())
+
+
 def test_an_unknown_fxshard_option_is_refused_at_construction(tmp_path: Any) -> None:
     with pytest.raises(fxshard.FxShardError, match="reshard_after_foward"):
         FxShardTrainer(model=_model(), args=_args(str(tmp_path)), fxshard_options={"reshard_after_foward": False})

@@ -217,6 +217,8 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
         FxShardStrategy(mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="reshard_after_forwards"):
         FxShardStrategy(reshard_after_forwards=False)
+    with pytest.raises(TypeError, match="policy=auto\\(\\) chooses its units from a trace .* pin a policy"):
+        FxShardStrategy(fxshard.policies.auto())
     lit = LitGPT()
     lit.model, lit.head = TinyGPT(), torch.nn.Linear(2, 2)
     with pytest.raises(fxshard.FxShardError, match="found 2 \\(model, head\\).*module=\"model\""):
