@@ -162,6 +162,28 @@ def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None
             make(on_pas=print)
 
 
+@pytest.mark.parametrize("option, value, words", [
+    ("forward_prefetch", "no", "forward_prefetch takes True or False, got 'no'"),
+    ("reshard_root", 1, "reshard_root takes True or False"),
+    ("max_inflight_gathers", 2.5, "max_inflight_gathers takes a whole number \\(at least 1\\), got 2.5"),
+    ("bucket_bytes", "64MiB", "bucket_bytes takes a whole number .*got '64MiB': a number of bytes, e.g. 64 << 20"),
+    ("max_inflight_bytes", 1.5e6, "max_inflight_bytes takes a whole number"),
+    ("replicate_below", True, "replicate_below takes a whole number"),
+    ("timeout", "30", "timeout takes seconds \\(a number\\) or a datetime.timedelta, got '30'"),
+])
+def test_an_option_of_the_wrong_type_is_refused_naming_it(option: str, value: Any, words: str) -> None:
+    """A truthy string turned prefetch on, a float in-flight limit failed deep in a pass, and a
+    string of bytes raised a comparison's TypeError that named no option."""
+    with pytest.raises(TypeError, match=words):
+        CompileConfig.build("compile", **{option: value})
+
+
+def test_a_timeout_may_be_a_timedelta_as_init_process_groups() -> None:
+    import datetime
+
+    assert CompileConfig.build("compile", timeout=datetime.timedelta(minutes=2)).timeout == 120.0
+
+
 def test_a_step_generates_python_code_only_for_the_graphs_that_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pass ends with ``recompile()``; under lazy graph modules that only marks the code
     stale, and it is generated where it is read or called: the forward's and backward's boxed

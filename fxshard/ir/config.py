@@ -11,6 +11,7 @@ An option a front end cannot honour is refused here, with the reason.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -151,6 +152,10 @@ class CompileConfig:
         object.__setattr__(self, "optimizer", optimizer_state(self.optimizer))
         if self.compute not in ("eager", "inductor"):
             raise ValueError(f"compute must be 'eager' or 'inductor', got {self.compute!r}")
+        if isinstance(self.timeout, datetime.timedelta):  # init_process_group's and Lightning's spelling
+            object.__setattr__(self, "timeout", self.timeout.total_seconds())
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))):
+            raise TypeError(f"timeout takes seconds (a number) or a datetime.timedelta, got {self.timeout!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):

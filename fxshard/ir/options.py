@@ -88,6 +88,16 @@ class ShardingOptions:
     offload_units: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("reshard_root", "forward_prefetch", "reduce_in_rank_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} takes True or False, got {getattr(self, name)!r}")
+        for name, bound in (("max_inflight_gathers", "at least 1"), ("bucket_bytes", "0 for off"),
+                            ("replicate_below", "0 for off"), ("max_inflight_bytes", "None for no cap")):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+                    value is None and name == "max_inflight_bytes"):
+                raise TypeError(f"{name} takes a whole number ({bound}), got {value!r}"
+                                + (": a number of bytes, e.g. 64 << 20 for 64 MiB" if "bytes" in name else ""))
         hpz = self.reshard_after_forward
         if not isinstance(hpz, int) or not isinstance(hpz, bool) and hpz < 1:
             raise ValueError(
