@@ -225,20 +225,21 @@ class ShardedModule(nn.Module):
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def full_state_dict(self, rank0_only: bool = False, timeout: float = 300.0) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """What the unsharded module's own ``state_dict()`` returns: full tensors, its names,
         its state-dict hooks applied (a module that fuses or renames parameters there
         gets its own keys), buffers included.
 
         A collective: every rank must call it, in the same order relative to
         other collectives. A rank left waiting raises after ``timeout`` seconds
-        instead of hanging. With ``rank0_only`` other ranks still take part and
-        get an empty dict. The values are copies: training on does not change them.
+        (default: ``fxshard.compile``'s ``timeout``, else 300) instead of hanging.
+        With ``rank0_only`` other ranks still take part and get an empty dict. The
+        values are copies: training on does not change them.
         """
         return state.full_model_state(self._skeleton, self._driver, rank0_only, timeout)
 
     def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                             timeout: float = 300.0) -> IncompatibleKeys:
+                             timeout: float | None = None) -> IncompatibleKeys:
         """Inverse of :meth:`full_state_dict`: every rank passes the full dict, keeps its shard.
 
         Loads through the module's own ``load_state_dict``, so its load hooks run
@@ -260,6 +261,14 @@ class ShardedModule(nn.Module):
         call it. This rank's flat shards are ``sharded.parameters()``; never
         save them as a model.
         """
+        if len(args) > 3:
+            raise TypeError(f"state_dict takes (destination, prefix, keep_vars), as nn.Module's, got {len(args)} "
+                            "positional arguments")
+        destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
+        if keep_vars:
+            raise TypeError("state_dict(keep_vars=True) asks for the module's own Parameter objects; a sharded "
+                            "module's full tensors are gathered copies. Use sharded.parameters() for this "
+                            "rank's shards, or state_dict() for the full values")
         full = self.full_state_dict()
         result = destination if destination is not None else {}
         for key, value in full.items():

@@ -304,6 +304,42 @@ def test_load_full_state_dict_checks_before_changing_anything() -> None:
         assert torch.equal(p, b)
 
 
+def test_state_dict_takes_nn_modules_positional_arguments_and_refuses_keep_vars() -> None:
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    full = sharded.state_dict()
+    into: dict[str, Any] = {}
+    assert sharded.state_dict(into, "m.") is into and set(into) == {"m." + k for k in full}
+    with pytest.raises(TypeError, match="keep_vars=True\\) asks for the module's own Parameter objects"):
+        sharded.state_dict(keep_vars=True)
+    with pytest.raises(TypeError, match="keep_vars=True"):
+        sharded.state_dict(None, "", True)
+
+
+def test_a_full_state_dicts_gathers_wait_as_long_as_compiles_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fxshard.compile(timeout=) bounds every wait of the job: the full state dict's gathers
+    too (they waited 300 s whatever it said), unless the call names its own."""
+    import dataclasses
+
+    from fxshard.driver.state import state_dicts
+
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    driver = sharded._driver
+    waited: list[float] = []
+    gather = state_dicts.full_parameters
+
+    def recorded(shards: Any, plan: Any, world: Any, timeout: float) -> Any:
+        waited.append(timeout)
+        return gather(shards, plan, world, timeout)
+
+    monkeypatch.setattr(state_dicts, "full_parameters", recorded)
+    sharded.full_state_dict()
+    driver.world = dataclasses.replace(driver.world, timeout=datetime.timedelta(seconds=7))
+    state = sharded.full_state_dict()
+    sharded.full_state_dict(timeout=3)
+    sharded.load_full_state_dict(state, strict=False)
+    assert waited == [300.0, 7.0, 3.0, 7.0]
+
+
 def _only_rank0_gathers(rank: int, world_size: int, stay: float, group_timeout: float | None,
                         timeout: float) -> str:
     """Rank 0 gathers the full state; rank 1 never does: it leaves at once (``stay=0``), or

@@ -486,9 +486,22 @@ def materialised(module: nn.Module, params: dict[str, torch.Tensor]) -> Iterator
         yield buffers
 
 
+def gather_seconds(driver: Driver, timeout: float | None) -> float:
+    """How long a full state dict's gathers may wait: ``timeout`` where given, else
+    ``fxshard.compile``'s ``timeout``, else ``DEFAULT_GATHER_SECONDS``."""
+    if timeout is not None:
+        return timeout
+    world = driver.world.timeout
+    return world.total_seconds() if world is not None else DEFAULT_GATHER_SECONDS
+
+
+DEFAULT_GATHER_SECONDS = 300.0
+
+
 def full_model_state(module: nn.Module, driver: Driver, rank0_only: bool = False,
-                     timeout: float = 300.0) -> dict[str, torch.Tensor]:
+                     timeout: float | None = None) -> dict[str, torch.Tensor]:
     """What the unsharded module's own ``state_dict()`` returns (a collective)."""
+    timeout = gather_seconds(driver, timeout)
     full = full_parameters(list(driver.shards), driver.plan, driver.world, timeout)
     if rank0_only and driver.world.job_rank != 0:
         return {}
@@ -506,7 +519,7 @@ def full_model_state(module: nn.Module, driver: Driver, rank0_only: bool = False
 
 
 def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping[str, Any],
-                          strict: bool = True, timeout: float = 300.0) -> _IncompatibleKeys:
+                          strict: bool = True, timeout: float | None = None) -> _IncompatibleKeys:
     """Inverse of :func:`full_model_state`, through the module's own ``load_state_dict`` (its
     load hooks run). Checked before anything changes."""
     plan = driver.plan
@@ -517,7 +530,7 @@ def load_full_model_state(module: nn.Module, driver: Driver, state_dict: Mapping
                 value = torch.empty(slot.shape, dtype=group.dtype, device=driver.device)
                 full.update(dict.fromkeys(slot.names, value))  # ties stay one tensor
     else:
-        full = full_parameters(list(driver.shards), plan, driver.world, timeout)
+        full = full_parameters(list(driver.shards), plan, driver.world, gather_seconds(driver, timeout))
     problems = []
     result = _IncompatibleKeys([], [])
     with materialised(module, full) as buffers:
@@ -568,7 +581,7 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer], full: bool = False,
-                    timeout: float = 300.0) -> dict[str, Any]:
+                    timeout: float | None = None) -> dict[str, Any]:
     """torch's FQN-keyed format: ``{"state": {name: {key: value}}, "param_groups": [{..,
     "params": [names]}]}``; sharded values as in :func:`model_state`, or gathered with ``full``."""
     plan = driver.plan
@@ -597,7 +610,7 @@ def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
                             flat[piece.shard] = value.detach()
                         named.append(view_slot)
                     elif per_element and full:
-                        whole = gather_full(value, group, driver.world, timeout)
+                        whole = gather_full(value, group, driver.world, gather_seconds(driver, timeout))
                         for slot in slots:
                             entries[slot.name][key] = \
                                 whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
@@ -626,7 +639,7 @@ def optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Optimizer],
             group = plan.groups[g]
             for key in sorted(laid_out[g]):
                 flat, named = laid_out[g][key]
-                whole = gather_full(flat, group, driver.world, timeout) if full else flat
+                whole = gather_full(flat, group, driver.world, gather_seconds(driver, timeout)) if full else flat
                 for slot in named:
                     state[slot.name][key] = (
                         whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone() if full
