@@ -264,7 +264,8 @@ class ShardedModule(nn.Module):
         if len(args) > 3:
             raise TypeError(f"state_dict takes (destination, prefix, keep_vars), as nn.Module's, got {len(args)} "
                             "positional arguments")
-        destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
+        given: list[Any] = [*args, *(destination, prefix, keep_vars)[len(args):]]
+        destination, prefix, keep_vars = given
         if keep_vars:
             raise TypeError("state_dict(keep_vars=True) asks for the module's own Parameter objects; a sharded "
                             "module's full tensors are gathered copies. Use sharded.parameters() for this "
