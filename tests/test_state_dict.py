@@ -85,3 +85,50 @@ def test_state_dict_hooks_are_honoured_on_two_ranks() -> None:
             assert torch.equal(result["back"][k], v), k
         ours, theirs = result["out"]
         torch.testing.assert_close(ours, theirs)
+
+
+class Scaled(nn.Module):
+    """A 0-dim parameter (CLIP's logit_scale) beside ordinary ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.logit_scale = nn.Parameter(torch.tensor(2.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.logit_scale.exp()
+
+
+def _zero_dim_round_trip(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from fxshard.checkpoint import get_optimizer_state_dict, load, save
+
+    torch.manual_seed(0)
+    sharded = fxshard.compile(Scaled(), policy=by_class(nn.Linear))
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    sharded(torch.randn(3, 6)).square().mean().backward()
+    opt.step()
+    save(root, sharded, opt)
+    model, moments = sharded.state_dict(), get_optimizer_state_dict(sharded, opt)["state"]["logit_scale"]
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.add_(1.0)
+        for s in opt.state.values():
+            s["exp_avg"].add_(1.0)
+    load(root, sharded, opt)
+    again = get_optimizer_state_dict(sharded, opt)["state"]["logit_scale"]
+    return {"model": model, "loaded": sharded.state_dict(), "moments": moments, "again": again}
+
+
+def test_a_zero_dim_parameter_is_saved_and_loaded_on_two_ranks(tmp_path: Any) -> None:
+    """Its one element lives on one rank; the checkpoint raised an IndexError on every rank. Its
+    value and its AdamW moments (0-dim too) come back on both ranks."""
+    torch.manual_seed(0)
+    initial = Scaled().logit_scale.detach()
+    results = run_ranks(_zero_dim_round_trip, 2, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["model"]["logit_scale"].shape == () and not torch.equal(r["model"]["logit_scale"], initial)
+        assert all(torch.equal(r["loaded"][k], v) for k, v in r["model"].items())
+        assert set(r["moments"]) >= {"exp_avg", "exp_avg_sq"} and r["moments"]["exp_avg"].shape == ()
+        assert all(torch.equal(r["again"][k], v) for k, v in r["moments"].items())
+    assert torch.equal(results[0]["model"]["logit_scale"], results[1]["model"]["logit_scale"])
+    assert torch.equal(results[0]["moments"]["exp_avg"], results[1]["moments"]["exp_avg"])

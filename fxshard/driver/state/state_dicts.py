@@ -139,6 +139,17 @@ def sharded_value(flat: torch.Tensor, group: FlatGroup, slot: ParamSlot, driver:
     world = driver.world
     pg = world.group
     assert pg is not None
+    if not slot.shape:
+        # A 0-dim parameter (CLIP's logit_scale): one rank holds its element, and a
+        # ShardedTensor's pieces are boxes along dim 0, which it has not. Its value, from
+        # that rank, on every rank: a plain tensor, as DCP saves a replicated one (a
+        # collective: every rank walks the plan in the same order).
+        holder = next(r for r in range(world.size) if group.piece(slot, r) is not None)
+        piece = group.piece(slot, world.rank)
+        value = (flat[piece.shard].reshape(()).clone() if piece is not None
+                 else torch.empty((), dtype=flat.dtype, device=flat.device))
+        dist.broadcast(value, src=dist.get_global_rank(pg, holder), group=pg)
+        return value
     device = str(flat.device)
 
     def metadata(rank: int, box: Box) -> ShardMetadata:
