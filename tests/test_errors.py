@@ -340,6 +340,27 @@ def test_a_full_state_dicts_gathers_wait_as_long_as_compiles_timeout(monkeypatch
     assert waited == [300.0, 7.0, 3.0, 7.0]
 
 
+def _one_rank_passes_nothing(rank: int, world_size: int) -> str:
+    """Rank 0 passes the full state dict, rank 1 an empty one (strict=False): rank 1 read
+    nothing to compare, rank 0 the model's parameters."""
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear), timeout=20)
+    full = sharded.full_state_dict()
+    try:
+        sharded.load_full_state_dict(full if rank == 0 else {}, strict=False)
+    except FxShardError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_ranks_that_pass_different_full_state_dicts_all_raise_even_one_that_passed_nothing() -> None:
+    """Rank 1's dict had nothing to compare, so it had no words for the error and returned,
+    while rank 0 raised: its next collective waited out the timeout."""
+    messages = run_ranks(_one_rank_passes_nothing, 2)
+    for message in messages:
+        assert "the ranks passed different state dicts, nothing was changed" in message, message
+        assert "rank 1: nothing to compare" in message, message
+
+
 def _only_rank0_gathers(rank: int, world_size: int, stay: float, group_timeout: float | None,
                         timeout: float) -> str:
     """Rank 0 gathers the full state; rank 1 never does: it leaves at once (``stay=0``), or

@@ -249,9 +249,14 @@ def agree_on(problems: list[str], driver: Driver, what: str, *,
     if not bool(flags[:, 0].any()) and bool((flags[:, 1] == flags[0, 1]).all()):
         return
     found: list[Any] = [None] * world.job_size
-    dist.all_gather_object(found, (problems, source.name if source else None), group=group)
-    _raise(what, why, found, source if not bool((flags[:, 1] == flags[0, 1]).all()) else None,
-           [int(d) for d in flags[:, 1]], world.job_members())
+    dist.all_gather_object(found, (problems, source.name if source else None,
+                                   (source.differ, source.hint) if source else None), group=group)
+    differ = None
+    if not bool((flags[:, 1] == flags[0, 1]).all()):
+        # Every rank raises, also one that read no source itself: the words of a rank that did.
+        said = source or next(Source(b"", "", *f[2]) for f in found if f[2] is not None)
+        differ = said
+    _raise(what, why, found, differ, [int(d) for d in flags[:, 1]], world.job_members())
 
 
 def _raise(what: str, why: str, found: list[Any], source: Source | None, digests: Sequence[int] = (),
@@ -263,7 +268,7 @@ def _raise(what: str, why: str, found: list[Any], source: Source | None, digests
     if all(f[0] == found[0][0] for f in found):  # the same on every rank: say it once
         lines = list(found[0][0])
     else:
-        lines = [f"rank {r}: {p}" for r, (ps, _) in zip(members, found) for p in ps]
+        lines = [f"rank {r}: {p}" for r, (ps, *_) in zip(members, found) for p in ps]
     text = []
     if lines:
         shown = "\n  ".join(lines[:40]) + (f"\n  ... {len(lines) - 40} more" if len(lines) > 40 else "")
@@ -273,7 +278,7 @@ def _raise(what: str, why: str, found: list[Any], source: Source | None, digests
         for i, d in enumerate(digests):
             ranks.setdefault(d, []).append(i)
         who = "\n  ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(str(members[i]) for i in rs)}: "
-                          f"{found[rs[0]][1]}" for rs in ranks.values())
+                          f"{found[rs[0]][1] or 'nothing to compare'}" for rs in ranks.values())
         text.append(f"{what}: the ranks {source.differ}, nothing was changed:\n  {who}\n{source.hint}")
     if text:
         raise StateDictError("\n".join(text))
