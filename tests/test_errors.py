@@ -340,6 +340,29 @@ def test_a_full_state_dicts_gathers_wait_as_long_as_compiles_timeout(monkeypatch
     assert waited == [300.0, 7.0, 3.0, 7.0]
 
 
+def _rank0_buffer_on_meta(rank: int, world_size: int) -> str:
+    from models import BNNet
+
+    if rank == 0:
+        model = BNNet()
+        model.bn.register_buffer("running_mean", torch.empty(8, device="meta"))  # never computed
+    else:
+        with torch.device("meta"):
+            model = BNNet()
+    try:
+        fxshard.compile(model, sync_module_states=True, timeout=20)
+    except FxShardError as e:
+        return str(e)
+    return "compiled"
+
+
+def test_sync_module_states_with_a_meta_buffer_on_rank_0_raises_on_every_rank_naming_it() -> None:
+    """It broadcast rank 0's uninitialised memory as the buffer; and a rank 0 whose parameters
+    were on meta raised alone, leaving the other ranks in the broadcast until the timeout."""
+    for message in run_ranks(_rank0_buffer_on_meta, 2):
+        assert "rank 0's model has tensors on the meta device (bn.running_mean)" in message, message
+
+
 def _one_rank_passes_nothing(rank: int, world_size: int) -> str:
     """Rank 0 passes the full state dict, rank 1 an empty one (strict=False): rank 1 read
     nothing to compare, rank 0 the model's parameters."""

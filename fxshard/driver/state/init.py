@@ -223,9 +223,22 @@ def broadcast_shards(module: nn.Module, plan: ShardPlan, world: World,
     src = dist.get_global_rank(job, 0)
     comm = comm_device(world.group)
     params = dict(module.named_parameters(remove_duplicate=False))
-    if world.job_rank == 0 and any(p.is_meta for p in params.values()):
-        raise FxShardError("sync_module_states=True broadcasts rank 0's parameters, but rank 0's "
-                           "model is on the meta device: build (or load) the real model on rank 0")
+    # Agreed before the first broadcast: a rank 0 that raised alone left the others waiting in
+    # it until the group's timeout.
+    meta = [n for n, t in [*params.items(), *module.named_buffers(remove_duplicate=False)] if t.is_meta] \
+        if world.job_rank == 0 else []
+    flag = torch.tensor([len(meta)], device=comm)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job)
+    if int(flag.item()):
+        said = [meta]
+        dist.broadcast_object_list(said, src=src, group=job)  # rank 0's names, said on every rank
+        meta = said[0]
+        named = f" ({', '.join(meta[:8])}{', ...' if len(meta) > 8 else ''})" if meta else ""
+        raise FxShardError(
+            f"sync_module_states=True broadcasts rank 0's parameters and buffers, but rank 0's model "
+            f"has tensors on the meta device{named}: build (or load) the real model on rank 0, its "
+            "buffers too (a non-persistent buffer, such as rotary embeddings' inv_freq, stays on meta "
+            "after load_state_dict(assign=True): compute it on rank 0)")
     shards = []
     for group in plan.groups:
         full = torch.zeros(group.padded_numel, dtype=group.dtype, device=comm)
