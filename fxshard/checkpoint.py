@@ -147,9 +147,19 @@ def _offload(values: dict[str, Any], options: StateDictOptions, rank: int) -> di
     return cpu(values)
 
 
+def _for_get(options: StateDictOptions | None) -> StateDictOptions:
+    options = _options(options)
+    if options.cpu_offload and not options.full_state_dict:
+        raise FxShardError(
+            "StateDictOptions(cpu_offload=True) without full_state_dict=True is not supported by fxshard "
+            "yet: the sharded values would stay where the shards are. Pass full_state_dict=True too (full "
+            "values on rank 0's CPU), or save with fxshard.checkpoint.save, which writes the shards")
+    return options
+
+
 def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict[str, Any]:
     """The model's state dict under its original names: sharded values by default."""
-    options = _options(options)
+    options = _for_get(options)
     module, driver = sharding_of(model)
     if options.full_state_dict:
         return _offload(state.full_model_state(module, driver), options, driver.world.job_rank)
@@ -159,7 +169,7 @@ def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None =
 def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              *, options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizers' state keyed by the model's parameter names (torch's format)."""
-    options = _options(options)
+    options = _for_get(options)
     _, driver = sharding_of(model)
     result = state.optimizer_state(driver, _optimizers(optimizers), full=options.full_state_dict)
     return _offload(result, options, driver.world.job_rank) if options.full_state_dict else result

@@ -642,6 +642,17 @@ def test_consolidate_of_a_damaged_checkpoint_is_one_error_line_and_writes_nothin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
+    """torch's cpu_offload moves sharded values too; fxshard's stayed on the device, silently."""
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
+    opt = torch.optim.AdamW(sharded.parameters())
+    offload = StateDictOptions(cpu_offload=True)
+    with pytest.raises(fxshard.FxShardError, match="cpu_offload=True\\) without full_state_dict=True"):
+        fxshard.get_model_state_dict(sharded, options=offload)
+    with pytest.raises(fxshard.FxShardError, match="cpu_offload=True\\) without full_state_dict=True"):
+        fxshard.get_optimizer_state_dict(sharded, opt, options=offload)
+
+
 def test_an_optimizer_with_an_empty_group_reloads_its_own_state() -> None:
     """The Hugging Face Trainer builds a group that may hold no parameter: its saved twin (by
     position) gives its hyperparameters back, and the other groups load as always."""
