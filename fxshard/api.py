@@ -330,7 +330,8 @@ def compile(
     now when ``example_inputs`` (a tensor or a tuple of positional arguments)
     is given.
 
-    Options (the same for ``fxshard.backend`` and ``fxshard.explain``; see
+    Options (the same for ``fxshard.backend`` and ``fxshard.explain``, but for those
+    each refuses, saying why: ``fxshard.ir.config._NOT_FOR``; see
     ``fxshard.ir.config.CompileConfig``): ``compute`` ("eager" or "inductor"),
     ``verify_passes`` (check graph invariants after every pass; default: the
     ``FXSHARD_VERIFY`` environment variable), ``on_pass(graph, pass_name,

@@ -44,7 +44,7 @@ from fxshard.driver.compile.trace import (
     parameter_views,
 )
 from fxshard.driver.report.step_report import Report
-from fxshard.driver.run.runtime import refuse_eager_calls
+from fxshard.driver.run.runtime import agree_on_mesh, refuse_eager_calls
 from fxshard.ir import compat
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -123,10 +123,12 @@ class _GraphStep(TracedStep):
 class FxShardBackend:
     """A ``torch.compile`` backend that shards parameters, gradients and optimizer state.
 
-    Takes every option ``fxshard.compile`` takes (``fxshard.ir.config.CompileConfig``).
+    Takes the options ``fxshard.compile`` takes (``fxshard.ir.config.CompileConfig``) but
+    ``broadcast_buffers`` and ``MixedPrecision(output_dtype=...)``, which it refuses, saying why.
     """
 
     def __init__(self, policy: Policy | None = None, **options: Any):
+        agree_on_mesh(options.get("mesh"), "fxshard.backend")  # before anything reads its groups
         self.config = CompileConfig.build("backend", policy=policy, **options)
         precision = self.config.mixed_precision
         if precision is not None and precision.output_dtype is not None:
@@ -257,7 +259,8 @@ def _refuse_eager_runs(module: nn.Module) -> None:
 def backend(policy: Policy | None = None, **options: Any) -> FxShardBackend:
     """A ``torch.compile`` backend: ``torch.compile(model, backend=fxshard.backend(policy=...))``.
 
-    Takes every option ``fxshard.compile`` takes.
+    Takes the options ``fxshard.compile`` takes but ``broadcast_buffers`` and
+    ``MixedPrecision(output_dtype=...)``, which it refuses, saying why.
     """
     return FxShardBackend(policy, **options)
 

@@ -221,8 +221,9 @@ def explain(
     types need the device here. Options are those of
     ``fxshard.compile`` (``dump_dir``, or the ``FXSHARD_DUMP`` environment
     variable, writes the graphs after each pass, a timeline picture and the
-    unit graph there), except ``process_group``, ``mesh`` and ``timeout``:
-    explain runs nothing, on a fake process group of its own. ``hardware`` (a profile's
+    unit graph there), except ``process_group``, ``mesh``, ``timeout``,
+    ``param_init_fn`` and ``sync_module_states`` (refused, saying why): explain runs
+    nothing, on a fake process group of its own. ``hardware`` (a profile's
     name, ``fxshard.ir.cost.PROFILES``, or ``Rates``) predicts the step's time on it:
     the report's ``predicted_step_seconds``, exposed communication and MFU; ``policy=auto()``
     needs it, to choose by time.

@@ -617,9 +617,10 @@ def test_hpz_under_inductor_trains_like_full_shard() -> None:
         _assert_states(r["hpz"]["state"], r["full_shard"]["state"], exact=True)
 
 
-def _bad_mesh(rank: int, world_size: int, how: str) -> tuple[str, str]:
-    """Every rank compiles with a mesh that is wrong for the job: ``outside`` leaves the last
-    rank out of it; ``different``: rank 0 passes a 1-D mesh, the others a 2-D one."""
+def _bad_mesh(rank: int, world_size: int, how: str) -> list[tuple[str, str]]:
+    """Every rank compiles with a mesh that is wrong for the job, then makes a backend with it:
+    ``outside`` leaves the last rank out of it; ``different``: rank 0 passes a 1-D mesh, the
+    others a 2-D one."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if how == "outside":
@@ -627,11 +628,16 @@ def _bad_mesh(rank: int, world_size: int, how: str) -> tuple[str, str]:
     else:
         flat, square = init_device_mesh("cpu", (world_size,)), init_device_mesh("cpu", (2, world_size // 2))
         mesh = flat if rank == 0 else square
-    try:
-        fxshard.compile(MLP(), policy=by_class(nn.Linear), mesh=mesh, timeout=20)
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, str(e)
-    return "none", ""
+    said = []
+    for front_end in (lambda: fxshard.compile(MLP(), policy=by_class(nn.Linear), mesh=mesh, timeout=20),
+                      lambda: fxshard.backend(by_class(nn.Linear), mesh=mesh, timeout=20)):
+        try:
+            front_end()
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            said.append((type(e).__name__, str(e)))
+        else:
+            said.append(("none", ""))
+    return said
 
 
 @pytest.mark.parametrize("how, world_size, said", [
@@ -644,9 +650,11 @@ def _bad_mesh(rank: int, world_size: int, how: str) -> tuple[str, str]:
 ])
 def test_a_mesh_that_does_not_fit_the_job_is_refused_on_every_rank_naming_who_passed_what(
         how: str, world_size: int, said: str) -> None:
-    for rank, (error, message) in enumerate(run_ranks(_bad_mesh, world_size, how)):
-        assert error == "FxShardError", (rank, error, message)
-        assert message.startswith(f"rank {rank}: ") and said in message, message
+    for rank, (compiled, backend) in enumerate(run_ranks(_bad_mesh, world_size, how)):
+        for front_end, (error, message) in (("fxshard.compile", compiled), ("fxshard.backend", backend)):
+            assert error == "FxShardError", (rank, front_end, error, message)
+            assert message.startswith(f"rank {rank}: "), message
+            assert said.replace("fxshard.compile", front_end) in message, message
 
 
 def _errors_on_a_2_by_2_mesh(rank: int, world_size: int) -> dict[str, str]:

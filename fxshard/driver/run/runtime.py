@@ -139,7 +139,7 @@ def _dimension(size: int, rank: int, groups: tuple[dist.ProcessGroup, ...]) -> C
     return CommGroup(size, names[0], names, rank, tuple(dist.get_process_group_ranks(groups[0])))
 
 
-def agree_on_mesh(mesh: Any) -> None:
+def agree_on_mesh(mesh: Any, front_end: str = "fxshard.compile") -> None:
     """Before any group is made from ``mesh``: every rank of the job is in the mesh it passed,
     and ranks that share a mesh passed the same one (sliced meshes, one row per rank, agree).
     Else raise on every rank, naming who passed what, where the groups' creation would fail
@@ -162,7 +162,7 @@ def agree_on_mesh(mesh: Any) -> None:
     outside = [r for r, (_, ranks) in enumerate(every) if r not in ranks]
     if outside:
         raise FxShardError(
-            f"rank {me}: rank(s) {outside} are outside the mesh they passed to fxshard.compile "
+            f"rank {me}: rank(s) {outside} are outside the mesh they passed to {front_end} "
             f"(rank {outside[0]}: {said(outside[0])}). Every rank of the job takes part in "
             f"fxshard's process groups: build the mesh over all {size} ranks, e.g. "
             f"init_device_mesh(device_type, ({size},)) or (R, S) with R * S = {size}, and pass "
@@ -172,7 +172,7 @@ def agree_on_mesh(mesh: Any) -> None:
     if differ:
         r, s = differ[0]
         raise FxShardError(
-            f"rank {me}: the ranks passed different meshes to fxshard.compile: rank {r} passed "
+            f"rank {me}: the ranks passed different meshes to {front_end}: rank {r} passed "
             f"{said(r)}, rank {s} passed {said(s)}. Every rank must pass the same mesh: build it "
             "once with init_device_mesh(device_type, shape), the same shape on every rank, and "
             "pass that."
