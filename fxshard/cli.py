@@ -205,10 +205,17 @@ def _inputs(shapes: list[str], dtypes: list[str]) -> tuple[torch.Tensor, ...]:
 
     if not shapes:
         raise FxShardError("give the model's input with --input-shape (e.g. --input-shape 8,1024)")
+    if len(dtypes) > 1 and len(dtypes) != len(shapes):
+        raise FxShardError(f"{len(dtypes)} --input-dtype for {len(shapes)} --input-shape: give one dtype "
+                           "for every input, or one per input in the same order")
     result = []
     for i, shape in enumerate(shapes):
-        dims = tuple(int(d) for d in shape.split(","))
-        name = dtypes[i] if i < len(dtypes) else (dtypes[-1] if dtypes else "float32")
+        try:
+            dims = tuple(int(d) for d in shape.split(","))
+        except ValueError:
+            raise FxShardError(f"--input-shape {shape!r}: comma-separated whole numbers, e.g. "
+                               "--input-shape 8,1024") from None
+        name = dtypes[i] if len(dtypes) > 1 else (dtypes[0] if dtypes else "float32")
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
             raise FxShardError(f"unknown dtype {name!r}")
@@ -281,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--policy", default=None, help='e.g. "by_class(Block) | by_size(1e6)"')
     ex.add_argument("--input-shape", action="append", default=[], help="comma-separated; repeat per input")
     ex.add_argument("--input-dtype", action="append", default=[],
-                    help="torch dtype name per input (default: int64 for an nn.Embedding's indices, "
-                         "else float32)")
+                    help="torch dtype name: once for every input, or repeated once per input (default: "
+                         "int64 for an nn.Embedding's indices, else float32)")
     ex.add_argument("--option", action="append", default=[], help="scheduling option key=value")
     ex.add_argument("--eval", action="store_true", help="explain an inference step")
     ex.add_argument("--activation-checkpointing", default=None,

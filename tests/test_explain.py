@@ -279,6 +279,14 @@ def test_cli_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> No
                      "--policy", "by_class(Blok)", "--input-shape", "2,16", "--input-dtype", "int64"])
     assert code == 2
     assert "no nn.Module class 'Blok'" in capsys.readouterr().err
+    # Two dtypes for one input, and a shape that is not numbers: named, not silently cut.
+    for extra, said in ((["--input-shape", "2,16", "--input-dtype", "int64", "--input-dtype", "float32",
+                          "--input-dtype", "int64"], "3 --input-dtype for 1 --input-shape"),
+                        (["--input-shape", "2,x"], "--input-shape '2,x': comma-separated whole numbers")):
+        code = cli.main(["explain", str(ROOT / "tests" / "models.py") + ":TinyGPT", "--world-size", "4",
+                         "--policy", "by_class(Block)", *extra])
+        assert code == 2
+        assert said in capsys.readouterr().err
 
 
 
