@@ -642,6 +642,30 @@ def test_consolidate_of_a_damaged_checkpoint_is_one_error_line_and_writes_nothin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_empty_groups_of_several_optimizers_reload_each_its_own_hyperparameters() -> None:
+    """The saved param_groups are the optimizers' one after the other: the second optimizer's
+    empty group took the first one's twin (lr 0.5 for 0.7)."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), policy=by_class(nn.Linear))
+    first, second = list(sharded.parameters())[:2]
+
+    def optimizers(lrs: tuple[float, float]) -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW([{"params": [p]}, {"params": [], "lr": lr}]) for p, lr in zip((first, second), lrs)]
+
+    opts = optimizers((0.5, 0.7))
+    sharded(torch.randn(2, 4)).sum().backward()
+    for opt in opts:
+        opt.step()
+    saved = fxshard.get_optimizer_state_dict(sharded, opts, options=StateDictOptions(full_state_dict=True))
+    fresh = optimizers((0.1, 0.1))
+    fxshard.set_optimizer_state_dict(sharded, fresh, saved)
+    assert [o.param_groups[1]["lr"] for o in fresh] == [0.5, 0.7]
+    one = [torch.optim.AdamW([{"params": [first, second]}, {"params": [], "lr": 0.1}, {"params": [], "lr": 0.1}])]
+    with pytest.raises(fxshard.FxShardError, match="param_group 2 holds no parameter.* at its position "
+                                                     "\\(2\\), which holds parameters"):
+        fxshard.set_optimizer_state_dict(sharded, one, saved)
+
+
 def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
     """torch's cpu_offload moves sharded values too; fxshard's stayed on the device, silently."""
     sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))

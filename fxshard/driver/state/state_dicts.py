@@ -693,6 +693,7 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
         for name in pg.get("params", ()):
             hyper[name] = {k: v for k, v in pg.items() if k != "params"}
     loads: OptimizerLoad = []
+    groups_before = 0  # the saved param_groups are every optimizer's, one after the other
     for optimizer in optimizers:
         where = _stepped(driver, optimizer)
         new_state: dict[int, dict[str, Any]] = {}
@@ -718,15 +719,23 @@ def prepare_optimizer_state(driver: Driver, optimizers: Sequence[torch.optim.Opt
                 found = found or next((hyper[s.name] for s in group.params if s.name in hyper), None)
             if not pg["params"]:  # an empty group (the HF Trainer makes one): its saved twin, by position
                 saved_groups = state_dict["param_groups"]
-                twin = saved_groups[len(new_groups)] if len(new_groups) < len(saved_groups) else None
-                found = {k: v for k, v in (twin if twin is not None and not twin.get("params") else pg).items()
-                         if k != "params"}
+                index = groups_before + len(new_groups)
+                twin = saved_groups[index] if index < len(saved_groups) else None
+                if twin is None or twin.get("params"):
+                    problems.append(
+                        f"{type(optimizer).__name__}'s param_group {len(new_groups)} holds no parameter, so its "
+                        f"hyperparameters are those of the saved group at its position ({index}), which "
+                        + ("does not exist" if twin is None else "holds parameters")
+                        + ": load with the optimizers and groups the state was saved with")
+                    twin = pg
+                found = {k: v for k, v in twin.items() if k != "params"}
             if found is None:
                 problems.append(f"no saved param_group holds the parameters of {type(optimizer).__name__}'s "
                                 f"group {len(new_groups)}")
                 found = {}
             new_groups.append({**found, "params": positions})
         loads.append((optimizer, {"state": new_state, "param_groups": new_groups}))
+        groups_before += len(optimizer.param_groups)
     agree_on(problems, driver, "loading the optimizer state", source=lambda: content_source(
         [("param_groups", state_dict["param_groups"]), *sorted(saved.items(), key=lambda kv: repr(kv[0]))],
         "optimizer state"))
