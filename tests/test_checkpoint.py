@@ -666,6 +666,45 @@ def test_empty_groups_of_several_optimizers_reload_each_its_own_hyperparameters(
         fxshard.set_optimizer_state_dict(sharded, one, saved)
 
 
+class _Calibrated(nn.Module):
+    """A module with extra state (as Transformer Engine keeps its FP8 scales)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calibration = {"scale": 1.0, "seen": 0}
+
+    def get_extra_state(self) -> Any:
+        return dict(self.calibration)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calibration = dict(state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_a_modules_extra_state_is_saved_and_loaded_with_the_sharded_state(tmp_path: Path) -> None:
+    """nn.Module.state_dict holds get_extra_state's value under "<module>._extra_state"; the
+    sharded state dict and fxshard.checkpoint dropped it."""
+    from fxshard.checkpoint import load, save
+
+    sharded = fxshard.compile(nn.Sequential(_Calibrated(), nn.Linear(4, 2)), policy=by_class(nn.Linear))
+    skeleton = sharded._skeleton[0]
+    skeleton.calibration = {"scale": 0.25, "seen": 7}
+    saved = fxshard.get_model_state_dict(sharded)
+    assert saved["0._extra_state"] == {"scale": 0.25, "seen": 7}
+    save(tmp_path / "ckpt", sharded)
+    skeleton.calibration = {"scale": 1.0, "seen": 0}
+    load(tmp_path / "ckpt", sharded)
+    assert skeleton.calibration == {"scale": 0.25, "seen": 7}
+    skeleton.calibration = {}
+    fxshard.set_model_state_dict(sharded, saved)
+    assert skeleton.calibration == {"scale": 0.25, "seen": 7}
+    with pytest.raises(fxshard.FxShardError, match="missing extra state '0._extra_state'"):
+        fxshard.set_model_state_dict(sharded, {k: v for k, v in saved.items() if k != "0._extra_state"})
+
+
 def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
     """torch's cpu_offload moves sharded values too; fxshard's stayed on the device, silently."""
     sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))

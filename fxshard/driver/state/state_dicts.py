@@ -410,9 +410,20 @@ def content_source(values: Iterable[tuple[str, Any]], what: str) -> Source | Non
 # -- the model --------------------------------------------------------------------------------
 
 
-def model_state(module: nn.Module, driver: Driver) -> dict[str, torch.Tensor]:
-    """Sharded: every parameter under each of its names, and the persistent buffers (copies)."""
-    result: dict[str, torch.Tensor] = {}
+def extra_states(module: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose state dict holds extra state (``get_extra_state`` overridden, as
+    ``nn.Module.state_dict`` decides: Transformer Engine's FP8 metadata), by its key."""
+    return {(f"{name}." if name else "") + _EXTRA_STATE_KEY: m for name, m in module.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state}
+
+
+_EXTRA_STATE_KEY = "_extra_state"
+
+
+def model_state(module: nn.Module, driver: Driver) -> dict[str, Any]:
+    """Sharded: every parameter under each of its names, the persistent buffers (copies), and
+    each module's extra state (``get_extra_state``; this rank's, as a buffer is rank 0's)."""
+    result: dict[str, Any] = {}
     for group, shard in zip(driver.plan.groups, driver.shards):
         copy_ = shard.detach().clone()
         for slot in group.params:
@@ -421,11 +432,13 @@ def model_state(module: nn.Module, driver: Driver) -> dict[str, torch.Tensor]:
                 result[name] = value
     for name, buffer in persistent_buffers(module).items():
         result[name] = buffer.detach().clone()
+    for key, owner in extra_states(module).items():
+        result[key] = owner.get_extra_state()
     return result
 
 
 ModelLoad = tuple[list[tuple[nn.Parameter, slice, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]],
-                  _IncompatibleKeys]
+                  _IncompatibleKeys, list[tuple[nn.Module, Any]]]
 
 
 def load_model_state(module: nn.Module, driver: Driver, state: Mapping[str, Any],
@@ -436,12 +449,14 @@ def load_model_state(module: nn.Module, driver: Driver, state: Mapping[str, Any]
 
 
 def commit_model_state(load: ModelLoad) -> _IncompatibleKeys:
-    updates, buffers, result = load
+    updates, buffers, result, extras = load
     with torch.no_grad():
         for shard, where, piece in updates:
             shard[where].copy_(piece)
         for buffer, value in buffers:
             buffer.copy_(value)
+    for owner, value in extras:
+        owner.set_extra_state(value)
     return result
 
 
@@ -482,6 +497,11 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
                             f"where the model has {tuple(buffer.shape)}")
         elif value.dtype != buffer.dtype:
             problems.append(f"buffer {name!r}: dtype {value.dtype} where the model has {buffer.dtype}")
+    extras = extra_states(module)
+    expected.update(extras)
+    if strict:
+        problems += [f"missing extra state {key!r} (its module's get_extra_state)" for key in extras
+                     if key not in state]
     unexpected = sorted(k for k in state if k not in expected)
     missing = sorted(k for k in expected if k not in state)
     if strict and unexpected:
@@ -490,7 +510,7 @@ def prepare_model_state(module: nn.Module, driver: Driver, state: Mapping[str, A
     agree_on(problems, driver, "loading the model state",
              source=lambda: content_source(((n, state[n]) for n in parameters), "parameters"))
     return (updates, [(b, state[name]) for name, b in buffers.items() if name in state],
-            _IncompatibleKeys(missing, unexpected))
+            _IncompatibleKeys(missing, unexpected), [(m, state[key]) for key, m in extras.items() if key in state])
 
 
 @contextlib.contextmanager
