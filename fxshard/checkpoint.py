@@ -654,11 +654,11 @@ def _differences(expected: dict[str, Any], metadata: Metadata) -> list[str]:
     flat, _ = flatten_state_dict(expected)
     problems = []
     for key, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            continue
         md = saved.get(key)
-        if md is None:
+        if md is None:  # a value of any kind, which DCP's load would then miss
             problems.append(f"{key}: not in the checkpoint")
+            continue
+        if not isinstance(value, torch.Tensor):
             continue
         if not isinstance(md, TensorStorageMetadata):
             problems.append(f"{key}: the checkpoint holds a non-tensor there")

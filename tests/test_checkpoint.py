@@ -705,6 +705,18 @@ def test_a_modules_extra_state_is_saved_and_loaded_with_the_sharded_state(tmp_pa
         fxshard.set_model_state_dict(sharded, {k: v for k, v in saved.items() if k != "0._extra_state"})
 
 
+def test_loading_an_optimizer_from_a_model_only_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
+    """An optimizer without per-parameter state (SGD without momentum) has only hyperparameters
+    to load: they are named as missing, not blamed on a corrupted file."""
+    from fxshard.checkpoint import load, save
+
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
+    save(tmp_path / "ckpt", sharded)
+    with pytest.raises(fxshard.FxShardError, match="optim.param_groups.0.lr: not in the checkpoint") as e:
+        load(tmp_path / "ckpt", sharded, torch.optim.SGD(sharded.parameters(), lr=0.1))
+    assert "corrupted" not in str(e.value)
+
+
 def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
     """torch's cpu_offload moves sharded values too; fxshard's stayed on the device, silently."""
     sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
