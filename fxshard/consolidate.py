@@ -230,6 +230,10 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
         what = "does not exist" if not target.parent.exists() else "is not a folder"
         raise FxShardError(f"{target.parent} {what}: create the folder to write {target.name} into "
                            f"(mkdir -p {target.parent}), or write it elsewhere")
+    optim = [(key[len("optim."):], key, md) for key, md in _tensors(metadata, "optim.")]
+    if optimizer and not optim:  # before anything is written
+        raise FxShardError(f"{directory} has no optimizer state (no 'optim.' keys): it was saved without an "
+                           "optimizer; leave out --optimizer (optimizer=False)")
     prefixes = ("model.", "optim.") if optimizer else ("model.",)
     _check_files(directory, metadata, prefixes)
     if checksums is not None:  # every item to be read, before anything is written
@@ -242,18 +246,19 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
         else:
             _save_file_backed(directory, model, partial, nested=False)
     if optimizer:
-        optim = [(key[len("optim."):], key, md) for key, md in _tensors(metadata, "optim.")]
-        if not optim:
-            raise FxShardError(f"{directory} has no optimizer state (no 'optim.' keys)")
         extra = target.with_name(target.name + ".optim")
-        with _single_process():
-            groups = _load_state_dict_from_keys(
-                {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
-                checkpoint_id=directory)
-        needs = 2 * sum(math.prod(md.size) * md.properties.dtype.itemsize for _, _, md in optim)
-        with _writing(extra, needs), _atomic(extra) as partial:
-            _save_file_backed(directory, optim, partial, nested=True,
-                              planner_data=metadata.planner_data, extra=groups.get("optim", {}))
+        try:
+            with _single_process():
+                groups = _load_state_dict_from_keys(
+                    {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
+                    checkpoint_id=directory)
+            needs = 2 * sum(math.prod(md.size) * md.properties.dtype.itemsize for _, _, md in optim)
+            with _writing(extra, needs), _atomic(extra) as partial:
+                _save_file_backed(directory, optim, partial, nested=True,
+                                  planner_data=metadata.planner_data, extra=groups.get("optim", {}))
+        except BaseException:
+            target.unlink(missing_ok=True)  # no output file, whole or partial: not the model's alone
+            raise
         written.append(extra)
     return written
 

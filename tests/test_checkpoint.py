@@ -717,6 +717,17 @@ def test_loading_an_optimizer_from_a_model_only_checkpoint_names_what_is_missing
     assert "corrupted" not in str(e.value)
 
 
+def test_consolidating_the_optimizer_of_a_model_only_checkpoint_writes_nothing(tmp_path: Path) -> None:
+    from fxshard.checkpoint import save
+    from fxshard.consolidate import consolidate
+
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
+    save(tmp_path / "ckpt", sharded)
+    with pytest.raises(fxshard.FxShardError, match="has no optimizer state .* leave out --optimizer"):
+        consolidate(tmp_path / "ckpt", tmp_path / "model.pt", optimizer=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
     """torch's cpu_offload moves sharded values too; fxshard's stayed on the device, silently."""
     sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
