@@ -344,8 +344,8 @@ def compile(
     ``replicate`` (a policy: the units it selects are NO_SHARD, whole on every rank),
     ``use_orig_params`` (FSDP1's: ``parameters()`` and ``named_parameters()`` are the
     original parameters by name, views of the shards, for per-parameter optimizer groups),
-    ``timeout`` (seconds any collective of a step waits for the other ranks;
-    default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
+    ``timeout`` (seconds, or a ``datetime.timedelta``, any collective of a step, and a
+    full state dict's gathers, waits for the other ranks; default: the process group's), ``dump_dir`` (default: ``FXSHARD_DUMP``),
     ``disable_passes`` (pass names), and the scheduling options of
     ``fxshard.ShardingOptions``: ``reshard_after_forward``, ``reshard_root``,
     ``forward_prefetch``, ``backward_prefetch``, ``max_inflight_gathers``,

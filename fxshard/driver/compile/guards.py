@@ -24,7 +24,10 @@ What is not guarded, as in Dynamo's defaults where they differ:
 - attributes of objects that are not modules, such as a Hugging Face
   ``config``: fxshard sees the read of ``self.config``, not of its fields.
   Dynamo guards those too; change them before ``fxshard.compile``;
-- a global dict's item under a key the code computes (``SETTINGS[key]``).
+- a global dict's item under a key the code computes (``SETTINGS[key]``);
+- a class attribute read through an instance (``self.scale`` where ``scale`` is set on
+  the class, not in ``__init__``): only the instance's own ``__dict__`` is recorded.
+  Dynamo guards it; change it before ``fxshard.compile``, or set it on the instance.
 
 Recording swaps each module's class for a subclass with a recording
 ``__getattribute__`` for the length of the trace only; nothing is recorded,
