@@ -66,6 +66,9 @@ ALLOWED: dict[tuple[str, str], str] = {
        for name in ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data")},
     ("fxshard/driver/compile/inductor.py", "_dynamo"): "torch._dynamo.utils.counters, the same on 2.11, 2.13 "
     "and 2.15: the FX graph cache's hit, miss and bypass counts, which the compile logs",
+    ("fxshard/lightning.py", "_layer_sync"): "Lightning's, not torch's: where Trainer(sync_batchnorm=True) "
+    "leaves its LayerSync for the strategy (Lightning's DDP and FSDP strategies read it there); "
+    "FxShardStrategy refuses it",
 }
 
 
