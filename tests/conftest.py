@@ -126,6 +126,11 @@ SLOW_FOR_TIME = (
     "tests/test_checkpoint_recovery.py::test_consolidate_of_a_checkpoint_missing_a_data_file",
     "tests/test_checkpoint_recovery.py::test_consolidate_into_a_missing_folder",
     "tests/test_checkpoint_recovery.py::test_consolidate_onto_a_full_disk",
+    # Two spawns of 2 ranks each (about 12 s each): the agreement that raises on every rank stays
+    # (test_checkpoint's test_bad_input_raises_on_every_rank_and_changes_nothing), and
+    # sync_module_states broadcasting rank 0's weights and buffers (test_recipe).
+    "tests/test_errors.py::test_ranks_that_pass_different_full_state_dicts_all_raise_even_one_that_passed_nothing",
+    "tests/test_errors.py::test_sync_module_states_with_a_meta_buffer_on_rank_0_raises_on_every_rank_naming_it",
 )
 
 
