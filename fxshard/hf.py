@@ -46,7 +46,7 @@ from fxshard.checkpoint import (
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.precision import MixedPrecision
-from fxshard.ir.wrapping import Auto, Policy, by_class
+from fxshard.ir.wrapping import Auto, Policy, auto_needs_a_batch, by_class
 
 __all__ = ["FxShardTrainer", "default_policy"]
 
@@ -126,9 +126,7 @@ def compile_options(args: TrainingArguments | None, policy: Policy | None,
         problems.append("fxshard_options names 'policy': pass it as FxShardTrainer(policy=...)")
         options.pop("policy")
     if isinstance(policy, Auto):
-        problems.append("policy=auto() chooses its units from a trace of the model on a batch (example_inputs=), "
-                        "which the Trainer shards before any batch: pin a policy (e.g. by_class(<your decoder "
-                        "layer>)), after fxshard.explain(model, batch, policy=auto()) shows what auto() chooses")
+        problems.append(auto_needs_a_batch("the Trainer", "decoder layer"))
     if args is not None and args.ddp_broadcast_buffers is not None:  # DDP's broadcast_buffers, as the Trainer's DDP
         chosen = options.setdefault("broadcast_buffers", bool(args.ddp_broadcast_buffers))
         if chosen != bool(args.ddp_broadcast_buffers):

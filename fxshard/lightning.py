@@ -75,7 +75,7 @@ from fxshard.checkpoint import get_model_state_dict, get_optimizer_state_dict, l
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.precision import MixedPrecision as FxShardPrecision
-from fxshard.ir.wrapping import Auto, Policy
+from fxshard.ir.wrapping import Auto, Policy, auto_needs_a_batch
 
 __all__ = ["FxShardMixedPrecision", "FxShardStrategy"]
 
@@ -135,10 +135,7 @@ class FxShardStrategy(ParallelStrategy):
             raise TypeError("FxShardStrategy: set mixed precision with Trainer(precision=...) "
                             "(\"bf16-mixed\", \"16-mixed\", \"bf16-true\"), not mixed_precision=")
         if isinstance(policy, Auto):
-            raise TypeError("FxShardStrategy: policy=auto() chooses its units from a trace of the model on a "
-                            "batch (example_inputs=), which the strategy shards before any batch: pin a policy "
-                            "(e.g. by_class(<your block>)), after fxshard.explain(model, batch, policy=auto()) "
-                            "shows what auto() chooses")
+            raise TypeError("FxShardStrategy: " + auto_needs_a_batch("the strategy", "block"))
         CompileConfig.build("compile", policy=policy, **options)  # a bad option fails here, not in setup
         self._policy = policy
         self._options = options

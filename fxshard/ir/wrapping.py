@@ -196,3 +196,11 @@ def selective(policy: Policy, save: tuple[OpOverloadPacket, ...] | None = None) 
     """For ``activation_checkpointing=``: recompute the regions ``policy`` selects except
     the outputs of ``save`` (default: matmuls, convolutions, attention)."""
     return Selective(policy, SAVE_BY_DEFAULT if save is None else tuple(save))
+
+
+def auto_needs_a_batch(who: str, block: str) -> str:
+    """Why ``who`` (a front end that shards before its first batch: Lightning's strategy, the
+    HF Trainer) refuses ``policy=auto()``, which plans from a trace on example inputs."""
+    return (f"policy=auto() chooses its units from a trace of the model on a batch (example_inputs=), which "
+            f"{who} shards before any batch: pin a policy (e.g. by_class(<your {block}>)), after "
+            "fxshard.explain(model, batch, policy=auto()) shows what auto() chooses")

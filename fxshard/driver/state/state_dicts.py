@@ -254,8 +254,7 @@ def agree_on(problems: list[str], driver: Driver, what: str, *,
     differ = None
     if not bool((flags[:, 1] == flags[0, 1]).all()):
         # Every rank raises, also one that read no source itself: the words of a rank that did.
-        said = source or next(Source(b"", "", *f[2]) for f in found if f[2] is not None)
-        differ = said
+        differ = source or next(Source(b"", "", *f[2]) for f in found if f[2] is not None)
     _raise(what, why, found, differ, [int(d) for d in flags[:, 1]], world.job_members())
 
 
