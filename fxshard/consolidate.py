@@ -249,13 +249,16 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
         extra = target.with_name(target.name + ".optim")
         try:
             with _single_process():
-                groups = _load_state_dict_from_keys(
-                    {k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups")},
+                # Everything but the tensors: the hyperparameters, and any state an optimizer
+                # keeps as a plain value (an int step count), which DCP stores as bytes.
+                plain = _load_state_dict_from_keys(
+                    {k for k, md in metadata.state_dict_metadata.items()
+                     if k.startswith("optim.") and not isinstance(md, TensorStorageMetadata)},
                     checkpoint_id=directory)
             needs = 2 * sum(math.prod(md.size) * md.properties.dtype.itemsize for _, _, md in optim)
             with _writing(extra, needs), _atomic(extra) as partial:
                 _save_file_backed(directory, optim, partial, nested=True,
-                                  planner_data=metadata.planner_data, extra=groups.get("optim", {}))
+                                  planner_data=metadata.planner_data, extra=plain.get("optim", {}))
         except BaseException:
             target.unlink(missing_ok=True)  # no output file, whole or partial: not the model's alone
             raise

@@ -4,6 +4,7 @@ policy, and bad input that changes nothing, on real gloo ranks."""
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import re
 import shutil
@@ -753,3 +754,34 @@ def test_an_optimizer_with_an_empty_group_reloads_its_own_state() -> None:
     assert fresh.param_groups[1]["lr"] == 0.5
     shard = next(iter(sharded.parameters()))
     assert torch.equal(fresh.state[shard]["exp_avg"], opt.state[shard]["exp_avg"])
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that also counts its steps per parameter in a plain int, as optimizers written
+    before torch kept ``step`` in a tensor do: DCP stores it as bytes, not as a tensor."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return super().step(closure)
+
+
+def test_consolidate_keeps_optimizer_state_that_is_not_a_tensor(tmp_path: Path) -> None:
+    from fxshard.checkpoint import save
+    from fxshard.consolidate import consolidate
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4))
+    sharded = fxshard.compile(copy.deepcopy(plain))
+    opt = _CountingSGD(sharded.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        sharded(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    save(tmp_path / "ckpt", sharded, opt)
+    consolidate(tmp_path / "ckpt", tmp_path / "model.pt", optimizer=True)
+    optim = torch.load(tmp_path / "model.pt.optim", weights_only=True)
+    assert {name: state["count"] for name, state in optim["state"].items()} == {"0.weight": 3, "0.bias": 3}
+    assert optim["state"]["0.weight"]["momentum_buffer"].shape == (4, 4)
+    assert optim["param_groups"][0]["momentum"] == 0.9
