@@ -36,7 +36,8 @@ FULL = StateDictOptions(full_state_dict=True)
 def _build(seed: int, **options: Any) -> tuple[Any, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     sharded = fxshard.compile(TinyGPT(), policy=by_class(Block), **options)
-    return sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    # An lr of its own: a load that kept the fresh optimizer's hyperparameters shows.
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2 / (1 + seed))
 
 
 def _snapshot(sharded: Any, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:
