@@ -116,7 +116,7 @@ class FxShardStrategy(ParallelStrategy):
         module: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -137,6 +137,11 @@ class FxShardStrategy(ParallelStrategy):
         if isinstance(policy, Auto):
             raise TypeError("FxShardStrategy: " + auto_needs_a_batch("the strategy", "block"))
         CompileConfig.build("compile", policy=policy, **options)  # a bad option fails here, not in setup
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+            timeout = timedelta(seconds=timeout)  # seconds, as fxshard.compile(timeout=) takes them
+        elif timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"FxShardStrategy(timeout={timeout!r}): the process group's timeout is a "
+                            "datetime.timedelta or a positive number of seconds, e.g. timedelta(minutes=30)")
         self._policy = policy
         self._options = options
         self._module_name = module

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,12 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
         FxShardStrategy(reshard_after_forwards=False)
     with pytest.raises(TypeError, match="policy=auto\\(\\) chooses its units from a trace .* pin a policy"):
         FxShardStrategy(fxshard.policies.auto())
+    # The process group's timeout: a timedelta as Lightning takes it, or seconds as fxshard.compile does.
+    assert FxShardStrategy(timeout=90)._process_group_timeout == timedelta(seconds=90)
+    assert FxShardStrategy(timeout=timedelta(minutes=2))._process_group_timeout == timedelta(minutes=2)
+    for bad in ("60", -1, True):
+        with pytest.raises(TypeError, match="timeout=.*timedelta or a positive number of seconds"):
+            FxShardStrategy(timeout=bad)
     lit = LitGPT()
     lit.model, lit.head = TinyGPT(), torch.nn.Linear(2, 2)
     with pytest.raises(fxshard.FxShardError, match="found 2 \\(model, head\\).*module=\"model\""):
