@@ -184,6 +184,14 @@ def test_a_timeout_may_be_a_timedelta_as_init_process_groups() -> None:
     assert CompileConfig.build("compile", timeout=datetime.timedelta(minutes=2)).timeout == 120.0
 
 
+def test_fsdp1s_backward_prefetch_enum_is_taken_as_its_names() -> None:
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    pre = CompileConfig.build("compile", backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    post = CompileConfig.build("compile", backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    assert (pre.options.backward_prefetch, post.options.backward_prefetch) == ("pre", "post")
+
+
 def test_a_step_generates_python_code_only_for_the_graphs_that_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pass ends with ``recompile()``; under lazy graph modules that only marks the code
     stale, and it is generated where it is read or called: the forward's and backward's boxed

@@ -126,6 +126,10 @@ class ShardingOptions:
         if self.offload_units and self.offload_policy is None:
             raise ValueError("offload_units names units to keep on the host, which needs "
                              "offload_policy=fxshard.CPUOffloadPolicy() too")
+        member = getattr(self.backward_prefetch, "name", None)
+        if type(self.backward_prefetch).__name__ == "BackwardPrefetch" and member in ("BACKWARD_PRE", "BACKWARD_POST"):
+            # FSDP1's enum: its two members are "pre" and "post"
+            object.__setattr__(self, "backward_prefetch", "pre" if member == "BACKWARD_PRE" else "post")
         if self.backward_prefetch not in ("pre", "post", None):
             raise ValueError(
                 f"backward_prefetch must be 'pre', 'post' or None, got {self.backward_prefetch!r}"
