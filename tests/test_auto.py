@@ -434,6 +434,37 @@ def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units
     assert e.report.auto is not None and e.report.auto.chosen == laddered
 
 
+@pytest.mark.slow  # explain emits every candidate's variants, twice: seconds
+def test_a_budget_ladder_that_can_only_be_slower_than_a_plan_that_fits_stops_and_the_choice_stands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Just under the per-layer units kept gathered, their ladder starts slower (1.35 ms) than
+    the buckets of 4 that fit (about 1.08): it stops at its first schedule. Climbed to its end,
+    as without the bound, it finds plans that fit but are slower, and auto() chooses the same."""
+    from fxshard.driver.compile import plan_budget
+    from fxshard.ir import budget as budget_search
+
+    free = _explain("tiny")
+    per_layer = next(t for t in _trials(free) if t.plan == "by_class(Sequential)"
+                     and t.schedule == "kept gathered to backward, 2 gathers in flight")
+    budget = per_layer.peak - 1
+    stopped = _explain("tiny", memory_budget=budget).report.auto
+    assert stopped is not None
+    assert [line.split(":")[0] for line in stopped.outpaced] == ["by_class(Sequential)", "by_class(Linear)"]
+    assert "budget ladders stopped where predicted slower than a plan that fits" in stopped.table()
+    assert not any(t.plan == "by_class(Sequential)" and t.schedule.startswith("memory budget") for t in stopped.trials)
+
+    monkeypatch.setattr(plan_budget, "search", lambda *args, outpaced_at=None, **kwargs:
+                        budget_search.search(*args, **kwargs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        climbed = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(),
+                                  hardware="h100-nvlink", memory_budget=budget).report.auto
+    assert climbed is not None and not climbed.outpaced
+    skipped = [t for t in climbed.trials if t.plan == "by_class(Sequential)" and t.schedule.startswith("memory budget")]
+    assert skipped and all(t.fits and t.seconds > stopped.chosen.seconds * (1 + TIE) for t in skipped)
+    assert climbed.chosen == stopped.chosen
+
+
 @pytest.mark.slow  # explain emits every candidate's variants: seconds
 def test_a_budget_nothing_meets_is_a_budget_error() -> None:
     with pytest.raises(fxshard.BudgetError, match="cannot be met"):

@@ -13,7 +13,7 @@ import torch
 import fxshard
 from fxshard import BudgetError
 from fxshard.ir import compat
-from fxshard.ir.budget import Candidate, Prediction, search
+from fxshard.ir.budget import Candidate, Outpaced, Prediction, search
 from fxshard.measure import peak_memory
 from fxshard.policies import by_class
 
@@ -114,6 +114,33 @@ def test_the_search_takes_the_cheapest_candidate_that_fits() -> None:
         search(40, evaluate, ["a", "b", ""], ["a", "b"], 2, {})
     with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes"):
         fxshard.compile(_model(), by_class(Block), memory_budget=-1)
+
+
+def test_the_search_stops_once_what_it_builds_on_is_slower_than_a_time_to_beat() -> None:
+    """auto()'s bound: each resharded unit adds 0.1 s to a 1 s step, each selective region
+    0.05 s. Under a budget of 65 the reshard step misses (all three resharded: 70), so the
+    ladder goes on from all three resharded (1.3 s) to recompute "a" selectively (65, 1.35 s).
+    Given a plan of 1.25 s to beat, it stops at 1.3 s without evaluating the recomputation."""
+    evaluated: list[Candidate] = []
+
+    def evaluate(c: Candidate) -> Prediction:
+        evaluated.append(c)
+        peak = 100 - 10 * len(c.resharded) - 5 * len(c.selective)
+        seconds = 1.0 + 0.1 * len(c.resharded) + 0.05 * len(c.selective)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {}, seconds=seconds)
+
+    chosen = search(65, evaluate, ["a", "b", ""], ["a", "b"], 1, {}, outpaced_at=1.4).chosen
+    assert chosen.resharded == ("a", "b", "") and chosen.selective == ("a",)
+    everything = len(evaluated)
+    evaluated.clear()
+    with pytest.raises(Outpaced) as e:
+        search(65, evaluate, ["a", "b", ""], ["a", "b"], 1, {}, outpaced_at=1.25)
+    assert e.value.at.resharded == ("a", "b", "") and e.value.seconds == pytest.approx(1.3)
+    assert not any(c.selective for c in evaluated) and len(evaluated) < everything
+    evaluated.clear()
+    with pytest.raises(Outpaced) as e:  # where it starts is slower already: one evaluation
+        search(65, evaluate, ["a", "b", ""], ["a", "b"], 1, {}, outpaced_at=0.9)
+    assert e.value.at.resharded == () and len(evaluated) == 1
 
 
 def test_the_search_orders_regions_by_benefit_and_scans_a_step_that_misses() -> None:

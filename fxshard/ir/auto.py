@@ -107,6 +107,8 @@ class AutoChoice:
     over: tuple[tuple[str, int], ...] = ()
     # A scaled choice's peak and step seconds as the whole graph predicts them (``report()``).
     whole: tuple[int, float | None] | None = None
+    # The budget ladders stopped early, predicted slower than a plan that fits: one line each.
+    outpaced: tuple[str, ...] = ()
 
     def table(self) -> str:
         within = "" if self.budget is None else \
@@ -128,6 +130,10 @@ class AutoChoice:
             peak, seconds = self.whole
             lines.append(f"  the plan chosen, from the whole graph: {peak / MIB:.3f} MiB"
                          + (f", {seconds * 1e3:.3f} ms a step" if seconds is not None else ""))
+        if self.outpaced:
+            lines.append("  budget ladders stopped where predicted slower than a plan that fits and its tie "
+                         "(each later step only adds work):")
+            lines += [f"    {line}" for line in self.outpaced]
         if self.over:
             lines.append("  not traced, their largest unit alone gathering more than the budget: "
                          + "; ".join(f"{label} ({nbytes / MIB:.3f} MiB)" for label, nbytes in self.over))

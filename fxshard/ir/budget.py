@@ -39,6 +39,12 @@ without running anything (driver/compile/plan_budget.py: the passes and the live
 
 If even the last candidate (everything resharded, one gather in flight, every region fully recomputed) does not fit, the budget
 cannot be met: ``BudgetError`` names the smallest peak and what it is made of.
+
+Under ``auto()`` the ladder also has a time to beat (``outpaced_at``): the step time of a plan
+already found that fits. Every step of the ladder adds work to the schedule it starts from
+(a gather, a recomputation, a copy to the host, less overlap), so once the schedule it would
+build on is predicted slower than that, nothing further along can win: the search stops
+with ``Outpaced`` instead of evaluating the rest (driver/compile/plan_auto.py).
 """
 
 from __future__ import annotations
@@ -132,18 +138,31 @@ class Prediction:
     parts: dict[str, int]  # "parameter shards", "gathered parameters", ... -> bytes at the peak
     hints: dict[str, str]  # the same keys -> what would lower that part
     step_peak: int = 0  # the optimizer step's phase alone (0: not predicted)
+    seconds: float | None = None  # the predicted step time, where the search was given a time to beat
+
+
+class Outpaced(Exception):
+    """The ladder stopped: the schedule it would build on (``at``) is predicted to take
+    ``seconds``, slower than ``outpaced_at``, and every later step only adds work to it."""
+
+    def __init__(self, at: Candidate, seconds: float, outpaced_at: float):
+        super().__init__(f"{at.describe()}: {seconds * 1e3:.3f} ms, slower than {outpaced_at * 1e3:.3f} ms")
+        self.at, self.seconds, self.outpaced_at = at, seconds, outpaced_at
 
 
 def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequence[str],
            regions: Sequence[str], max_inflight: int, unit_bytes: dict[str, int],
-           offloadable: Sequence[str] = (), alike: Mapping[str, Hashable] | None = None) -> BudgetChoice:
+           offloadable: Sequence[str] = (), alike: Mapping[str, Hashable] | None = None,
+           outpaced_at: float | None = None) -> BudgetChoice:
     """The first candidate along the ladder whose predicted peak is within ``budget``; else
     BudgetError naming the lowest peak tried, which no budget's accepted schedule beats.
     ``offloadable``: the units offload may move to the host, in the order it takes them
     (empty: offload is not allowed). ``alike``: each region's computation (regions with
     equal values compute the same thing on the same shapes, as a stack of transformer
     blocks does); of each run of alike regions only the first and the last are measured
-    alone, and the ones between take the first's benefit."""
+    alone, and the ones between take the first's benefit. ``outpaced_at``: a step time to
+    beat (``evaluate`` then predicts ``seconds``); raises ``Outpaced`` once the candidate the
+    ladder builds on is predicted slower."""
     if budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}")
     tried: list[tuple[str, int]] = []
@@ -157,6 +176,13 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         return cache[key]
 
     resharded = [u for u in units if u != ""] + [u for u in units if u == ""]  # the root last
+
+    def building_on(c: Candidate) -> Candidate:
+        """``c``, where the ladder goes on from it: stops if nothing from it can beat ``outpaced_at``."""
+        seconds = peak(c).seconds
+        if outpaced_at is not None and seconds is not None and seconds > outpaced_at:
+            raise Outpaced(c, seconds, outpaced_at)
+        return c
 
     def by_benefit(c: Candidate, apply: Callable[[Candidate, Sequence[str]], Candidate]) -> list[str]:
         """The regions in order of measured benefit: each one's peak when it alone changes.
@@ -207,10 +233,11 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         current = replace(current, offloaded=tuple(offloadable[:hi]), step="offload what the optimizer step needs")
         if peak(current).peak <= budget:
             return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
-    if peak(current).step_peak > budget:
+    if peak(current).step_peak > budget:  # before any time: the error is the answer
         # No schedule changes what the optimizer step holds (the shards, their gradients and
         # state, the inputs): nothing below can fit.
         raise _unmet(budget, current, peak(current), "the optimizer step alone holds")
+    building_on(current)
     for step, choices in ladder:
         steps = [replace(c, step=step) for c in choices(current)][1:]  # [0] is current itself
         if not steps:
@@ -236,7 +263,7 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         # where the peak has moved.
         lowest = min(reversed(steps), key=lambda c: peak(c).peak)
         if peak(lowest).peak < peak(current).peak:  # keep a change only if it lowers the peak
-            current = lowest
+            current = building_on(lowest)
     # Every prefix of every step was scanned on the way here, along the same path any larger
     # budget takes until it fits: no budget accepts a schedule below the lowest tried.
     best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: (cp[1].peak, len(cp[0].offloaded)))

@@ -50,6 +50,7 @@ from fxshard.ir.auto import (
     MIB,
     MIN_NODES,
     SAMPLES,
+    TIE,
     AutoChoice,
     Candidate,
     Stack,
@@ -61,6 +62,7 @@ from fxshard.ir.auto import (
     scaled,
     variants,
 )
+from fxshard.ir.budget import Outpaced
 from fxshard.ir.checkpointing import Checkpointing
 from fxshard.ir.collectives import step_collectives
 from fxshard.ir.compat import pytree
@@ -154,14 +156,24 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
                     f"{SAMPLES[-1] + EXTRA_SAMPLES} where {SAMPLES[0]} is not yet steady) and scaled to all "
                     f"(recomputing nothing or every region; the budget's ladder only where no such plan fits)")
     traced: list[Traced] = []  # the whole model's, traced where first needed
+    outpaced: list[str] = []  # the budget ladders stopped early, one line each
 
     def predict_whole(plans: Sequence[Candidate]) -> None:
         if plans and not traced:
             traced.append(_trace_finest(driver, module, leaves, tree, make))
+        ladders: list[_Ladder] = []
         for candidate in plans:
-            mine, failure = _whole(sample, candidate, module, traced[0])
+            mine, ladder = _whole(sample, candidate, module, traced[0])
+            found.extend(mine)
+            ladders.extend([ladder] if ladder is not None else [])
+        # The budget ladders last, the most promising first (the fastest variant: where a
+        # ladder starts, or beyond), each with the fastest plan that fits so far to beat.
+        for ladder in sorted(ladders, key=lambda lad: min(t.seconds for t, _ in lad.variants)):
+            beat = min((t.seconds for t, _ in found if t.fits), default=None)
+            mine, failure, stopped = _climb(sample, ladder, beat)
             found.extend(mine)
             failures.extend([failure] if failure is not None else [])
+            outpaced.extend([stopped] if stopped is not None else [])
 
     predict_whole(whole)
     scaled_plans = [c for c in kept if c not in whole]
@@ -187,7 +199,7 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     trials = tuple(sorted((t for t, _ in found), key=lambda t: (not t.fits, t.seconds, t.peak)))
     choice = AutoChoice(best, trials, config.memory_budget, rates.name,
                         device_memory=device_memory and config.memory_budget is not None,
-                        sampled=note, over=tuple(over))
+                        sampled=note, over=tuple(over), outpaced=tuple(outpaced))
     policy = next(c.policy for c in plans if c.label == best.plan)
     return replace(chosen, config=replace(chosen.config, policy=policy), auto=choice)
 
@@ -244,9 +256,9 @@ def _distinct(sample: Sample, plans: Sequence[Candidate], module: nn.Module
 
 
 def _whole(sample: Sample, candidate: Candidate, module: nn.Module, traced: Traced
-           ) -> tuple[list[tuple[Trial, Schedule]], BudgetError | None]:
+           ) -> tuple[list[tuple[Trial, Schedule]], _Ladder | None]:
     """``candidate``'s variants predicted from the whole model's graph, and where some is over
-    the budget, the budget's ladder's choice (or why nothing of it fits)."""
+    the budget, what its budget ladder needs (``_climb``)."""
     config = sample.config
     trial_config, trial = sample.trial(candidate, module)
     buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
@@ -260,20 +272,56 @@ def _whole(sample: Sample, candidate: Candidate, module: nn.Module, traced: Trac
                             buffer_bytes, candidate.label, name, config.memory_budget, splits), schedule))
     if config.memory_budget is None or all(t.fits for t, _ in mine):
         return mine, None
-    # Some variant is over the budget (keeping every unit gathered, at least): the budget's
-    # ladder finds the fewest changes from it that fit (the first units resharded, the rest
-    # kept), between the variants above; where none of them fits, it is the only way in.
+    return mine, _Ladder(candidate, trial_config, trial, joint, joint_inputs, kwargs, n, buffer_bytes, splits,
+                         tuple(mine))
+
+
+@dataclass
+class _Ladder:
+    """A candidate some of whose variants are over the budget: what its budget ladder needs."""
+
+    candidate: Candidate
+    config: CompileConfig
+    trial: Driver
+    joint: fx.GraphModule
+    joint_inputs: Any
+    kwargs: dict[str, Any]
+    n: int
+    buffer_bytes: int
+    splits: Splits
+    variants: tuple[tuple[Trial, Schedule], ...]
+
+
+def _climb(sample: Sample, ladder: _Ladder, beat: float | None
+           ) -> tuple[list[tuple[Trial, Schedule]], BudgetError | None, str | None]:
+    """The budget's ladder's choice for ``ladder``'s candidate: the fewest changes from
+    keeping every unit gathered that fit (the first units resharded, the rest kept), between
+    its variants; where none of them fits, the only way in. Or why nothing of it fits, or
+    where it stopped (one line): ``beat``, the fastest step of a plan found so far that fits,
+    and its tie (``TIE``) are a time to beat, and a ladder predicted slower than that cannot
+    be chosen (``budget.Outpaced``)."""
+    mine = list(ladder.variants)
+    trial, joint, joint_inputs, kwargs, n = ladder.trial, ladder.joint, ladder.joint_inputs, ladder.kwargs, ladder.n
+    beat = min([t.seconds for t, _ in mine if t.fits] + ([beat] if beat is not None else []), default=None)
+
+    def timing(schedule: Schedule, graphs: dict[str, fx.GraphModule]) -> float:
+        return _predicted(trial, schedule, graphs, n, sample.input_bytes, ladder.buffer_bytes)[0]
+
     try:
-        laddered = plan_budget.choose(trial_config, trial.plan, trial.world, trial.layout, trial.budget_regions,
-                                      trial.shards, joint, joint_inputs, n, kwargs, buffer_bytes,
-                                      sample.input_bytes, library_bytes=calibrate.library_bytes(trial.device))
+        laddered = plan_budget.choose(ladder.config, trial.plan, trial.world, trial.layout, trial.budget_regions,
+                                      trial.shards, joint, joint_inputs, n, kwargs, ladder.buffer_bytes,
+                                      sample.input_bytes, library_bytes=calibrate.library_bytes(trial.device),
+                                      timing=timing if beat is not None else None,
+                                      outpaced_at=None if beat is None else beat * (1 + TIE), splits=ladder.splits)
     except BudgetError as e:
-        return mine, None if any(t.fits for t, _ in mine) else e
+        return [], None if any(t.fits for t, _ in mine) else e, None
+    except Outpaced as e:
+        return [], None, f"{ladder.candidate.label}: at {e.at.describe()}, {e.seconds * 1e3:.3f} ms " \
+                         f"> {e.outpaced_at * 1e3:.3f} ms"
     assert laddered.budget is not None
-    mine.append((_trial(trial, laddered, joint, joint_inputs, n, kwargs, sample.input_bytes,
-                        buffer_bytes, candidate.label, "memory budget: " + laddered.budget.chosen.describe(),
-                        config.memory_budget), laddered))
-    return mine, None
+    return [(_trial(trial, laddered, joint, joint_inputs, n, kwargs, sample.input_bytes, ladder.buffer_bytes,
+                    ladder.candidate.label, "memory budget: " + laddered.budget.chosen.describe(),
+                    sample.config.memory_budget, ladder.splits), laddered)], None, None
 
 
 class _Uncut(FxShardError):
@@ -479,16 +527,24 @@ def _trial(trial: Driver, schedule: Schedule, joint: fx.GraphModule, joint_input
     (``codegen.Splits``)."""
     compiler = GraphCompiler(trial.plan, trial.world, trial.layout, schedule, grad_sync=REDUCE)
     graphs = (splits or Splits()).emit(compiler, joint, joint_inputs, n, kwargs)
-    dims = trial.layout.dimensions()
-    step = CompiledStep(_nothing, graphs, None, step_collectives(graphs, dims),  # type: ignore[arg-type]
+    seconds, exposed_seconds, peak_bytes, collectives = _predicted(trial, schedule, graphs, n, input_bytes,
+                                                                   buffer_bytes)
+    ns, exposed, peak = largest_over_ranks(trial.world, [round(seconds * 1e9), round(exposed_seconds * 1e9),
+                                                         peak_bytes])
+    return Trial(plan, name, ns / 1e9, exposed / 1e9, peak, len(trial.plan.units),
+                 memory_budget is None or peak <= memory_budget, collectives)
+
+
+def _predicted(trial: Driver, schedule: Schedule, graphs: dict[str, fx.GraphModule], n: int, input_bytes: int,
+               buffer_bytes: int) -> tuple[float, float, int, int]:
+    """``schedule``'s emitted ``graphs`` predicted as ``report()`` predicts a step, this rank's:
+    its step and exposed seconds, its peak bytes and how many collectives it issues."""
+    step = CompiledStep(_nothing, graphs, None, step_collectives(graphs, trial.layout.dimensions()),  # type: ignore[arg-type]
                         n, [], input_bytes, buffer_bytes, schedule=schedule)
     report: Report = trial.report(step)
     assert report.predicted_step_seconds is not None and report.exposed_comm_seconds is not None
-    ns, exposed, peak = largest_over_ranks(trial.world, [round(report.predicted_step_seconds * 1e9),
-                                                     round(report.exposed_comm_seconds * 1e9),
-                                                     report.predicted_peak_bytes])
-    return Trial(plan, name, ns / 1e9, exposed / 1e9, peak, len(trial.plan.units),
-                 memory_budget is None or peak <= memory_budget, len(step.collectives))
+    return (report.predicted_step_seconds, report.exposed_comm_seconds, report.predicted_peak_bytes,
+            len(step.collectives))
 
 
 def _nothing(*args: Any) -> Any:

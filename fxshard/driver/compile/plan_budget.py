@@ -10,7 +10,7 @@ analysis of the emitted forward and backward graphs. The trace itself
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -43,14 +43,19 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
            input_bytes: int, grad_sync: GradSync = REDUCE,
            accumulators: Mapping[int, torch.Tensor] | None = None,
-           planned_on: str = "", library_bytes: int = 0) -> Schedule:
+           planned_on: str = "", library_bytes: int = 0,
+           timing: Callable[[Schedule, dict[str, fx.GraphModule]], float] | None = None,
+           outpaced_at: float | None = None, splits: Splits | None = None) -> Schedule:
     """The cheapest schedule within ``config.memory_budget``: its configuration, pipelines
     and checkpointing, with the budget's choice (planned on inputs ``planned_on``).
     ``regions``: the regions recomputing may use;
     ``grad_sync`` and ``accumulators``: the traced step's (a step inside no_sync keeps
     full-size gradient sums); ``library_bytes``: the compute device's
     (``calibrate.library_bytes``). Every rank takes each candidate's largest peak over the
-    ranks, so all choose the same schedule (their inputs may differ in size)."""
+    ranks, so all choose the same schedule (their inputs may differ in size).
+    ``timing`` and ``outpaced_at`` (auto()): a schedule's predicted step seconds from its
+    emitted graphs, and a time to beat, past which the ladder stops (``budget.Outpaced``,
+    raised); ``splits``: partitions of ``joint`` already made under this plan, shared."""
     accumulator_bytes = (sum(a.numel() * a.element_size() for a in (accumulators or {}).values())
                          if grad_sync != REDUCE else 0)
     assert config.memory_budget is not None
@@ -59,15 +64,15 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
     def configured(c: Candidate) -> tuple[CompileConfig, Checkpointing | None]:
         return config.with_options(options=c.options(config.options)), c.checkpointing(regions)
 
-    splits = Splits()  # schedules that differ in the prefetch limit alone share one partition
+    splits = splits or Splits()  # schedules that differ in the prefetch limit alone share one partition
 
     def evaluate(c: Candidate) -> Prediction:
         trial_config, checkpointing = configured(c)
         # Checked once on the emitted graphs (always); after every pass only for the
         # schedule that runs (FXSHARD_VERIFY), not for each trial.
         trial_config = trial_config.with_options(verify=False)
-        trial = GraphCompiler(plan, world, layout, Schedule.of(trial_config, checkpointing),
-                              grad_sync=grad_sync, accumulators=accumulators)
+        schedule = Schedule.of(trial_config, checkpointing)
+        trial = GraphCompiler(plan, world, layout, schedule, grad_sync=grad_sync, accumulators=accumulators)
         graphs = splits.emit(trial, joint, joint_inputs, num_fwd_outputs, partition_kwargs)
         report = build_report(plan, world.rank, graphs, [], list(shards), buffer_bytes, input_bytes,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
@@ -75,13 +80,14 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
                               optimizer=config.optimizer,
                               library_bytes=library_bytes)
         prediction = _prediction(report, graphs, plan, unit_bytes, config)
-        peak, step = largest_over_ranks(world, [prediction.peak, prediction.step_peak])
-        return replace(prediction, peak=peak, step_peak=step)
+        ns = -1 if timing is None else round(timing(schedule, graphs) * 1e9)
+        peak, step, ns = largest_over_ranks(world, [prediction.peak, prediction.step_peak, ns])
+        return replace(prediction, peak=peak, step_peak=step, seconds=None if ns < 0 else ns / 1e9)
 
     choice = search(config.memory_budget, evaluate, [u.name for u in plan.units],
                     list(regions.regions) if regions is not None else [],
                     config.options.max_inflight_gathers, unit_bytes, _offloadable(config, plan, shards),
-                    alike=_computations(joint, regions))
+                    alike=_computations(joint, regions), outpaced_at=outpaced_at)
     chosen_config, checkpointing = configured(choice.chosen)
     return Schedule.of(chosen_config, checkpointing, choice, planned_on)
 
