@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -85,6 +86,20 @@ def test_state_dict_hooks_are_honoured_on_two_ranks() -> None:
             assert torch.equal(result["back"][k], v), k
         ours, theirs = result["out"]
         torch.testing.assert_close(ours, theirs)
+
+
+def test_a_sharded_state_dict_says_the_modules_hooks_did_not_run() -> None:
+    """The sharded values are boxes of the flat shards, which FusedAttention's split cannot
+    take: each parameter stays under its own name, and the warning names the hooked modules."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(Fused(), policy=by_class(FusedAttention))
+    with pytest.warns(UserWarning, match="state-dict hooks of 'blocks.0', 'blocks.1' did not run.*"
+                                         "full_state_dict=True"):
+        state = fxshard.get_model_state_dict(sharded)
+    assert "blocks.0.wqkv" in state and "blocks.0.wq" not in state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxshard.get_model_state_dict(fxshard.compile(Scaled()))  # no hooks, no warning
 
 
 class Scaled(nn.Module):

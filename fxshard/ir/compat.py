@@ -103,6 +103,8 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   created as torch's ``get_state_dict`` creates it.
 - ``IncompatibleKeys``, ``reparametrize_module``, ``BatchNorm`` (``torch.nn``): what
   ``load_state_dict`` returns; running a module on given tensors; every batch norm class.
+- ``state_dict_hooked`` (``Module._state_dict_hooks``, ``_state_dict_pre_hooks``): which modules
+  have state-dict hooks, which a sharded state dict does not run (it says so).
 - ``storage_key`` (``UntypedStorage._cdata``): liveness, one key per storage, on fake and meta
   tensors too (they have no data pointer).
 - ``version`` (``Tensor._version``): the version counter of a shard's gradient, which tells
@@ -174,6 +176,7 @@ __all__ = [
     "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
     "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
+    "state_dict_hooked",
     "storage_key", "version",
 ]
 
@@ -226,6 +229,13 @@ def profiler_enabled() -> bool:
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter: bumped by every in-place write to it or a view of it."""
     return int(t._version)
+
+
+def state_dict_hooked(module: nn.Module) -> list[str]:
+    """The names of ``module``'s modules (``""`` itself) with state-dict hooks
+    (``register_state_dict_pre_hook``'s, ``register_state_dict_post_hook``'s), which
+    ``nn.Module.state_dict`` keeps in ``_state_dict_pre_hooks`` and ``_state_dict_hooks``."""
+    return [name for name, m in module.named_modules() if m._state_dict_hooks or m._state_dict_pre_hooks]
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -43,6 +43,7 @@ import datetime
 import hashlib
 import math
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -421,7 +422,17 @@ _EXTRA_STATE_KEY = "_extra_state"
 
 def model_state(module: nn.Module, driver: Driver) -> dict[str, Any]:
     """Sharded: every parameter under each of its names, the persistent buffers (copies), and
-    each module's extra state (``get_extra_state``; this rank's, as a buffer is rank 0's)."""
+    each module's extra state (``get_extra_state``; this rank's, as a buffer is rank 0's).
+    The module's state-dict hooks do not run (they would compute on full tensors, where this
+    holds boxes of the flat shards): a warning names the modules that have them."""
+    hooked = compat.state_dict_hooked(module)
+    if hooked:
+        warnings.warn(
+            "fxshard: a sharded state dict keys each parameter by its own name, and the state-dict hooks of "
+            f"{', '.join(repr(n or '<root>') for n in hooked)} did not run. Its checkpoint loads back "
+            "into fxshard and consolidates to a dict the module's load_state_dict takes; for the hooks' "
+            "keys, take the full state dict (StateDictOptions(full_state_dict=True), or "
+            "sharded.state_dict()), which runs them", stacklevel=3)
     result: dict[str, Any] = {}
     for group, shard in zip(driver.plan.groups, driver.shards):
         copy_ = shard.detach().clone()
