@@ -252,6 +252,32 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
         FxShardStrategy(module="model")._shard(lit)
 
 
+class _Pickled:
+    """An object torch.load refuses under weights_only=True."""
+
+
+def test_load_checkpoint_passes_weights_only_through_as_lightning_does(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's own load leaves weights_only=None to torch.load (True by default): the
+    trainer state inside fxshard's checkpoint is read as strictly as Lightning reads its own."""
+    import base64
+    import io
+    import pickle
+
+    import fxshard.lightning as fl
+
+    buffer = io.BytesIO()
+    torch.save({"state": _Pickled()}, buffer)
+    extra = {fl._EXTRA_KEY: base64.b64encode(buffer.getvalue()).decode("ascii")}
+    monkeypatch.setattr(fl, "load", lambda path, sharded, optimizers: extra)
+    monkeypatch.setattr(FxShardStrategy, "sharded", property(lambda self: None))
+    monkeypatch.setattr(FxShardStrategy, "broadcast", lambda self, obj, src=0: obj)
+    strategy = FxShardStrategy()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        strategy.load_checkpoint(tmp_path, weights_only=None)
+    assert isinstance(strategy.load_checkpoint(tmp_path, weights_only=False)["state"], _Pickled)
+
+
 class _HoldsSharded(L.LightningModule):
     """A LightningModule around a model compiled by hand, as a DDP script's would be."""
 
