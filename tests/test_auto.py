@@ -437,10 +437,10 @@ def test_between_zero2_and_zero3_the_budget_ladder_reshards_only_the_first_units
 @pytest.mark.slow  # explain emits every candidate's variants, twice: seconds
 def test_a_budget_ladder_that_can_only_be_slower_than_a_plan_that_fits_stops_and_the_choice_stands(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Just under the per-layer units kept gathered, their ladder starts slower (1.35 ms) than
-    the buckets of 4 that fit (about 1.08): it stops at its first schedule. Climbed to its end,
+    """Just under the per-layer units kept gathered, their ladder would start slower (1.35 ms)
+    than the buckets of 4 that fit (about 1.08): it does not start. Climbed to its end,
     as without the bound, it finds plans that fit but are slower, and auto() chooses the same."""
-    from fxshard.driver.compile import plan_budget
+    from fxshard.driver.compile import plan_auto, plan_budget
     from fxshard.ir import budget as budget_search
 
     free = _explain("tiny")
@@ -450,9 +450,12 @@ def test_a_budget_ladder_that_can_only_be_slower_than_a_plan_that_fits_stops_and
     stopped = _explain("tiny", memory_budget=budget).report.auto
     assert stopped is not None
     assert [line.split(":")[0] for line in stopped.outpaced] == ["by_class(Sequential)", "by_class(Linear)"]
+    assert all("before it starts, its fastest variant 1.347 ms" in line for line in stopped.outpaced)
     assert "budget ladders stopped where predicted slower than a plan that fits" in stopped.table()
     assert not any(t.plan == "by_class(Sequential)" and t.schedule.startswith("memory budget") for t in stopped.trials)
 
+    climb = plan_auto._climb  # no other plan's time to beat, and the ladder never stops
+    monkeypatch.setattr(plan_auto, "_climb", lambda sample, ladder, beat: climb(sample, ladder, None))
     monkeypatch.setattr(plan_budget, "search", lambda *args, outpaced_at=None, **kwargs:
                         budget_search.search(*args, **kwargs))
     with warnings.catch_warnings():

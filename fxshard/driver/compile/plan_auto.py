@@ -303,6 +303,11 @@ def _climb(sample: Sample, ladder: _Ladder, beat: float | None
     mine = list(ladder.variants)
     trial, joint, joint_inputs, kwargs, n = ladder.trial, ladder.joint, ladder.joint_inputs, ladder.kwargs, ladder.n
     beat = min([t.seconds for t, _ in mine if t.fits] + ([beat] if beat is not None else []), default=None)
+    fastest_variant = min(t.seconds for t, _ in mine)
+    if beat is not None and fastest_variant > beat * (1 + TIE):
+        # The ladder starts from a variant (every unit kept gathered): it would stop there.
+        return [], None, f"{ladder.candidate.label}: before it starts, its fastest variant " \
+                         f"{fastest_variant * 1e3:.3f} ms > {beat * (1 + TIE) * 1e3:.3f} ms"
 
     def timing(schedule: Schedule, graphs: dict[str, fx.GraphModule]) -> float:
         return _predicted(trial, schedule, graphs, n, sample.input_bytes, ladder.buffer_bytes)[0]
