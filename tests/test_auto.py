@@ -450,7 +450,9 @@ def test_a_budget_ladder_that_can_only_be_slower_than_a_plan_that_fits_stops_and
     stopped = _explain("tiny", memory_budget=budget).report.auto
     assert stopped is not None
     assert [line.split(":")[0] for line in stopped.outpaced] == ["by_class(Sequential)", "by_class(Linear)"]
-    assert all("before it starts, its fastest variant 1.347 ms" in line for line in stopped.outpaced)
+    # Where the ladder would start: the per-layer units kept gathered, as predicted without a budget.
+    assert all(f"before it starts, its fastest variant {per_layer.seconds * 1e3:.3f} ms" in line
+               for line in stopped.outpaced)
     assert "budget ladders stopped where predicted slower than a plan that fits" in stopped.table()
     assert not any(t.plan == "by_class(Sequential)" and t.schedule.startswith("memory budget") for t in stopped.trials)
 
