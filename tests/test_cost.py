@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.ir import meta
+from fxshard.ir.collectives import bus_bytes
 from fxshard.ir import predicates as P
 from fxshard.ir.cost import (
     DeviceRates,
@@ -293,11 +294,39 @@ def test_the_network_is_measured_by_the_mean_of_each_sizes_calls_interleaved(mon
         assert link.seconds(1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
         for size, calls in sizes:
             given = (size // 8 if kind == "all_gather" else size // 4) * 4
-            assert made.count((kind, given)) == 1 + calls
+            # The largest size's also warms the link first (untimed).
+            assert made.count((kind, given)) == 1 + calls + calibrate.WARM_ROUNDS * (size == sizes[-1][0])
     # Interleaved: the largest size's few calls spread over the whole measurement.
     largest = [i for i, (kind, given) in enumerate(made) if kind == "all_gather" and given == sizes[-1][0] // 2]
-    timed = largest[1:]
+    timed = largest[1 + calibrate.WARM_ROUNDS:]  # after the untimed ones
     assert min(b - a for a, b in zip(timed, timed[1:])) > len(made) / (2 * sizes[-1][1])
+
+
+def test_the_network_is_timed_on_a_warm_link_as_the_steps_find_it(monkeypatch: Any) -> None:
+    from fxshard.driver.report import calibrate
+
+    # A link whose first 200 MB (input bytes) move at half the pace of every later byte, as a
+    # process's first collectives on gloo do here: the step's collectives find it warm.
+    moved = [0]
+
+    def slow(call: int) -> float:
+        factor = 2.0 if moved[0] < 200e6 else 1.0
+        moved[0] += made[call - 1][1]
+        return factor
+
+    made = _scripted_network(monkeypatch, slow)
+    network = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
+    # The warm link's own: a 100 us latency and 1 GB/s, the issue and the flight together
+    # (each rank's 16 MiB reduce_scatter predicted as the warm link moves it).
+    for kind in calibrate.KINDS:
+        assert network.seconds(kind, 1 << 24, 2) == pytest.approx(1e-4 + bus_bytes(kind, 1 << 24, 2) / 1e9,
+                                                                  rel=0.02)
+    # Timed from the first call (no untimed rounds), the slow bytes land on the few calls of
+    # the largest sizes, and the line predicts a 16 MiB collective over a fifth long.
+    moved[0], made[:] = 0, []
+    monkeypatch.setattr(calibrate, "WARM_ROUNDS", 0)
+    cold = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
+    assert cold.seconds("reduce_scatter", 1 << 24, 2) > 1.2 * network.seconds("reduce_scatter", 1 << 24, 2)
 
 
 def test_a_slow_moment_of_the_host_moves_every_size_alike_not_the_bandwidth(monkeypatch: Any) -> None:
@@ -305,7 +334,7 @@ def test_a_slow_moment_of_the_host_moves_every_size_alike_not_the_bandwidth(monk
 
     # The host three times slower for a tenth of the calls, wherever that tenth falls.
     sizes = calibrate.network_sizes(torch.device("cpu"))
-    total = len(calibrate.KINDS) * sum(1 + calls for _, calls in sizes)
+    total = len(calibrate.KINDS) * (sum(1 + calls for _, calls in sizes) + calibrate.WARM_ROUNDS)
     windows = [range(start, start + total // 10) for start in range(0, total, total // 20)]
 
     def worst() -> float:

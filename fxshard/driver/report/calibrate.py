@@ -73,10 +73,19 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # as it was: 0.50-0.77 GB/s for all_gather.)
 NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 22, 10), (1 << 23, 6), (1 << 24, 5)),
                  "accelerator": ((1 << 20, 60), (1 << 24, 20), (1 << 27, 5))}
+# Untimed rounds of every kind at the largest size before any call is timed. A process's first
+# collectives on a link run slower than its later ones: between two gloo processes here, 8 MB
+# all_gathers and 16 MB reduce_scatters took 10-12 and 26-31 ms in their first six calls and
+# 6-7 and 19-21 ms from about the fifteenth on, and stayed there after a 5 s pause (not the
+# allocator: the same with glibc's mmap threshold fixed). The step's collectives run warm, so a
+# calibration that timed the first calls as its largest size's fitted a bandwidth too low and
+# predicted the steps' 6-17 MB collectives 11-62% long (the GPT's, three fresh calibrations).
+# Four rounds of 16 MiB (about 0.25 s on 2 gloo ranks) left no first-calls slowdown.
+WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 13  # 13: fresh pages where a fresh fill takes 2.5x a kept one (was 4x); dropout's backward per element
+METHOD = 14  # 14: the link warmed (WARM_ROUNDS) before the network is timed
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -477,6 +486,9 @@ def measure_network(group: dist.ProcessGroup) -> Network:
             _wait(issue())  # to warm up
             points.append((kind, issue, given))
             counts.append(calls)
+    for _ in range(WARM_ROUNDS):  # the link, as a step's collectives find it (WARM_ROUNDS)
+        for _, issue, _ in points[-len(KINDS):]:
+            _wait(issue())
     _sync(device)
     # The mean of each point's calls: a step pays every call, and on a shared host a few in ten
     # small ones take several times the median (gloo on 2 cores: the mean of a 256 KiB
