@@ -66,6 +66,25 @@ def spec(name: str) -> dict[str, Any]:
                 inputs=lambda g: (torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)))
 
 
+def host_speed(calls: int = 40) -> float:
+    """The host's pace at this moment: the median seconds of a 512x512 float32 matmul on one
+    thread (after five to warm up), every rank at once. A shared host's pace drifts: here a
+    512x512 by 512x2048 matmul took 8 ms a call and, twenty minutes later with this machine
+    otherwise idle, 11-12 ms.
+    Taken before a row's calibration and after its steps, it tells a row whose host changed
+    pace between the two (the prediction keeps the pace calibration saw) from the model's own
+    error."""
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    for _ in range(5):
+        torch.mm(a, a)
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        torch.mm(a, a)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
     """The mean seconds of collective ``c`` alone over ``reps`` calls (after one to warm up), on
     the process group the step runs it on: the statistic the model predicts, timed as
@@ -101,6 +120,9 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         if world_size > 1:
             dist.barrier()
 
+    barrier()
+    pace_before = host_speed()
+
     s = spec(name)
     torch.manual_seed(0)
     policy = by_class(s["block"]) if s["block"] is not None else by_size(s["min_params"])
@@ -125,6 +147,8 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
             step_s.append(t2 - t0)
             fb_s.append(t1 - t0)
             opt_s.append(t2 - t1)
+    barrier()
+    pace_after = host_speed()
     report = sharded.report()
     t = report.time
     assert t is not None
@@ -168,6 +192,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "big_collectives": list(big.values()), "compile_and_calibrate_s": calibrated,
         "predicted_by_op_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12]),  # the 12 largest
         "rates": str(rates), "load_1min": os.getloadavg()[0], "load_1min_before": load_before,
+        "host_matmul_s_before": pace_before, "host_matmul_s_after": pace_after,
     }
     torch.save(result, os.path.join(out, f"{name}-{world_size}-{rank}.pt"))
     if world_size > 1:
@@ -194,8 +219,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step). One rank: the "
              "same model in one process, no collectives: the compute model alone.", "",
              "| model | ranks | params | units | measured step ms | predicted ms | error | fwd+bwd measured / "
-             "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | load |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+             "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | load | "
+             "host: matmul ms before, after |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
     runs = max(r.get("run", 1) for r in rows)
 
     def name(r: dict[str, Any]) -> str:
@@ -209,7 +235,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
             f"{r['measured_optimizer_s'] * ms:.1f} / {r['predicted_optimizer_s'] * ms:.1f} | "
             f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
-            f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} |")
+            f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} | "
+            + (f"{r['host_matmul_s_before'] * ms:.2f}, {r['host_matmul_s_after'] * ms:.2f} |"
+               if "host_matmul_s_before" in r else "- |"))
     lines += ["", "Collectives of more than 1 MB, each distinct kind and size once: measured alone on the "
               "step's process group (the mean of 20), the model's time for it alone, and its predicted span "
               "inside the step (collectives in flight together share the wires).", "",
@@ -236,8 +264,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          + (f"{sum(abs(e) <= 0.25 for e in big)} of {len(big)} |" if big else "- |"))
     lines += ["", "Load: the 1-minute load average before and after each row, on a machine with "
               f"{meta['machine'].split(', ')[-1]}; above the row's own ranks, other work took CPU time "
-              "from them, during the calibration or the steps. The rates each row predicted with are "
-              "in time.json."]
+              "from them, during the calibration or the steps. Host: the median time of a 512x512 float32 "
+              "matmul on one thread, every rank at once, before the row's calibration and after its "
+              "steps: the host's pace (a shared host's drifts by a third over minutes); where the two "
+              "differ, the steps ran at another pace than the one calibration measured. The rates each "
+              "row predicted with are in time.json."]
     return "\n".join(lines) + "\n"
 
 

@@ -180,6 +180,11 @@ def test_time_benchmark_gives_each_models_errors_run_by_run() -> None:
                                     "steps": 10})
     assert "| net | 2 | -2%, -20% | 1 of 2 | 3 of 4 |" in table
     assert "| net, run 2 | 2 | 1.00M | 2 | 100.0 | 80.0 | -20% |" in table
+    # The host's pace before the calibration and after the steps, where the row has it.
+    paced = module.markdown([{**rows[0], "host_matmul_s_before": 0.0021, "host_matmul_s_after": 0.0032}],
+                            {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s", "fxshard": "f",
+                             "steps": 10})
+    assert "| 1.0, 1.0 | 2.10, 3.20 |" in paced and "| 1.0, 1.0 | - |" in table
     # One run: no run numbers, no summary.
     single = module.markdown([{**rows[0], "run": 1}], {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s",
                                                         "fxshard": "f", "steps": 10})
