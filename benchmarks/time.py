@@ -266,7 +266,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
               f"{meta['machine'].split(', ')[-1]}; above the row's own ranks, other work took CPU time "
               "from them, during the calibration or the steps. Host: the median time of a 512x512 float32 "
               "matmul on one thread, every rank at once, before the row's calibration and after its "
-              "steps: the host's pace (a shared host's drifts by a third over minutes); where the two "
+              "steps (then its report times the step's matmuls): the host's pace (a shared host's drifts by a third over minutes); where the two "
               "differ, the steps ran at another pace than the one calibration measured. The rates each "
               "row predicted with are in time.json."]
     return "\n".join(lines) + "\n"
