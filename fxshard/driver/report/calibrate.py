@@ -463,8 +463,8 @@ def interleaved(counts: Sequence[int]) -> list[int]:
 def measure_network(group: dist.ProcessGroup) -> Network:
     """all_gather, reduce_scatter and all_reduce on ``group`` (every rank of it calls this),
     five sizes each on the CPU, three on an accelerator (``NETWORK_SIZES``), through the
-    functional collectives the emitted graphs run; about 1.6 seconds on gloo between two
-    processes of one host.
+    functional collectives the emitted graphs run, after ``WARM_ROUNDS`` untimed rounds at the
+    largest size; about 2 seconds on gloo between two processes of one host.
 
     Each size's calls are interleaved with every other size's and kind's (``interleaved``).
     Measured one point after the other, the largest size's few calls (a fitted bandwidth's
