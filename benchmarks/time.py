@@ -18,6 +18,9 @@ its own: the first measurement, what a user's first run gets), then:
   prediction gives it inside the step (where collectives in flight together
   share the wires).
 
+Each row also times a 512x512 matmul on every rank at once before its compile and after its
+steps (``host_speed``): the host's pace, which on a shared host drifts under the rows.
+
 Then the same model in one process (no collectives: the compute model alone).
 Nothing is fitted to these numbers: the prediction uses what calibration measured
 when the model was compiled. The machine is shared: its load average is recorded,
