@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.ir import meta
-from fxshard.ir.collectives import bus_bytes
 from fxshard.ir import predicates as P
+from fxshard.ir.collectives import bus_bytes
 from fxshard.ir.cost import (
     DeviceRates,
     Link,
