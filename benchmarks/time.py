@@ -71,21 +71,16 @@ def spec(name: str) -> dict[str, Any]:
 
 def host_speed(calls: int = 40) -> float:
     """The host's pace at this moment: the median seconds of a 512x512 float32 matmul on one
-    thread (after five to warm up), every rank at once. A shared host's pace drifts: here a
+    thread (after one to warm up), every rank at once. A shared host's pace drifts: here a
     512x512 by 512x2048 matmul took 8 ms a call and, twenty minutes later with this machine
     otherwise idle, 11-12 ms.
     Taken before a row's calibration and after its steps, it tells a row whose host changed
     pace between the two (the prediction keeps the pace calibration saw) from the model's own
     error."""
+    from fxshard.driver.report.calibrate import _seconds
+
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    for _ in range(5):
-        torch.mm(a, a)
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        torch.mm(a, a)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return _seconds(lambda: torch.mm(a, a), a.device, least=0.0, calls=calls, how="median")
 
 
 def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
@@ -269,9 +264,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
               f"{meta['machine'].split(', ')[-1]}; above the row's own ranks, other work took CPU time "
               "from them, during the calibration or the steps. Host: the median time of a 512x512 float32 "
               "matmul on one thread, every rank at once, before the row's calibration and after its "
-              "steps (then its report times the step's matmuls): the host's pace (a shared host's drifts by a third over minutes); where the two "
-              "differ, the steps ran at another pace than the one calibration measured. The rates each "
-              "row predicted with are in time.json."]
+              "steps (then its report times the step's matmuls): the host's pace (a shared host's "
+              "drifts by a third over minutes); where the two differ, the steps ran at another pace "
+              "than the one calibration measured. The rates each row predicted with are in time.json."]
     return "\n".join(lines) + "\n"
 
 
