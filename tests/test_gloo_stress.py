@@ -1,4 +1,4 @@
-"""Stress: fxshard's emitted collectives in a tight loop on 2 gloo ranks must not corrupt the heap.
+"""Stress: fxshard's emitted collectives in a tight loop on gloo ranks must not corrupt the heap.
 
 ``ProcessGroupGloo::runLoop`` writes the group's status (the name of the last
 completed work, a heap string for the functional all_gather's
@@ -12,8 +12,11 @@ at once, and free the same buffer twice, in two ways:
   worker thread still writing: seen under load (a full CI run), never alone.
   fxshard's gloo groups have one worker thread each (compat.one_thread_gloo).
 
-Both are checked structurally, every run. The loop itself, with glibc's
-tcache off so that a double free aborts at once, is the smoke test.
+Both are checked structurally, every run, on 1 rank as on 2: a single rank's
+gathers and reduce-scatters are collectives on gloo all the same, and they once
+ran on the default group's two threads (an abort in DDP parity at world size 1).
+The loop itself, with glibc's tcache off so that a double free aborts at once,
+is the smoke test.
 """
 
 from __future__ import annotations
@@ -95,12 +98,13 @@ def _stress(rank: int, world_size: int, store_path: str) -> None:
 
 
 @pytest.mark.slow  # a stress loop; the fast tier runs the same collectives in every 2-rank test
-def test_emitted_collectives_in_a_tight_loop_do_not_corrupt_the_heap() -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_emitted_collectives_in_a_tight_loop_do_not_corrupt_the_heap(world_size: int) -> None:
     previous = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = "glibc.malloc.tcache_count=0"  # read by the spawned ranks at start
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_stress, args=(2, os.path.join(tmp, "store")), nprocs=2)
+            mp.spawn(_stress, args=(world_size, os.path.join(tmp, "store")), nprocs=world_size)
     finally:
         if previous is None:
             del os.environ["GLIBC_TUNABLES"]

@@ -105,12 +105,11 @@ class Driver:
         given = world
         world = given or resolve_world(config.process_group)
         backend = dist.get_backend(world.group) if world.group is not None else None
-        # Slots only where collectives really run concurrently: more than one
-        # rank, and no fake group. By default on gloo only (its heap
-        # corruption: docs/devices.md).
+        # Slots only where collectives really run concurrently: a real group (one
+        # rank's too: gloo runs its collectives on worker threads all the same), not
+        # a fake one. By default on gloo only (its heap corruption: docs/devices.md).
         separate = config.inflight_groups if config.inflight_groups is not None else backend == "gloo"
-        config = config.with_options(
-            inflight_groups=bool(separate) and world.size > 1 and backend not in (None, "fake"))
+        config = config.with_options(inflight_groups=bool(separate) and backend not in (None, "fake"))
         self.config = config  # what the front end was told; a planner's choices are a Schedule
         # What the passes run with, as planned before any trace: this configuration's (its
         # pipelines built now, so a bad disable_passes fails before anything is sharded), the

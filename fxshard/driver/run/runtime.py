@@ -237,8 +237,10 @@ def with_comm_groups(world: World, slots: int, timeout: float | None,
     h consecutive ranks of every shard group (the layout's ``partition``).
     """
     fake = world.group is not None and dist.get_backend(world.group) == "fake"
-    if world.group is None or (world.size == 1 or fake) and hsdp is None and hpz is None:
+    if world.group is None or fake and hsdp is None and hpz is None:
         return world  # torch's fake process group: the graphs name its groups, nothing runs
+    # One rank too: its gathers and reduce-scatters are gloo collectives all the same, and
+    # on the default group's two worker threads they race as on many ranks.
     limit = datetime.timedelta(seconds=timeout) if timeout is not None else group_timeout(world.group)
     # gloo's: one worker thread each, so that a group's status is never written by two at once.
     backend = compat.one_thread_gloo() if dist.get_backend(world.group) == "gloo" else None
