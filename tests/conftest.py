@@ -139,7 +139,7 @@ SLOW_FOR_TIME = (
 # them by their number of tests), so the longest, started last, left one core idle for minutes
 # (the budget search's one test: 282 s of 1219, while the other worker had ended at 1026).
 LONGEST_FIRST = (
-    "tests/test_explain_budget_search.py",  # 282
+    "tests/test_explain_budget_search.py",  # 282 while it scanned every reshard prefix; 67 since
     "tests/test_explain.py",  # 254
     "tests/test_auto.py",  # 188
     "tests/test_doc_examples.py",  # 175

@@ -185,6 +185,33 @@ def test_alike_regions_are_measured_alone_only_at_the_ends_of_their_run() -> Non
     assert choice.chosen.selective == ("a", "b")  # "e", whose alone peak is higher, comes last
 
 
+def test_a_reshard_step_that_misses_scans_the_ends_of_runs_of_alike_units() -> None:
+    """Six alike units "a".."f" (8 bytes gathered each) and the root (16): each unit resharded
+    saves 10, the root resharded costs 50 (its gather in backward lands at the peak). The
+    whole step misses; of the six alike prefixes only the run's ends are evaluated, and a
+    budget met inside the run is found by bisecting it: the fewest units that fit."""
+    units = [*"abcdef", ""]
+    unit_bytes = {**{u: 8 for u in "abcdef"}, "": 16}
+    evaluated: list[int] = []
+
+    def evaluate(c: Candidate) -> Prediction:
+        if not c.selective:
+            evaluated.append(len(c.resharded))
+        peak = 100 - 10 * len([u for u in c.resharded if u]) + (50 if "" in c.resharded else 0)
+        peak -= 3 * len(c.selective)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {})
+
+    chosen = search(60, evaluate, units, [], 1, unit_bytes).chosen
+    assert chosen.resharded == tuple("abcd")  # 60: the fewest that fit
+    assert {2, 5} - set(evaluated)  # bisection: not every prefix of the run
+
+    evaluated.clear()
+    choice = search(37, evaluate, units, ["x"], 1, unit_bytes)  # the reshard step misses
+    assert sorted(evaluated) == [0, 1, 6, 7]  # the start, the run's ends, the root
+    assert choice.chosen.resharded == tuple("abcdef") and choice.chosen.selective == ("x",)
+    assert [peak for _, peak in choice.tried] == [100, 90, 90, 40, 37]
+
+
 @pytest.mark.slow
 def test_measuring_alike_regions_at_their_ends_chooses_as_measuring_every_region(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,6 +237,36 @@ def test_measuring_alike_regions_at_their_ends_chooses_as_measuring_every_region
     assert [e[:2] for e in ends] == [e[:2] for e in every]
     assert ends[0][0].selective and ends[1][0].full
     assert all(e[2] < a[2] for e, a in zip(ends, every))
+
+
+@pytest.mark.slow
+def test_scanning_the_ends_of_runs_of_alike_units_chooses_as_scanning_every_prefix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 6-block GPT at 4 ranks under budgets its reshard step misses: the search that scans
+    only the ends of the run of alike blocks chooses what scanning every prefix chooses, with
+    fewer candidates; and along the run, every prefix scanned, the peak never rises (what
+    bisecting inside a run assumes)."""
+    import fxshard.ir.budget as budget_search
+
+    with torch.device("meta"):
+        model = TinyGPT(layers=6)
+    x = torch.zeros(8, 16, dtype=torch.long)
+    default = fxshard.explain(model, x, by_class(Block), world_size=4).report.predicted_peak_bytes
+
+    def chosen(fraction: float) -> tuple[Candidate, int, tuple[tuple[str, int], ...]]:
+        report = fxshard.explain(model, x, by_class(Block), world_size=4, memory_budget=int(default * fraction),
+                                 activation_checkpointing=by_class(Block)).report
+        assert report.budget is not None
+        return report.budget.chosen, report.predicted_peak_bytes, report.budget.tried
+
+    ends = chosen(0.5)  # the reshard step misses; recompute selective, then full
+    monkeypatch.setattr(budget_search, "_run_ends", lambda keys: None)
+    every = chosen(0.5)
+    assert ends[:2] == every[:2] and ends[0].full
+    assert len(ends[2]) < len(every[2])
+    resharding = dict(every[2])
+    peaks = [resharding[f"{k} units resharded, 2 in flight"] for k in range(1, 7)]  # the blocks
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
 
 
 @pytest.mark.release("BACKWARD_HOLDS_TANGENTS")

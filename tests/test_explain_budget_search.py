@@ -1,5 +1,5 @@
 """The memory budget's search on a full-size plan: Llama-3-8B (32 layers) at sequence 2048 within
-70 GiB, planned on meta. A file of its own, slow tier: about five minutes on one core, which
+70 GiB, planned on meta. A file of its own, slow tier: over a minute on one core, which
 pytest-xdist (one worker per file) then runs beside the rest of the tier."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ def test_llama3_8b_planned_on_meta_at_world_size_1_offloads_and_recomputes_withi
     """The same budget planned on meta: the math kernel keeps every layer's (2048 x 2048)
     scores for backward, so once offload fits the optimizer step the planner also recomputes
     blocks. Of the 32 alike blocks only the first and the last are measured alone per
-    recompute step, which keeps the search to a few dozen candidates."""
+    recompute step, and the reshard step, which misses, scans only the ends of their runs:
+    20 candidates."""
     model = _llama3_8b(32)
     from llama import TransformerBlock
 
@@ -28,4 +29,4 @@ def test_llama3_8b_planned_on_meta_at_world_size_1_offloads_and_recomputes_withi
     assert report.budget is not None and report.predicted_peak_bytes <= 70 << 30
     chosen = report.budget.chosen
     assert chosen.offloaded and chosen.selective and not chosen.full
-    assert len(report.budget.tried) < 64  # measuring all 32 blocks alone took 79
+    assert len(report.budget.tried) < 32  # measuring all 32 blocks alone took 79, every reshard prefix 48

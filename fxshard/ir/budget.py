@@ -31,8 +31,12 @@ the budget, bisection finds the fewest changes that fit. Where it does not,
 every prefix of the step is evaluated, since the peak need not fall along a
 step (recomputing the last block fully puts its recompute at the start of
 backward, where the peak is): the first that fits wins, else the search goes
-on from the lowest. A smaller budget thus evaluates every schedule a larger
-one could accept, so the lowest peak an error names is never beaten by a
+on from the lowest. The reshard step scans only the prefixes that end a run of
+alike units (as many bytes gathered, offloaded or not) or start one, and
+bisects inside a run: each unit of a run resharded frees as many bytes until
+its gather in backward, so the peak falls along it (the root, a run of its own,
+may raise it). A smaller budget thus evaluates every schedule a larger
+one could accept, or one of no higher peak, so the lowest peak an error names is never beaten by a
 schedule some budget accepts. ``evaluate`` predicts a candidate's peak
 without running anything (driver/compile/plan_budget.py: the passes and the liveness of
 ``report()`` on a copy of the traced graph).
@@ -203,20 +207,38 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
     def full(c: Candidate, chosen: Sequence[str]) -> Candidate:
         return replace(c, selective=tuple(r for r in c.selective if r not in chosen), full=tuple(chosen))
 
-    # Each step: its name, and for the current candidate the ordered choices it adds one by one.
-    ladder: list[tuple[str, Callable[[Candidate], list[Candidate]]]] = [
+    def run_ends(c: Candidate) -> list[int] | None:
+        return _run_ends([(unit_bytes.get(u), u in c.offloaded) for u in resharded])
+
+    def every(c: Candidate) -> list[int] | None:
+        return None
+
+    # Each step: its name, for the current candidate the ordered choices it adds one by one,
+    # and which of them a step that misses as a whole scans (None: every one).
+    ladder: list[tuple[str, Callable[[Candidate], list[Candidate]], Callable[[Candidate], list[int] | None]]] = [
         ("reshard units after forward",
-         lambda c: [replace(c, resharded=tuple(resharded[:k])) for k in range(len(resharded) + 1)]),
+         lambda c: [replace(c, resharded=tuple(resharded[:k])) for k in range(len(resharded) + 1)], run_ends),
         ("one gather in flight",
-         lambda c: [c, replace(c, max_inflight=1)] if max_inflight > 1 else [c]),
-        ("recompute regions selectively", lambda c: prefixes(c, selective)),
-        ("recompute regions fully", lambda c: prefixes(c, full)),
+         lambda c: [c, replace(c, max_inflight=1)] if max_inflight > 1 else [c], every),
+        ("recompute regions selectively", lambda c: prefixes(c, selective), every),
+        ("recompute regions fully", lambda c: prefixes(c, full), every),
     ]
     def offload(c: Candidate) -> list[Candidate]:
         return [replace(c, offloaded=tuple(offloadable[:k])) for k in range(len(c.offloaded), len(offloadable) + 1)]
 
     if offloadable:
-        ladder.append(("offload more units", offload))
+        ladder.append(("offload more units", offload, every))
+
+    def bisect(steps: list[Candidate], lo: int, hi: int) -> Candidate:
+        """The first of ``steps`` after ``lo`` that fits, where ``steps[hi]`` fits and ``steps[lo]``
+        misses (lo=-1: the candidate the step starts from), assuming the peak falls between."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(steps[mid]).peak <= budget:
+                hi = mid
+            else:
+                lo = mid
+        return steps[hi]
     current = Candidate((), max_inflight, (), (), "keep every unit gathered")
     if peak(current).peak <= budget:
         return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
@@ -238,36 +260,48 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         # state, the inputs): nothing below can fit.
         raise _unmet(budget, current, peak(current), "the optimizer step alone holds")
     building_on(current)
-    for step, choices in ladder:
+    for step, choices, scan in ladder:
         steps = [replace(c, step=step) for c in choices(current)][1:]  # [0] is current itself
         if not steps:
             continue
         if peak(steps[-1]).peak <= budget:
             # Bisect for the fewest changes that fit (first fitting prefix, assuming the peak
             # falls along the step; a miss is found by the scan below on a smaller budget).
-            lo, hi = -1, len(steps) - 1  # steps[lo] misses (lo=-1: current), steps[hi] fits
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if peak(steps[mid]).peak <= budget:
-                    hi = mid
-                else:
-                    lo = mid
-            return _choice(budget, steps[hi], peak(steps[hi]).peak, tried, units, regions, unit_bytes)
+            chosen = bisect(steps, -1, len(steps) - 1)
+            return _choice(budget, chosen, peak(chosen).peak, tried, units, regions, unit_bytes)
         # The whole step misses. The peak need not fall along it (recomputing the last block
         # fully puts its recompute at the start of backward, where the peak is): scan every
-        # prefix, take the first that fits, else go on from the lowest.
-        fitting = [c for c in steps if peak(c).peak <= budget]
-        if fitting:
-            return _choice(budget, fitting[0], peak(fitting[0]).peak, tried, units, regions, unit_bytes)
+        # prefix (or those ``scan`` names, between which the peak falls), take the first
+        # that fits, else go on from the lowest.
+        scanned = scan(current)
+        indices = range(len(steps)) if scanned is None else scanned
+        fits = next((i for i in indices if peak(steps[i]).peak <= budget), None)
+        if fits is not None:
+            before = max((i for i in indices if i < fits), default=-1)
+            chosen = bisect(steps, before, fits)
+            return _choice(budget, chosen, peak(chosen).peak, tried, units, regions, unit_bytes)
         # Among equal peaks the furthest along the step: what it saves may count later,
         # where the peak has moved.
-        lowest = min(reversed(steps), key=lambda c: peak(c).peak)
+        lowest = min(reversed([steps[i] for i in indices]), key=lambda c: peak(c).peak)
         if peak(lowest).peak < peak(current).peak:  # keep a change only if it lowers the peak
             current = building_on(lowest)
     # Every prefix of every step was scanned on the way here, along the same path any larger
     # budget takes until it fits: no budget accepts a schedule below the lowest tried.
     best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: (cp[1].peak, len(cp[0].offloaded)))
     raise _unmet(budget, best, smallest, "the lowest peak of the schedules fxshard tried is")
+
+
+def _run_ends(keys: Sequence[Hashable]) -> list[int] | None:
+    """The reshard step's prefixes scanned where the whole step misses, by index (index i:
+    the first i + 1 units resharded), for units whose ``keys`` (bytes gathered, offloaded or
+    not) are given in the order they are resharded: those that end with the first or the
+    last unit of a run of consecutive equal keys. Along a run each unit resharded frees as
+    many bytes from the end of forward to its gather in backward, so the peak falls along
+    it, and the prefixes between a run's ends are only bisected, where its end fits and its
+    first does not. None: every prefix."""
+    last = len(keys) - 1
+    return [i for i in range(len(keys))
+            if i in (0, last) or keys[i] != keys[i - 1] or keys[i] != keys[i + 1]]
 
 
 def _ends_of_alike(regions: Sequence[str], alike: Mapping[str, Hashable]) -> dict[str, str]:
