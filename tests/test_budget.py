@@ -213,43 +213,19 @@ def test_a_reshard_step_that_misses_scans_the_ends_of_runs_of_alike_units() -> N
 
 
 @pytest.mark.slow
-def test_measuring_alike_regions_at_their_ends_chooses_as_measuring_every_region(
+def test_measuring_only_the_ends_of_alike_runs_chooses_as_measuring_everything(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 5-block GPT under budgets that take selective and full recompute: the search that
-    measures only the ends of the run of alike blocks chooses the same schedule, with
-    fewer candidates evaluated."""
+    """A 5-block GPT under budgets that take selective and full recompute, its reshard step
+    missing: the search that measures only the ends of the run of alike blocks (each
+    region's benefit, and the reshard step's prefixes) chooses the same schedule as the
+    one that measures every region and scans every prefix, with fewer candidates; and
+    along the run of blocks, every prefix scanned, the peak never rises (what bisecting
+    inside a run assumes)."""
     import fxshard.driver.compile.plan_budget as planner
-
-    with torch.device("meta"):
-        model = TinyGPT(layers=5)
-    x = torch.zeros(8, 16, dtype=torch.long)
-    default = fxshard.explain(model, x, by_class(Block), world_size=4).report.predicted_peak_bytes
-
-    def chosen(fraction: float) -> tuple[Candidate, int, int]:
-        report = fxshard.explain(model, x, by_class(Block), world_size=4, memory_budget=int(default * fraction),
-                                 activation_checkpointing=by_class(Block)).report
-        assert report.budget is not None
-        return report.budget.chosen, report.predicted_peak_bytes, len(report.budget.tried)
-
-    ends = [chosen(f) for f in (0.8, 0.5)]
-    monkeypatch.setattr(planner, "_computations", lambda joint, regions: {})
-    every = [chosen(f) for f in (0.8, 0.5)]
-    assert [e[:2] for e in ends] == [e[:2] for e in every]
-    assert ends[0][0].selective and ends[1][0].full
-    assert all(e[2] < a[2] for e, a in zip(ends, every))
-
-
-@pytest.mark.slow
-def test_scanning_the_ends_of_runs_of_alike_units_chooses_as_scanning_every_prefix(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 6-block GPT at 4 ranks under budgets its reshard step misses: the search that scans
-    only the ends of the run of alike blocks chooses what scanning every prefix chooses, with
-    fewer candidates; and along the run, every prefix scanned, the peak never rises (what
-    bisecting inside a run assumes)."""
     import fxshard.ir.budget as budget_search
 
     with torch.device("meta"):
-        model = TinyGPT(layers=6)
+        model = TinyGPT(layers=5)
     x = torch.zeros(8, 16, dtype=torch.long)
     default = fxshard.explain(model, x, by_class(Block), world_size=4).report.predicted_peak_bytes
 
@@ -259,13 +235,15 @@ def test_scanning_the_ends_of_runs_of_alike_units_chooses_as_scanning_every_pref
         assert report.budget is not None
         return report.budget.chosen, report.predicted_peak_bytes, report.budget.tried
 
-    ends = chosen(0.5)  # the reshard step misses; recompute selective, then full
+    ends = [chosen(f) for f in (0.8, 0.5)]
+    monkeypatch.setattr(planner, "_computations", lambda joint, regions: {})
     monkeypatch.setattr(budget_search, "_run_ends", lambda keys: None)
-    every = chosen(0.5)
-    assert ends[:2] == every[:2] and ends[0].full
-    assert len(ends[2]) < len(every[2])
-    resharding = dict(every[2])
-    peaks = [resharding[f"{k} units resharded, 2 in flight"] for k in range(1, 7)]  # the blocks
+    every = [chosen(f) for f in (0.8, 0.5)]
+    assert [e[:2] for e in ends] == [e[:2] for e in every]
+    assert ends[0][0].selective and ends[1][0].full
+    assert all(len(e[2]) < len(a[2]) for e, a in zip(ends, every))
+    resharding = dict(every[1][2])
+    peaks = [resharding[f"{k} units resharded, 2 in flight"] for k in range(1, 6)]  # the blocks
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
 
 
