@@ -239,6 +239,7 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
             else:
                 lo = mid
         return steps[hi]
+
     current = Candidate((), max_inflight, (), (), "keep every unit gathered")
     if peak(current).peak <= budget:
         return _choice(budget, current, peak(current).peak, tried, units, regions, unit_bytes)
@@ -285,20 +286,18 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         lowest = min(reversed([steps[i] for i in indices]), key=lambda c: peak(c).peak)
         if peak(lowest).peak < peak(current).peak:  # keep a change only if it lowers the peak
             current = building_on(lowest)
-    # Every prefix of every step was scanned on the way here, along the same path any larger
-    # budget takes until it fits: no budget accepts a schedule below the lowest tried.
+    # Every prefix of every step was scanned on the way here (of the reshard step, the ends of
+    # its runs, along which the peak falls), along the same path any larger budget takes until
+    # it fits: no budget accepts a schedule below the lowest tried.
     best, smallest = min(((c, p) for c, p in cache.items()), key=lambda cp: (cp[1].peak, len(cp[0].offloaded)))
     raise _unmet(budget, best, smallest, "the lowest peak of the schedules fxshard tried is")
 
 
-def _run_ends(keys: Sequence[Hashable]) -> list[int] | None:
+def _run_ends(keys: Sequence[Hashable]) -> list[int]:
     """The reshard step's prefixes scanned where the whole step misses, by index (index i:
     the first i + 1 units resharded), for units whose ``keys`` (bytes gathered, offloaded or
     not) are given in the order they are resharded: those that end with the first or the
-    last unit of a run of consecutive equal keys. Along a run each unit resharded frees as
-    many bytes from the end of forward to its gather in backward, so the peak falls along
-    it, and the prefixes between a run's ends are only bisected, where its end fits and its
-    first does not. None: every prefix."""
+    last unit of a run of consecutive equal keys (why: the module's docstring)."""
     last = len(keys) - 1
     return [i for i in range(len(keys))
             if i in (0, last) or keys[i] != keys[i - 1] or keys[i] != keys[i + 1]]
