@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -130,9 +131,17 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [s["inputs"](gen) for _ in range(warmup + steps)]
-    step_s, fb_s, opt_s = [], [], []
+    step_s, fb_s, opt_s, faulted = [], [], [], []
     for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            # The prediction first, then the steps it predicts: on one rank the report calibrates
+            # the device here, and calibration raises glibc's mmap threshold, which decides the
+            # pages a step faults in (docs/time.md, "Fresh pages"); the steps measured run in the
+            # process as the report found it.
+            barrier()
+            report = sharded.report()
         barrier()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = s["loss"](sharded(x), y)
         loss.backward()
@@ -145,15 +154,16 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
             step_s.append(t2 - t0)
             fb_s.append(t1 - t0)
             opt_s.append(t2 - t1)
+            faulted.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) * resource.getpagesize())
     barrier()
     pace_after = host_speed()
-    report = sharded.report()
     t = report.time
     assert t is not None
     driver = sharded._driver
     rates = driver.rates
     big: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     spans = {(c.graph, c.node): c for c in t.collectives}
+    from fxshard.driver.report import calibrate
     from fxshard.ir import cost
     from fxshard.ir.collectives import collective_nodes
 
@@ -183,6 +193,9 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "measured_forward_backward_s": statistics.median(fb_s),
         "measured_optimizer_s": statistics.median(opt_s),
         "predicted_step_s": report.predicted_step_seconds,
+        # Pages faulted in a step (getrusage's minor faults, the median), and the mmap threshold
+        # the prediction took for the process (None: unknown, the step's largest tensor's).
+        "measured_fresh_bytes": statistics.median(faulted), "mmap_threshold": calibrate.mmap_threshold(),
         "predicted_forward_backward_s": t.seconds,
         "predicted_optimizer_s": report.predicted_optimizer_seconds,
         "predicted_compute_s": t.compute_seconds, "predicted_exposed_comm_s": t.exposed_comm_seconds,
@@ -214,12 +227,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, one thread per rank; "
              f"fxshard {meta['fxshard']}; {meta['subnormals']}. Predicted: `report().predicted_step_seconds` with the rates "
              "calibration measured when the model was compiled (a fresh cache); measured: the median "
-             f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step). One rank: the "
-             "same model in one process, no collectives: the compute model alone.", "",
+             f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step)"
+             + (", after the report that predicts them" if meta.get("report_first") else "")
+             + ". One rank: the same model in one process, no collectives: the compute model alone. "
+             "Fresh pages: the MB a measured step faulted in (the median), and glibc's mmap threshold "
+             "the prediction took (-: unknown, the step's largest tensor's).", "",
              "| model | ranks | params | units | measured step ms | predicted ms | error | fwd+bwd measured / "
-             "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | load | "
-             "host: matmul ms before, after |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+             "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | "
+             "fresh pages MB, threshold MiB | load | host: matmul ms before, after |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     runs = max(r.get("run", 1) for r in rows)
 
     def name(r: dict[str, Any]) -> str:
@@ -233,7 +249,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
             f"{r['measured_optimizer_s'] * ms:.1f} / {r['predicted_optimizer_s'] * ms:.1f} | "
             f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
-            f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} | "
+            + (f"{r['measured_fresh_bytes'] / MB:.1f}, "
+               + (f"{r['mmap_threshold'] / (1 << 20):.1f}" if r["mmap_threshold"] else "-") + " | "
+               if "measured_fresh_bytes" in r else "- | ")
+            + f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} | "
             + (f"{r['host_matmul_s_before'] * ms:.2f}, {r['host_matmul_s_after'] * ms:.2f} |"
                if "host_matmul_s_before" in r else "- |"))
     lines += ["", "Collectives of more than 1 MB, each distinct kind and size once: measured alone on the "
@@ -287,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs must be at least 1, not {args.runs}")
+    if args.warmup < 1:
+        p.error(f"--warmup must be at least 1 (the report comes after the first step), not {args.warmup}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fxshard-time-") as scratch:
         for run in range(1, args.runs + 1):
@@ -303,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['predicted_step_s'] * 1e3:.1f} ms "
                           f"({error(r['predicted_step_s'], r['measured_step_s']):+.0%})", flush=True)
     meta = {"machine": machine(), "subnormals": subnormals(flush_subnormals()), "torch": torch.__version__,
-            "fxshard": fxshard_version(), "steps": args.steps, "warmup": args.warmup, "runs": args.runs}
+            "fxshard": fxshard_version(), "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
+            "report_first": True}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "time.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str) + "\n")

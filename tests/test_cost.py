@@ -6,6 +6,9 @@ of a real 2-rank step under injected rates (nothing here times anything).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -808,6 +811,49 @@ def test_fresh_pages_follow_the_heap_watermark() -> None:
     # No fresh pages (a caching allocator, a profile): nothing is charged.
     plain = replace(device, fresh_bytes=None)
     assert fresh_pages([forward, backward], mib, plain) == [[0] * 4, [0] * 3]
+    # A process whose threshold was raised before (calibration's probe mapped and freed 2 MiB):
+    # 4 MiB may lie free, the heap keeps its 13 MiB; a threshold below the largest tensor's
+    # changes nothing, and one above the allocator's largest is capped there.
+    assert fresh_pages([forward, backward], mib, device, threshold=2 * mib) == [[0] * 4, [0] * 3]
+    assert fresh_pages([forward, backward], mib, device, threshold=mib // 2) == [[0, mib, 2 * mib, 0], [0, 0, 0]]
+    assert fresh_pages([[0, 80 * mib], [0]], mib, device, threshold=100 * mib) == [[0, 80 * mib], [0]]
+
+
+def test_calibration_knows_the_mmap_threshold_its_probe_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc raises its mmap threshold to the size of a mapped allocation it frees and never
+    lowers it. In a fresh process (threshold 128 KiB), the fresh-page probe's 16 MiB allocation
+    is mapped; once it is freed, calibration reports the threshold at its size, and glibc serves
+    the next 16 MiB from its heap: no chunk is mapped. A threshold fixed in the environment is
+    read as it is (glibc then raises nothing); any other of glibc's malloc settings turns the
+    raising off with the threshold at a default the model does not read: unknown."""
+    from fxshard.driver.report import calibrate
+
+    if calibrate._glibc() is None:
+        pytest.skip("the C library is not glibc 2.33 or later")
+    script = (
+        "from fxshard.driver.report import calibrate as c\n"
+        "assert c.mmap_threshold() is None\n"
+        "t = c._allocate(4 << 20); t.fill_(1.0); del t\n"
+        "threshold = c.mmap_threshold()\n"
+        "before = c._glibc().mallinfo2().hblks\n"
+        "t = c._allocate(4 << 20)\n"
+        "print(threshold, c._glibc().mallinfo2().hblks - before)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    threshold, mapped = (int(v) for v in out.stdout.split())
+    assert threshold == (16 << 20) + 4096  # the chunk: 16 MiB, glibc's header, torch's alignment
+    assert mapped == 0
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                 "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(calibrate, "_mapped_and_freed", 9 << 20)
+    assert calibrate.mmap_threshold() == 9 << 20
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "67108864")
+    assert calibrate.mmap_threshold() is None
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1048576")
+    assert calibrate.mmap_threshold() == 1 << 20
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    assert calibrate.mmap_threshold() == 4 << 20
 
 
 def test_a_step_pays_for_the_pages_it_faults_in() -> None:

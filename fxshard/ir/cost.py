@@ -501,15 +501,18 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
 MMAP_THRESHOLD_MIN = 128 << 10
 
 
-def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRates) -> list[list[int]]:
+def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRates,
+                threshold: int | None = None) -> list[list[int]]:
     """The bytes the allocator faults in afresh at each node, in the steady state of a step
     whose live bytes after each node are ``curves`` (a graph each, in the order they run; the
     report's ``memory_curve``) and whose largest tensor is ``largest`` bytes.
 
     glibc's malloc, as the CPU's allocator: an allocation at or above its mmap threshold is
     mapped afresh each time; a free of one raises the threshold to its size, up to
-    ``fresh_bytes``, so in the steady state the threshold is the step's largest tensor's (or
-    ``fresh_bytes``) and the heap holds the rest. The heap returns its top to the system when
+    ``fresh_bytes``, and nothing lowers it, so in the steady state the threshold is the larger
+    of the step's largest tensor's and ``threshold``, what the process had raised it to before
+    (None: nothing known; calibration's own probe raises it to about ``fresh_bytes``), at most
+    ``fresh_bytes``, and the heap holds the rest. The heap returns its top to the system when
     more than twice the threshold lies free there. So the heap is a watermark: the live bytes
     rising above it are faulted in, and it falls to the live bytes when it stands more than
     twice the threshold above them (backward frees forward's activations, the next forward
@@ -518,7 +521,7 @@ def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRat
     second's faults are returned; none on a device without fresh pages."""
     if device.fresh_bytes is None:
         return [[0] * len(c) for c in curves]
-    trim = 2 * min(device.fresh_bytes, max(largest, MMAP_THRESHOLD_MIN))
+    trim = 2 * min(device.fresh_bytes, max(largest, threshold or 0, MMAP_THRESHOLD_MIN))
     mapped = curves[0][0] if curves and curves[0] else 0
     faults: list[list[int]] = []
     for _ in range(2):
@@ -789,7 +792,8 @@ def unit_of(node: fx.Node, units: Sequence[str]) -> str:
 def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                  dimensions: Mapping[str, tuple[str, int]] | None = None,
                  units: Sequence[str] = (), agreement: tuple[int, int] | None = None,
-                 memory: Mapping[str, Sequence[int]] | None = None) -> StepTime:
+                 memory: Mapping[str, Sequence[int]] | None = None,
+                 mmap_threshold: int | None = None) -> StepTime:
     """Simulate ``graphs`` ("forward" or "inference", then "backward") one after the other.
 
     ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
@@ -797,7 +801,9 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
     compute stream and the host wait for (None: no agreement); ``memory``: the live bytes after each
     node, by phase (the report's ``memory_curve``), from which a device with fresh pages
-    (the CPU) charges each node the pages it faults in (``fresh_pages``).
+    (the CPU) charges each node the pages it faults in (``fresh_pages``); ``mmap_threshold``:
+    the allocator's threshold in the process the step runs in, where it is known
+    (``calibrate.mmap_threshold``; None: the step's largest tensor's).
     """
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
@@ -805,7 +811,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     if memory is not None and device.fresh_bytes is not None:
         phases = [p for p in ("forward", "loss", "backward", "optimizer step") if p in memory]
         largest = largest_tensor([graphs[n] for n in names])
-        faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device)))
+        faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device,
+                                               mmap_threshold)))
     cold = cold_operands([(n, graphs[n]) for n in names], device)
     net = _Streams(rates.latency_sharing)
     now = 0.0  # the compute stream's clock

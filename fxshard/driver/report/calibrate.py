@@ -275,7 +275,7 @@ def measure_fresh(device: torch.device) -> tuple[int | None, float]:
         numel = nbytes // 4
         kept = torch.empty(numel)
         reused = _seconds(lambda: kept.fill_(1.0), device, least=0.0, calls=3, how="fastest")
-        fresh = _seconds(lambda: torch.empty(numel).fill_(1.0), device, least=0.0, calls=3, how="fastest")
+        fresh = _seconds(lambda: _allocate(numel).fill_(1.0), device, least=0.0, calls=3, how="fastest")
         return fresh, reused
 
     extra: dict[int, float] = {}  # seconds a slow size's fresh fill takes beyond its kept one (the less of two)
@@ -298,6 +298,73 @@ def measure_fresh(device: torch.device) -> tuple[int | None, float]:
     if low is None:
         return None, math.inf
     return low + 1, FRESH_LARGEST / extra[FRESH_LARGEST]  # fresh_boundary found it slow
+
+
+# glibc's largest dynamic mmap threshold on a 64-bit host (DEFAULT_MMAP_THRESHOLD_MAX): a free
+# of a mapped chunk no larger than this raises the threshold to its size.
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+# The largest allocation this process mapped afresh and freed while calibrating (glibc's count
+# of mapped chunks said so), no larger than GLIBC_MMAP_THRESHOLD_MAX: glibc's threshold is at
+# least this from then on.
+_mapped_and_freed = 0
+
+
+def _allocate(numel: int) -> torch.Tensor:
+    """A float32 tensor of ``numel`` elements, noting (``_mapped_and_freed``) whether glibc
+    mapped it afresh: its free will raise glibc's mmap threshold to its size."""
+    global _mapped_and_freed
+    libc = _glibc()
+    before = libc.mallinfo2().hblks if libc is not None else 0
+    tensor = torch.empty(numel)
+    nbytes = tensor.untyped_storage().nbytes()
+    chunk = (nbytes + 128 + 4095) // 4096 * 4096  # with glibc's header and torch's alignment
+    if libc is not None and libc.mallinfo2().hblks > before and chunk <= GLIBC_MMAP_THRESHOLD_MAX:
+        _mapped_and_freed = max(_mapped_and_freed, chunk)
+    return tensor
+
+
+def mmap_threshold() -> int | None:
+    """glibc's mmap threshold in this process, where it is known: fixed by
+    ``MALLOC_MMAP_THRESHOLD_`` (which turns glibc's raising off), or at least the largest
+    allocation the fresh-page probe (``measure_fresh``) had mapped and freed here. A free of a
+    mapped allocation raises the threshold to its size, up to 32 MiB, and nothing lowers it, so
+    a process that calibrated its device keeps a threshold of about ``fresh_bytes``, and a step of
+    smaller tensors maps nothing afresh there (``cost.fresh_pages``). None where it is not known
+    (not glibc; a calibration read from the cache): the model takes the step's largest tensor.
+    Read, not probed: an allocation asked of glibc to find the threshold may be served from a
+    free chunk of the heap whatever the threshold."""
+    if _glibc() is None:
+        return None
+    settings = dict(item.partition("=")[::2] for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+    fixed = os.environ.get("MALLOC_MMAP_THRESHOLD_") or settings.get("glibc.malloc.mmap_threshold", "")
+    if fixed.isdigit():
+        return int(fixed)
+    if any(os.environ.get(f"MALLOC_{name.upper()}_") or settings.get(f"glibc.malloc.{name}")
+           for name in ("trim_threshold", "top_pad", "mmap_max")):
+        return None  # glibc's raising is off, and the threshold stays at its default
+    return _mapped_and_freed or None
+
+
+@functools.cache
+def _glibc() -> Any:
+    """The process's C library through ctypes where it is glibc with ``mallinfo2`` (2.33 and
+    later); else None."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc's own symbol
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    mallinfo2.restype = Mallinfo2
+    return libc
 
 
 def fresh_boundary(slow: Callable[[int], bool], sizes: list[int]) -> int | None:
