@@ -9,7 +9,10 @@ prediction includes the optimizer step), a fresh calibration (a cache folder of
 its own: the first measurement, what a user's first run gets), then:
 
 - the step: forward, the loss, backward, AdamW's step and zero_grad, timed on
-  rank 0; the median of the measured steps, against ``report().predicted_step_seconds``;
+  rank 0 after the warm-up steps and the report that predicts them (on one rank the
+  report calibrates the device, which moves glibc's mmap threshold and so the pages a
+  step faults in: docs/time.md, "Fresh pages"); the median of the measured steps, against
+  ``report().predicted_step_seconds``, and the pages each faulted in;
   forward + loss + backward alone, against the prediction's graphs, and the
   optimizer step alone, against its prediction;
 - every distinct collective of more than 1 MB the step issues (kind, input size):
