@@ -874,6 +874,13 @@ def test_a_step_pays_for_the_pages_it_faults_in() -> None:
     mm_node, add_node = (n.name for n in gm.graph.nodes if n.op == "call_function")
     assert spans[("forward", mm_node)] == pytest.approx(mm + 4e-3)
     assert spans[("forward", add_node)] == pytest.approx(4e-3)
+    assert (t.fresh_bytes, t.mmap_threshold) == (8_000_000, 128 << 10)
+    # A process whose threshold calibration left at 16 MiB: 32 MiB may lie free at the top,
+    # backward's 8 MB fall keeps the pages, and the next step faults in none.
+    known = predict_step({"forward": gm, "backward": gm}, Rates("r", device, Network.free()), memory=memory,
+                         mmap_threshold=16 << 20)
+    assert known.seconds == pytest.approx(2 * mm)
+    assert (known.fresh_bytes, known.mmap_threshold) == (0, 16 << 20)
     assert spans[("backward", mm_node)] == pytest.approx(mm)
     unfaulted = predict_step({"forward": gm, "backward": gm}, Rates("r", replace(device, fresh_bytes=None),
                                                                    Network.free()), memory=memory)

@@ -501,6 +501,14 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
 MMAP_THRESHOLD_MIN = 128 << 10
 
 
+def steady_threshold(most: int, largest: int, known: int | None = None) -> int:
+    """glibc's mmap threshold once a step whose largest tensor is ``largest`` bytes has run in a
+    process whose threshold was ``known`` (None: not known, the default's): a free of a mapped
+    allocation raises it to its size, up to ``most`` (``DeviceRates.fresh_bytes``), and
+    nothing lowers it."""
+    return min(most, max(largest, known or 0, MMAP_THRESHOLD_MIN))
+
+
 def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRates,
                 threshold: int | None = None) -> list[list[int]]:
     """The bytes the allocator faults in afresh at each node, in the steady state of a step
@@ -521,7 +529,7 @@ def fresh_pages(curves: Sequence[Sequence[int]], largest: int, device: DeviceRat
     second's faults are returned; none on a device without fresh pages."""
     if device.fresh_bytes is None:
         return [[0] * len(c) for c in curves]
-    trim = 2 * min(device.fresh_bytes, max(largest, threshold or 0, MMAP_THRESHOLD_MIN))
+    trim = 2 * steady_threshold(device.fresh_bytes, largest, threshold)
     mapped = curves[0][0] if curves and curves[0] else 0
     faults: list[list[int]] = []
     for _ in range(2):
@@ -627,6 +635,11 @@ class StepTime:
     flops: int = 0
     peak_seconds: float = 0.0
     nodes: tuple[NodeSpan, ...] = field(default=(), repr=False, compare=False)
+    # On the CPU: the bytes of fresh pages charged to the graphs' nodes (``fresh_pages``), and
+    # the mmap threshold they were walked with (the process's where known, else the largest
+    # tensor's); (0, None) where nothing is charged.
+    fresh_bytes: int = 0
+    mmap_threshold: int | None = None
 
 
 _EPS = 1e-12  # relative: times compare equal this close (seconds that add up stay exact enough)
@@ -808,11 +821,14 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
     faulted: dict[str, list[int]] = {}
+    threshold = None
     if memory is not None and device.fresh_bytes is not None:
         phases = [p for p in ("forward", "loss", "backward", "optimizer step") if p in memory]
         largest = largest_tensor([graphs[n] for n in names])
+        threshold = steady_threshold(device.fresh_bytes, largest, mmap_threshold)
         faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device,
                                                mmap_threshold)))
+    charged = 0
     cold = cold_operands([(n, graphs[n]) for n in names], device)
     net = _Streams(rates.latency_sharing)
     now = 0.0  # the compute stream's clock
@@ -846,6 +862,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             cost = node_cost(node, device, cold.get((name, node.name), 0.0))
             if i < len(fresh) and fresh[i]:
                 cost = replace(cost, seconds=cost.seconds + fresh[i] / device.fresh_bandwidth)
+                charged += fresh[i]
             c = info.get(node)
             if c is not None:  # a collective
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
@@ -903,5 +920,5 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     unit_times = tuple(UnitTime(u, *v) for u, v in per_unit.items())
     return StepTime(rates.name, now, compute, exposed, sum(s.seconds for s in spans), tuple(windows),
                     unit_times, tuple(sorted(spans, key=lambda s: (s.issued, s.start))), agreed,
-                    total_flops, peak, tuple(node_spans))
+                    total_flops, peak, tuple(node_spans), charged, threshold)
 

@@ -199,6 +199,9 @@ class Report:
                 *([f"  FLOPs utilisation   {self.mfu:10.1%}      ({t.flops / 1e12:.4g} TFLOP per step at the "
                    "device's peak rate, recomputation included)"] if self.mfu is not None and t.flops else []),
                 *([f"  compute outside the units' modules {outside * ms:.3f} ms"] if outside else []),
+                *([f"  fresh pages         {t.fresh_bytes / 2 ** 20:10.3f} MiB  faulted in a step, in the "
+                   f"compute (glibc's mmap threshold taken at {t.mmap_threshold / 2 ** 20:.3g} MiB)"]
+                  if t.mmap_threshold is not None else []),
                 f"  rates               {t.rates}"]
 
 
