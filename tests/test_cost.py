@@ -877,8 +877,8 @@ def test_a_step_pays_for_the_pages_it_faults_in() -> None:
     assert (t.fresh_bytes, t.mmap_threshold) == (8_000_000, 128 << 10)
     # A process whose threshold calibration left at 16 MiB: 32 MiB may lie free at the top,
     # backward's 8 MB fall keeps the pages, and the next step faults in none.
-    known = predict_step({"forward": gm, "backward": gm}, Rates("r", device, Network.free()), memory=memory,
-                         mmap_threshold=16 << 20)
+    known = predict_step({"forward": gm, "backward": gm},
+                         Rates("r", device, Network.free(), mmap_threshold=16 << 20), memory=memory)
     assert known.seconds == pytest.approx(2 * mm)
     assert (known.fresh_bytes, known.mmap_threshold) == (0, 16 << 20)
     assert spans[("backward", mm_node)] == pytest.approx(mm)
@@ -986,6 +986,8 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     from models import MLP
 
     os.environ["FXSHARD_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")  # as if on two hosts
+    # As if each rank's fresh-page probe had left glibc's mmap threshold elsewhere: 16 and 8 MiB.
+    calibrate._mapped_and_freed = (16 << 20) >> rank
     measured: list[str] = []
 
     def device(d: torch.device) -> DeviceRates:  # rank 1 is the slower: every rank must use its rates
@@ -1025,7 +1027,7 @@ def _report_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     report = sharded.report()
     return dict(report=report, measured=first, again=measured[len(first):], text=str(report),
                 contention=driver.rates.contention, starvation=driver.rates.starvation,
-                sharing=driver.rates.latency_sharing,
+                sharing=driver.rates.latency_sharing, mmap_threshold=driver.rates.mmap_threshold,
                 collectives=len(step_collectives(sharded.graphs)),
                 trace=chrome_trace(sharded.graphs, report))
 
@@ -1036,8 +1038,9 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
         # Measured once (injected here), then from the process's memo: one all_reduce per driver.
         assert out["measured"] == ["device", "network", "contention", "starvation", "sharing"]
         assert out["again"] == []
-        # rank 1's, the larger
+        # rank 1's, the larger; and rank 1's mmap threshold, the smaller (a step faults more under it)
         assert (out["contention"], out["starvation"], out["sharing"]) == (0.5, 3.0, 0.5)
+        assert out["mmap_threshold"] == 8 << 20
     r0, r1 = ranks[0]["report"], ranks[1]["report"]
     t = r0.time
     assert t is not None and r0.predicted_step_seconds > 0 and r0.exposed_comm_seconds > 0

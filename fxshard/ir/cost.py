@@ -242,6 +242,10 @@ class Rates:
     # for the same cores: two small collectives on two groups at once take as long as one
     # after the other, or longer). k latencies at once pass at 1 / (1 + sharing (k - 1)).
     latency_sharing: float = 0.0
+    # The allocator's mmap threshold known in the job's processes when the rates were taken
+    # (``calibrate.mmap_threshold``; the smallest over ranks, so every rank predicts the same),
+    # which decides the fresh pages a step faults in (``fresh_pages``). None: not known.
+    mmap_threshold: int | None = None
 
     def __str__(self) -> str:
         d, lines = self.device, [f"rates {self.name}"]
@@ -805,8 +809,7 @@ def unit_of(node: fx.Node, units: Sequence[str]) -> str:
 def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                  dimensions: Mapping[str, tuple[str, int]] | None = None,
                  units: Sequence[str] = (), agreement: tuple[int, int] | None = None,
-                 memory: Mapping[str, Sequence[int]] | None = None,
-                 mmap_threshold: int | None = None) -> StepTime:
+                 memory: Mapping[str, Sequence[int]] | None = None) -> StepTime:
     """Simulate ``graphs`` ("forward" or "inference", then "backward") one after the other.
 
     ``dimensions``: each process group's layout dimension and slot (``Layout.dimensions``),
@@ -814,9 +817,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     ``agreement``: (bytes, ranks) of the ranks' all_gather before each graph, which the
     compute stream and the host wait for (None: no agreement); ``memory``: the live bytes after each
     node, by phase (the report's ``memory_curve``), from which a device with fresh pages
-    (the CPU) charges each node the pages it faults in (``fresh_pages``); ``mmap_threshold``:
-    the allocator's threshold in the process the step runs in, where it is known
-    (``calibrate.mmap_threshold``; None: the step's largest tensor's).
+    (the CPU) charges each node the pages it faults in (``fresh_pages``, with the allocator's
+    threshold ``rates.mmap_threshold`` where it is known).
     """
     device, network = rates.device, rates.network
     names = [n for n in ("forward", "inference", "backward") if n in graphs]
@@ -825,9 +827,9 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
     if memory is not None and device.fresh_bytes is not None:
         phases = [p for p in ("forward", "loss", "backward", "optimizer step") if p in memory]
         largest = largest_tensor([graphs[n] for n in names])
-        threshold = steady_threshold(device.fresh_bytes, largest, mmap_threshold)
+        threshold = steady_threshold(device.fresh_bytes, largest, rates.mmap_threshold)
         faulted = dict(zip(phases, fresh_pages([memory[p] for p in phases], largest, device,
-                                               mmap_threshold)))
+                                               rates.mmap_threshold)))
     charged = 0
     cold = cold_operands([(n, graphs[n]) for n in names], device)
     net = _Streams(rates.latency_sharing)

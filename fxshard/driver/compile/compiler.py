@@ -503,8 +503,7 @@ class Driver:
             time = predict_step(emitted_graphs(step.graphs), rates, dimensions=self.layout.dimensions(),
                                 units=[u.name for u in self.plan.units],
                                 agreement=(AGREEMENT_BYTES, self.world.job_size)
-                                if self.world.job_size > 1 else None, memory=report.memory_curve,
-                                mmap_threshold=calibrate.mmap_threshold() if self.device.type == "cpu" else None)
+                                if self.world.job_size > 1 else None, memory=report.memory_curve)
             optimizer = self.config.optimizer
             report = timed(report, time, optimizer_seconds(
                 optimizer, [s.numel() * s.element_size() for s in self.shards if s.requires_grad],

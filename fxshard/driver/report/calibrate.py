@@ -47,7 +47,15 @@ from fxshard.driver.run.runtime import World, comm_device
 from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
 from fxshard.ir.compat import pytree
-from fxshard.ir.cost import PER_ELEMENT, DeviceRates, Link, Network, Rates, node_key
+from fxshard.ir.cost import (
+    MMAP_THRESHOLD_MIN,
+    PER_ELEMENT,
+    DeviceRates,
+    Link,
+    Network,
+    Rates,
+    node_key,
+)
 
 log = logging.getLogger("fxshard")
 
@@ -767,11 +775,13 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     # The MAX over ranks: the smallest allocation any rank maps afresh, the slowest fault rate.
     values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
     values += [1.0 / device.cache_bytes if device.cache_bytes else 0.0]  # the smallest cache
-    return [*values, contention, starvation, sharing]
+    # The smallest mmap threshold known (an unknown one counts as glibc's default, the smallest).
+    threshold = 1.0 / (mmap_threshold() or MMAP_THRESHOLD_MIN)
+    return [*values, contention, starvation, sharing, threshold]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
-            network_name: str) -> tuple[DeviceRates, Network, float, float, float]:
+            network_name: str) -> tuple[DeviceRates, Network, float, float, float, int | None]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     links = {kind: Link(values[5 + 4 * i], 1.0 / values[6 + 4 * i], issue_latency=values[7 + 4 * i],
@@ -787,7 +797,13 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
                         fresh_bytes=round(1.0 / inverse_fresh) if inverse_fresh > 0 else None,
                         fresh_bandwidth=1.0 / fault if fault > 0 else math.inf,
                         cache_bytes=round(1.0 / inverse_cache) if inverse_cache > 0 else None),
-            Network(network_name, links), next(rest), next(rest), next(rest))
+            Network(network_name, links), next(rest), next(rest), next(rest), _threshold(next(rest)))
+
+
+def _threshold(inverse: float) -> int | None:
+    """The agreed mmap threshold from its inverse: None where some rank's is not known."""
+    threshold = round(1.0 / inverse)
+    return None if threshold <= MMAP_THRESHOLD_MIN else threshold
 
 
 def _max_over(group: dist.ProcessGroup, values: list[float]) -> list[float]:
@@ -826,15 +842,17 @@ def calibrate(world: World, device: torch.device) -> Rates:
     built); elsewhere it measures the device alone and communicates nothing."""
     local = device_rates(device)
     if world.group is None or world.job_size == 1:
-        return Rates(f"{local.name}, one rank", local, Network.free("one rank: no collectives"))
+        return Rates(f"{local.name}, one rank", local, Network.free("one rank: no collectives"),
+                     mmap_threshold=mmap_threshold())
     backend = dist.get_backend(world.group)
     rehearsed = rehearsal.of(world.group)
-    if rehearsed is not None:  # what its collectives are made to last
+    if rehearsed is not None:  # what its collectives are made to last (one process: its threshold)
         return Rates(f"{local.name}; {rehearsed.network.name}, rehearsed", local, rehearsed.network,
-                     ("this device, calibrated", *rehearsed.rates.sources))
+                     ("this device, calibrated", *rehearsed.rates.sources), mmap_threshold=mmap_threshold())
     if backend == "fake":
         return Rates(f"{local.name}, fake process group", local,
-                     Network.free("torch's fake process group: collectives move nothing"))
+                     Network.free("torch's fake process group: collectives move nothing"),
+                     mmap_threshold=mmap_threshold())
     key = network_key(world)
     entry = _NETWORKS.get(key) or _load(key)
     cached = _network_from(entry) if entry is not None else None
@@ -853,11 +871,12 @@ def calibrate(world: World, device: torch.device) -> Rates:
         agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention, starvation, sharing))]
     elif entry is not None:
         _NETWORKS[key] = entry
-    device_rates_, network, contention, starvation, sharing = _unpack(
+    device_rates_, network, contention, starvation, sharing, threshold = _unpack(
         agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
         f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
-                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing)
+                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing,
+                 threshold)
 
 
 def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
@@ -1004,4 +1023,4 @@ def local_rates(device: torch.device) -> Rates:
     """This device alone, for a step whose collectives cost nothing (one rank, or torch's fake
     process group); communicates nothing."""
     local = device_rates(device)
-    return Rates(local.name, local, Network.free())
+    return Rates(local.name, local, Network.free(), mmap_threshold=mmap_threshold())
