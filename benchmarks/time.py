@@ -166,7 +166,6 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
     rates = driver.rates
     big: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     spans = {(c.graph, c.node): c for c in t.collectives}
-    from fxshard.driver.report import calibrate
     from fxshard.ir import cost
     from fxshard.ir.collectives import collective_nodes
 
@@ -196,9 +195,11 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "measured_forward_backward_s": statistics.median(fb_s),
         "measured_optimizer_s": statistics.median(opt_s),
         "predicted_step_s": report.predicted_step_seconds,
-        # Pages faulted in a step (getrusage's minor faults, the median), and the mmap threshold
-        # the prediction took for the process (None: unknown, the step's largest tensor's).
-        "measured_fresh_bytes": statistics.median(faulted), "mmap_threshold": calibrate.mmap_threshold(),
+        # Pages faulted in a step (getrusage's minor faults, the median) and those the
+        # prediction charged; the mmap threshold it walked them with, and the one the job's
+        # rates knew (the smallest over the ranks; None: unknown, so the largest tensor's).
+        "measured_fresh_bytes": statistics.median(faulted), "predicted_fresh_bytes": t.fresh_bytes,
+        "mmap_threshold": t.mmap_threshold, "known_mmap_threshold": rates.mmap_threshold,
         "predicted_forward_backward_s": t.seconds,
         "predicted_optimizer_s": report.predicted_optimizer_seconds,
         "predicted_compute_s": t.compute_seconds, "predicted_exposed_comm_s": t.exposed_comm_seconds,
@@ -233,11 +234,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step)"
              + (", after the report that predicts them" if meta.get("report_first") else "")
              + ". One rank: the same model in one process, no collectives: the compute model alone. "
-             "Fresh pages: the MB a measured step faulted in (the median), and glibc's mmap threshold "
-             "the prediction took (-: unknown, the step's largest tensor's).", "",
+             "Fresh pages: the MB a measured step faulted in (the median) and the MB the prediction "
+             "charged, and glibc's mmap threshold the prediction took (\"largest\": no rank knew it, "
+             "so the step's largest tensor's).", "",
              "| model | ranks | params | units | measured step ms | predicted ms | error | fwd+bwd measured / "
              "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | "
-             "fresh pages MB, threshold MiB | load | host: matmul ms before, after |",
+             "fresh pages MB measured / predicted, threshold MiB | load | host: matmul ms before, after |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     runs = max(r.get("run", 1) for r in rows)
 
@@ -252,9 +254,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
             f"{r['measured_optimizer_s'] * ms:.1f} / {r['predicted_optimizer_s'] * ms:.1f} | "
             f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
-            + (f"{r['measured_fresh_bytes'] / MB:.1f}, "
-               + (f"{r['mmap_threshold'] / (1 << 20):.1f}" if r["mmap_threshold"] else "-") + " | "
-               if "measured_fresh_bytes" in r else "- | ")
+            + (f"{r['measured_fresh_bytes'] / MB:.1f} / {r['predicted_fresh_bytes'] / MB:.1f}, "
+               f"{r['mmap_threshold'] / (1 << 20):.1f}" + ("" if r["known_mmap_threshold"] else " (largest)") + " | "
+               if "predicted_fresh_bytes" in r else "- | ")
             + f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} | "
             + (f"{r['host_matmul_s_before'] * ms:.2f}, {r['host_matmul_s_after'] * ms:.2f} |"
                if "host_matmul_s_before" in r else "- |"))

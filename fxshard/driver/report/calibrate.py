@@ -760,9 +760,10 @@ def measure_latency_sharing(world: World) -> float:
 
 
 def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
-          starvation: float = 0.0, sharing: float = 0.0) -> list[float]:
-    """Seconds per unit of work, so that the MAX over ranks is the slowest rank's. Every rank
-    measures the same sizes (its device type's), so the vectors line up."""
+          starvation: float = 0.0, sharing: float = 0.0, threshold: int | None = None) -> list[float]:
+    """Seconds per unit of work, so that the MAX over ranks is the slowest rank's; and the
+    inverse of the mmap ``threshold`` this rank knows (None: not known). Every rank measures
+    the same sizes (its device type's), so the vectors line up."""
     values = [1.0 / device.matmul_flops.get(d, math.inf) for d in DTYPES]
     values += [1.0 / device.bandwidth, device.overhead, device.view_overhead]
     for kind in KINDS:
@@ -776,8 +777,7 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
     values += [1.0 / device.cache_bytes if device.cache_bytes else 0.0]  # the smallest cache
     # The smallest mmap threshold known (an unknown one counts as glibc's default, the smallest).
-    threshold = 1.0 / (mmap_threshold() or MMAP_THRESHOLD_MIN)
-    return [*values, contention, starvation, sharing, threshold]
+    return [*values, contention, starvation, sharing, 1.0 / (threshold or MMAP_THRESHOLD_MIN)]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
@@ -856,8 +856,9 @@ def calibrate(world: World, device: torch.device) -> Rates:
     key = network_key(world)
     entry = _NETWORKS.get(key) or _load(key)
     cached = _network_from(entry) if entry is not None else None
-    agreed = _max_over(world.job_group, [float(cached is None),
-                                         *_pack(local, *(cached if cached is not None else (None,)))])
+    threshold = mmap_threshold()
+    mine = _pack(local, *cached, threshold) if cached is not None else _pack(local, None, threshold=threshold)
+    agreed = _max_over(world.job_group, [float(cached is None), *mine])
     name = f"{backend} over {world.size} ranks"
     if agreed[0] > 0:  # some rank has no entry: every rank measures, now
         start = time.perf_counter()
@@ -868,7 +869,8 @@ def calibrate(world: World, device: torch.device) -> Rates:
         _NETWORKS[key] = _network_entry(measured, contention, starvation, sharing)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
-        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention, starvation, sharing))]
+        agreed = [0.0, *_max_over(world.job_group, _pack(local, measured, contention, starvation, sharing,
+                                                         threshold))]
     elif entry is not None:
         _NETWORKS[key] = entry
     device_rates_, network, contention, starvation, sharing, threshold = _unpack(
