@@ -65,12 +65,12 @@ class Builder:
     def op(self, target: Any, *args: Any) -> fx.Node:
         return call(self.g, target, args)
 
-    def gather(self, shard: fx.Node, unit: str, group: str) -> fx.Node:
-        """all_gather over 2 ranks on ``group``, tagged as one chain of ``unit`` (as a lowering
-        tags it); returns the collective (``wait`` waits it)."""
+    def gather(self, shard: fx.Node, unit: str, group: str, ranks: int = 2) -> fx.Node:
+        """all_gather over ``ranks`` ranks on ``group``, tagged as one chain of ``unit`` (as a
+        lowering tags it); returns the collective (``wait`` waits it)."""
         tag = ChainTag(self.chains, Direction.GATHER, "all_gather")
         self.chains += 1
-        node = self.op(P.ALL_GATHER, shard, 2, group)
+        node = self.op(P.ALL_GATHER, shard, ranks, group)
         meta.set_info(node, NodeInfo(Role.ALL_GATHER, 0, unit, tag))
         return node
 
@@ -689,11 +689,12 @@ def test_a_step_of_hours_is_simulated_as_exactly_as_one_of_milliseconds() -> Non
     assert t.seconds == pytest.approx(ALPHA + 2 * w + 2 * 2 * 100 ** 3 / GFLOP)
 
 
-def _gather_beside_a_matmul() -> fx.GraphModule:
-    """gather A (a 20 kB shard on g0), a 100x100 matmul that does not need it, wait A."""
+def _gather_beside_a_matmul(ranks: int = 2) -> fx.GraphModule:
+    """gather A (a 40 kB buffer in ``ranks`` shards on g0), a 100x100 matmul that does not
+    need it, wait A."""
     b = Builder()
     x = b.input("x", 100, 100)
-    gather = b.gather(b.input("a", 5000), "a", "g0")
+    gather = b.gather(b.input("a", 10000 // ranks), "a", "g0", ranks)
     y = b.op(torch.ops.aten.mm.default, x, x)
     b.op(torch.ops.aten.add.Tensor, y, b.op(torch.ops.aten.view.default, b.wait(gather), [100, 100]))
     return b.done(y)
@@ -760,6 +761,60 @@ def test_a_collective_whose_call_copies_its_input_holds_compute_that_long_then_f
     before = predict_step({"forward": gm}, Rates("no issue", rates.device, Network("test", {"all_gather": Link(
         ALPHA, BETA)})), dimensions={"g0": ("shard", 0)})
     assert before.seconds == pytest.approx(max(ALPHA + bus / BETA, m))  # the call free: all of it overlaps
+
+
+def test_a_collective_over_one_rank_costs_its_call_and_its_copy() -> None:
+    """A job of one process with a process group still calls its collectives: each is timed on
+    that group (``Network.one_rank``) over its input's bytes, the call on the compute thread and
+    the copy in flight beside the matmul. Without such a measurement (no group, the profiles)
+    it costs nothing, and over two ranks the network's links decide as before."""
+    gm = _gather_beside_a_matmul(ranks=1)
+    bus = 10000 * 4  # the whole 40 kB input, copied
+    one = Link(30e-6, 1e9, issue_latency=20e-6, issue_bandwidth=4e9)
+    held, flight = 20e-6 + bus / 4e9, 30e-6 + bus / 1e9
+    device = _device(fp32=100 * GFLOP)
+    m = 2 * 100 ** 3 / (100 * GFLOP)  # 20 us of matmul, shorter than the flight
+    rates = Rates("one rank", device, replace(Network.free("gloo over one rank"), one_rank={"all_gather": one}))
+    t = predict_step({"forward": gm}, rates, dimensions={"g0": ("shard", 0)})
+    assert t.compute_seconds == pytest.approx(held + m)
+    assert t.seconds == pytest.approx(held + max(flight, m))
+    (span,) = t.collectives
+    assert (span.issued, span.start, span.end) == pytest.approx((held, held, held + flight))
+    assert rates.network.seconds("all_gather", bus, 1) == pytest.approx(held + flight)
+    assert "over a group of one rank" in str(rates) and "input bytes" in str(rates)
+    free = predict_step({"forward": gm}, Rates("no group", device, Network.free()), dimensions={"g0": ("shard", 0)})
+    assert free.seconds == pytest.approx(m) and free.collectives[0].seconds == 0.0
+    # A network of two ranks' links leaves a collective over one rank free.
+    two = Rates("two", device, Network("two ranks", {"all_gather": Link(1.0, 1.0)}))
+    assert predict_step({"forward": gm}, two, dimensions={"g0": ("shard", 0)}).seconds == pytest.approx(m)
+
+
+def _one_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    import fxshard
+    from fxshard.policies import by_class
+
+    from models import MLP
+
+    os.environ["FXSHARD_CACHE_DIR"] = cache
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear))
+    sharded(torch.randn(8, 32)).square().mean().backward()
+    report = sharded.report()
+    assert report.time is not None
+    return dict(rates=str(sharded._driver.rates), one_rank=dict(sharded._driver.rates.network.one_rank),
+                spans=[c.seconds for c in report.time.collectives])
+
+
+def test_a_one_rank_job_with_a_process_group_times_its_collectives_on_it(tmp_path: Any) -> None:
+    """torchrun with one process: fxshard.compile over a gloo group of one rank emits the
+    collectives (a copy each); report() times their calls on that group when it first asks,
+    and predicts each collective no shorter than its call and copy."""
+    (out,) = run_ranks(_one_rank_worker, 1, str(tmp_path))
+    assert "over one rank, measured" in out["rates"]
+    assert set(out["one_rank"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    for link in out["one_rank"].values():
+        assert link.latency + link.issue_latency > 0
+    assert out["spans"] and all(seconds > 0 for seconds in out["spans"])
 
 
 def test_the_agreement_before_each_graph_is_waited_for() -> None:

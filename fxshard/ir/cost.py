@@ -180,12 +180,18 @@ _SAME_AS = {"all_to_all": "reduce_scatter", "broadcast": "all_gather", "agreemen
 @dataclass(frozen=True)
 class Network:
     """Collectives' links by kind: ``links`` inside a node, ``between_nodes`` for a group
-    larger than ``ranks_per_node`` or HSDP's "replicate" dimension (None: one node)."""
+    larger than ``ranks_per_node`` or HSDP's "replicate" dimension (None: one node).
+
+    ``one_rank``: a collective over a group of one rank (a job of one process that made a
+    process group, as ``torchrun --nproc-per-node 1`` does), which moves nothing between
+    ranks but is still called, copies its input and is waited: its issue and flight over
+    the input's bytes (``_bus``). Empty: free (the profiles; no group at all)."""
 
     name: str
     links: Mapping[str, Link]
     between_nodes: Mapping[str, Link] | None = None
     ranks_per_node: int | None = None
+    one_rank: Mapping[str, Link] = field(default_factory=dict)
 
     @classmethod
     def free(cls, name: str = "no communication") -> Network:
@@ -193,6 +199,8 @@ class Network:
         return cls(name, {"all_gather": Link(0.0, math.inf)})
 
     def link(self, kind: str, group_size: int, dimension: str = "shard") -> Link:
+        if group_size <= 1:
+            return self.one_rank.get(kind, _NO_WIRE)
         table = self.links
         if self.between_nodes is not None and (
                 dimension == "replicate" or self.ranks_per_node is not None and group_size > self.ranks_per_node):
@@ -205,12 +213,15 @@ class Network:
     def seconds(self, kind: str, input_bytes: int, group_size: int, dimension: str = "shard") -> float:
         """One collective of ``kind`` whose input is ``input_bytes`` (all_gather: the shard;
         the others: the full buffer) over ``group_size`` ranks."""
-        if group_size <= 1:
-            return 0.0
         return self.link(kind, group_size, dimension).seconds(_bus(kind, input_bytes, group_size), group_size)
 
 
+_NO_WIRE = Link(0.0, math.inf)
+
+
 def _bus(kind: str, input_bytes: int, group_size: int) -> int:
+    if group_size <= 1:  # nothing crosses a wire: the backend copies the input into the output
+        return input_bytes
     if kind == "broadcast":  # the whole buffer over each link of the ring or tree (the report's count)
         return input_bytes
     if kind == "agreement":  # each rank's few bytes to every other: an all_gather
@@ -258,18 +269,20 @@ class Rates:
         for dtype, curve in d.matmul_curve.items():
             lines.append(f"    {dtype} by a matmul's size: " + ", ".join(
                 f"{flops / 1e6:.3g} MFLOP at {rate / 1e9:.3g} GFLOP/s" for flops, rate in curve))
-        tables = [("", self.network.links)]
+        tables = [("", "bus bytes", self.network.links)]
         if self.network.between_nodes is not None:
-            tables += [(f" between nodes ({self.network.ranks_per_node} ranks per node)",
+            tables += [(f" between nodes ({self.network.ranks_per_node} ranks per node)", "bus bytes",
                         self.network.between_nodes)]
-        for where, table in tables:
+        if self.network.one_rank:
+            tables += [(" over a group of one rank", "input bytes", self.network.one_rank)]
+        for where, per, table in tables:
             lines.append(f"  network {self.network.name}{where}:")
             for kind, link in table.items():
                 hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""
-                issue = (f"; its issue {link.issue_latency * 1e6:.1f} us + bus bytes / "
+                issue = (f"; its issue {link.issue_latency * 1e6:.1f} us + {per} / "
                          f"{link.issue_bandwidth / 1e9:.3g} GB/s on the calling thread"
                          if link.issue_latency or link.issue_bandwidth != math.inf else "")
-                lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + bus bytes / "
+                lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + {per} / "
                              f"{link.bandwidth / 1e9:.3g} GB/s{issue}")
         if self.contention:
             lines.append(f"  contention {self.contention:.2f}: compute runs at 1/(1 + {self.contention:.2f} k) of "
@@ -869,7 +882,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             if c is not None:  # a collective
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
                 bus = _bus(c.kind, c.input_bytes, c.group_size)
-                held = link.issue(bus) if c.group_size > 1 else 0.0
+                held = link.issue(bus)
                 if held:  # its call holds the thread, then it flies (the host's, on a device)
                     cost = replace(cost, seconds=cost.seconds + held,
                                    launch=cost.launch + held if device.asynchronous else cost.launch)
@@ -891,8 +904,8 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 peak += cost.flops / device.peak_rate(outs[0].dtype if outs else None)
             if c is not None:
                 flight = _Flight(key, c.group_name, c.dimension or "shard",
-                                 link.latency + link.hop_latency * (c.group_size - 1) if c.group_size > 1 else 0.0,
-                                 bus / link.bandwidth if c.group_size > 1 else 0.0, now)
+                                 link.latency + link.hop_latency * max(0, c.group_size - 1),
+                                 bus / link.bandwidth, now)
                 key += 1
                 net.issue(flight)
                 issued[node] = (flight, c)

@@ -519,10 +519,13 @@ class Driver:
 
     def timing(self) -> Rates | None:
         """The rates report() predicts with: the job's, calibrated when the driver was built;
-        else, for a step that runs, this device's (collectives free: one rank, or torch's fake
-        group); None for explain, unless a profile was set."""
+        else, for a step that runs, this device's: on one rank with a process group, with its
+        collectives' calls timed on it (nothing to agree on, so taken when a report first asks);
+        elsewhere collectives free (no group, or torch's fake group); None for explain, unless
+        a profile was set."""
         if self.rates is None and self.runs and self.device.type != "meta":
-            self.rates = calibrate.local_rates(self.device)
+            self.rates = (calibrate.calibrate(self.world, self.device) if self.world.job_size == 1
+                          else calibrate.local_rates(self.device))
         return self.rates
 
     def dump_directory(self, index: int) -> Path:

@@ -590,6 +590,46 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
 
 
+# The sizes (input bytes) and calls of each kind timed on a group of one rank (measure_one_rank).
+ONE_RANK_SIZES = ((1 << 16, 60), (1 << 22, 8))
+
+
+def measure_one_rank(group: dist.ProcessGroup) -> dict[str, Link]:
+    """Each kind's call and wait on ``group``, a group of this rank alone (``Network.one_rank``):
+    nothing crosses a wire, but the backend is still called, copies the input into the
+    output and is waited on, about 30 us a call with gloo here (a 48-layer MLP's 144
+    collectives, 4.7 ms of a 28 ms step). ``ONE_RANK_SIZES``, interleaved, each kind's means
+    fitted over the input's bytes as ``measure_network`` fits bus bytes; about 0.05 s."""
+    device = comm_device(group)
+    name = group.group_name
+    points: list[tuple[str, Callable[[], torch.Tensor], int]] = []
+    counts: list[int] = []
+    for size, calls in ONE_RANK_SIZES:
+        full = torch.ones(size // 4, device=device)
+        for kind in KINDS:
+            issue, given = _collective(kind, full, full, 1, name)
+            _wait(issue())  # to warm up
+            points.append((kind, issue, given))
+            counts.append(calls)
+    issued, flown = [0.0] * len(points), [0.0] * len(points)
+    for i in interleaved(counts):
+        start = time.perf_counter()
+        handle = points[i][1]()
+        returned = time.perf_counter()
+        _wait(handle)
+        _sync(device)
+        issued[i] += returned - start
+        flown[i] += time.perf_counter() - returned
+    links: dict[str, Link] = {}
+    for kind in KINDS:
+        mine = [(float(given), i) for i, (k, _, given) in enumerate(points) if k == kind]
+        flight = fit([(x, flown[i] / counts[i]) for x, i in mine])
+        held = fit([(x, issued[i] / counts[i]) for x, i in mine])
+        links[kind] = Link(flight.latency, flight.bandwidth, issue_latency=held.latency,
+                           issue_bandwidth=held.bandwidth)
+    return links
+
+
 # Pairs of a loop alone and with an all_gather in flight (measure_contention), and the side of
 # the loop's matmuls on the CPU: 512, whose operands outgrow a core's L2 cache as the step's
 # matmuls do (on 2 gloo ranks, loops of 256x256 matmuls lost 0.1-0.5 of the all_gather's
@@ -842,8 +882,12 @@ def calibrate(world: World, device: torch.device) -> Rates:
     built); elsewhere it measures the device alone and communicates nothing."""
     local = device_rates(device)
     if world.group is None or world.job_size == 1:
-        return Rates(f"{local.name}, one rank", local, Network.free("one rank: no collectives"),
-                     mmap_threshold=mmap_threshold())
+        network = Network.free("one rank: no collectives")
+        if world.group is not None and dist.get_backend(world.group) != "fake" and rehearsal.of(world.group) is None:
+            group = measured_group(world)
+            network = replace(Network.free(f"{dist.get_backend(group)} over one rank, measured"),
+                              one_rank=measure_one_rank(group))
+        return Rates(f"{local.name}, one rank", local, network, mmap_threshold=mmap_threshold())
     backend = dist.get_backend(world.group)
     rehearsed = rehearsal.of(world.group)
     if rehearsed is not None:  # what its collectives are made to last (one process: its threshold)
