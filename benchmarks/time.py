@@ -24,7 +24,9 @@ its own: the first measurement, what a user's first run gets), then:
 Each row also times a 512x512 matmul on every rank at once before its compile and after its
 steps (``host_speed``): the host's pace, which on a shared host drifts under the rows.
 
-Then the same model in one process (no collectives: the compute model alone).
+Then the same model in one process (no collectives: the compute model alone), and with
+``--world-sizes 1g`` in one process that made a gloo group of its own (as under torchrun
+with one process), whose collectives over one rank are still called and waited.
 Nothing is fitted to these numbers: the prediction uses what calibration measured
 when the model was compiled. The machine is shared: its load average is recorded,
 and the whole benchmark runs ``--runs`` times (3), one after the other, each model
@@ -103,7 +105,8 @@ def _collective_alone(driver: Any, c: Any, reps: int = 20) -> float:
     return _seconds(lambda: ops.wait_tensor(run()), x.device, least=0.0, calls=reps, how="mean")
 
 
-def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str) -> None:
+def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warmup: int, out: str,
+              grouped: bool = False) -> None:
     from run import flush_subnormals
 
     import fxshard
@@ -113,13 +116,14 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
     flush_subnormals()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # A fresh calibration: a cache of its own.
-    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{world_size}-{rank}")
+    ranks = f"{world_size}g" if grouped else str(world_size)
+    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{ranks}-{rank}")
     load_before = os.getloadavg()[0]
-    if world_size > 1:
+    if world_size > 1 or grouped:  # "1g": one process that made a gloo group of its own
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
     def barrier() -> None:
-        if world_size > 1:
+        if world_size > 1 or grouped:
             dist.barrier()
 
     barrier()
@@ -189,7 +193,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
             key = cost.op_name(node) or str(node.target)
             by_op[key] = by_op.get(key, 0.0) + end - begin
     result = {
-        "model": name, "label": s.get("label", name), "rank": rank, "world_size": world_size,
+        "model": name, "label": s.get("label", name), "rank": rank, "world_size": world_size, "ranks": ranks,
         "params": sum(g.numel for g in sharded.plan.groups), "units": len(sharded.plan.units),
         "steps": steps, "measured_step_s": statistics.median(step_s),
         "measured_forward_backward_s": statistics.median(fb_s),
@@ -209,8 +213,8 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "rates": str(rates), "load_1min": os.getloadavg()[0], "load_1min_before": load_before,
         "host_matmul_s_before": pace_before, "host_matmul_s_after": pace_after,
     }
-    torch.save(result, os.path.join(out, f"{name}-{world_size}-{rank}.pt"))
-    if world_size > 1:
+    torch.save(result, os.path.join(out, f"{name}-{ranks}-{rank}.pt"))
+    if world_size > 1 or grouped:
         dist.destroy_process_group()
 
 
@@ -233,7 +237,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "calibration measured when the model was compiled (a fresh cache); measured: the median "
              f"of {meta['steps']} steps on rank 0 (forward, loss, backward, AdamW step)"
              + (", after the report that predicts them" if meta.get("report_first") else "")
-             + ". One rank: the same model in one process, no collectives: the compute model alone. "
+             + ". One rank: the same model in one process, no collectives: the compute model alone"
+             + ("; 1g: one process with a gloo process group of its own (as under torchrun with one "
+                "process), whose collectives over one rank are still called" if any(
+                    r.get("ranks") == "1g" for r in rows) else "") + ". "
              "Fresh pages: the MB a measured step faulted in (the median) and the MB the prediction "
              "charged, and glibc's mmap threshold the prediction took (\"largest\": no rank knew it, "
              "so the step's largest tensor's).", "",
@@ -248,7 +255,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {name(r)} | {r.get('world_size', 2)} | {r['params'] / 1e6:.2f}M | {r['units']} | "
+            f"| {name(r)} | {r.get('ranks', r.get('world_size', 2))} | {r['params'] / 1e6:.2f}M | {r['units']} | "
             f"{r['measured_step_s'] * ms:.1f} | "
             f"{r['predicted_step_s'] * ms:.1f} | {error(r['predicted_step_s'], r['measured_step_s']):+.0%} | "
             f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
@@ -276,9 +283,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "tables above list each run's rows in turn; here each model's errors, run by run.", "",
                   "| model | ranks | step error, run by run | steps within 15% | collectives > 1 MB within 25% |",
                   "|---|---:|---|---:|---:|"]
-        keys = list(dict.fromkeys((r["label"], r.get("world_size", 2)) for r in rows))
+        keys = list(dict.fromkeys((r["label"], str(r.get("ranks", r.get("world_size", 2)))) for r in rows))
         for label, ranks in keys:
-            mine = [r for r in rows if (r["label"], r.get("world_size", 2)) == (label, ranks)]
+            mine = [r for r in rows if (r["label"], str(r.get("ranks", r.get("world_size", 2)))) == (label, ranks)]
             errors = [error(r["predicted_step_s"], r["measured_step_s"]) for r in mine]
             big = [error(c["predicted_alone_s"], c["measured_alone_s"]) for r in mine for c in r["big_collectives"]]
             lines.append(f"| {label} | {ranks} | {', '.join(f'{e:+.0%}' for e in errors)} | "
@@ -304,13 +311,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--world-sizes", default="2,1",
                    help="2: the issue's runs; 1: the same model in one process, no collectives (the "
-                        "compute model alone)")
+                        "compute model alone); 1g: one process with a gloo group of its own, whose "
+                        "collectives over one rank are still called (as under torchrun with one process)")
     p.add_argument("--runs", type=int, default=3,
                    help="the whole benchmark this many times, one after the other, each model with a fresh "
                         "calibration every time: on a shared host one run says little (docs/time.md)")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs must be at least 1, not {args.runs}")
+    sizes = [w.strip() for w in args.world_sizes.split(",") if w.strip()]
+    for w in sizes:
+        if not (w.isdigit() and int(w) >= 1 or w == "1g"):
+            p.error(f"--world-sizes takes ranks (2, 1) or 1g (one process with a group of its own), not {w!r}")
     if args.warmup < 1:
         p.error(f"--warmup must be at least 1 (the report comes after the first step), not {args.warmup}")
     rows = []
@@ -319,10 +331,12 @@ def main(argv: list[str] | None = None) -> None:
             folder = os.path.join(scratch, f"run-{run}")  # a calibration cache of its own
             os.makedirs(folder)
             for name in filter(None, args.models.split(",")):
-                for n in map(int, args.world_sizes.split(",")):
-                    print(f"run {run}: {name} on {n} rank{'s' if n > 1 else ''} ...", flush=True)
-                    mp.spawn(rank_main, args=(n, _port(), name, args.steps, args.warmup, folder), nprocs=n)
-                    rows.append({**torch.load(os.path.join(folder, f"{name}-{n}-0.pt"), weights_only=False),
+                for ranks in sizes:
+                    n, grouped = int(ranks.rstrip("g")), ranks.endswith("g")
+                    print(f"run {run}: {name} on {n} rank{'s' if n > 1 else ''}"
+                          f"{' with a process group' if grouped else ''} ...", flush=True)
+                    mp.spawn(rank_main, args=(n, _port(), name, args.steps, args.warmup, folder, grouped), nprocs=n)
+                    rows.append({**torch.load(os.path.join(folder, f"{name}-{ranks}-0.pt"), weights_only=False),
                                  "run": run})
                     r = rows[-1]
                     print(f"  measured {r['measured_step_s'] * 1e3:.1f} ms, predicted "

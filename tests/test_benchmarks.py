@@ -189,3 +189,13 @@ def test_time_benchmark_gives_each_models_errors_run_by_run() -> None:
     single = module.markdown([{**rows[0], "run": 1}], {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s",
                                                         "fxshard": "f", "steps": 10})
     assert "run by run" not in single and "| net | 2 | 1.00M |" in single
+    # One process with a group of its own ("1g") is a row and a summary line of its own,
+    # apart from one process without one.
+    alone = [{**r, "world_size": 1, "ranks": ranks, "big_collectives": []}
+             for r in rows for ranks in ("1g", "1")]
+    both = module.markdown(alone, {"machine": "x86_64, 2 cores", "torch": "t", "subnormals": "s", "fxshard": "f",
+                                   "steps": 10})
+    assert "| net | 1g | -2%, -20% | 1 of 2 | - |" in both and "| net | 1 | -2%, -20% | 1 of 2 | - |" in both
+    assert "| net, run 1 | 1g | 1.00M |" in both and "a gloo process group of its own" in both
+    with pytest.raises(SystemExit):
+        module.main(["--world-sizes", "2,2g"])
