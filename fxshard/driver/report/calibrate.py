@@ -565,12 +565,21 @@ def measure_network(group: dist.ProcessGroup) -> Network:
         for _, issue, _ in points[-len(KINDS):]:
             _wait(issue())
     _sync(device)
-    # The mean of each point's calls: a step pays every call, and on a shared host a few in ten
-    # small ones take several times the median (gloo on 2 cores: the mean of a 256 KiB
-    # reduce_scatter twice its median); a collective waits on its peers, whose own delays are
-    # part of its time. Each call is timed in two parts: its issue (until the call returns:
-    # the thread that computes is held that long; gloo's reduce_scatter copies its whole input
-    # first, a quarter of its time) and its flight (until its wait returns).
+    return Network(f"{dist.get_backend(group)} over {n} ranks, measured",
+                   _timed_links(points, counts, device, lambda kind, given: bus_bytes(kind, given, n)))
+
+
+def _timed_links(points: Sequence[tuple[str, Callable[[], torch.Tensor], int]], counts: Sequence[int],
+                 device: torch.device, x: Callable[[str, int], int]) -> dict[str, Link]:
+    """Each point's (kind, call, input bytes) calls, ``counts`` of them, ``interleaved``; each
+    kind's means fitted over ``x(kind, input bytes)``: its issue and its flight.
+
+    The mean of each point's calls: a step pays every call, and on a shared host a few in ten
+    small ones take several times the median (gloo on 2 cores: the mean of a 256 KiB
+    reduce_scatter twice its median); a collective waits on its peers, whose own delays are
+    part of its time. Each call is timed in two parts: its issue (until the call returns:
+    the thread that computes is held that long; gloo's reduce_scatter copies its whole input
+    first, a quarter of its time) and its flight (until its wait returns)."""
     issued, flown = [0.0] * len(points), [0.0] * len(points)
     for i in interleaved(counts):
         start = time.perf_counter()
@@ -582,12 +591,12 @@ def measure_network(group: dist.ProcessGroup) -> Network:
         flown[i] += time.perf_counter() - returned
     links: dict[str, Link] = {}
     for kind in KINDS:
-        mine = [(float(bus_bytes(kind, given, n)), i) for i, (k, _, given) in enumerate(points) if k == kind]
-        flight = fit([(bus, flown[i] / counts[i]) for bus, i in mine])
-        held = fit([(bus, issued[i] / counts[i]) for bus, i in mine])
+        mine = [(float(x(kind, given)), i) for i, (k, _, given) in enumerate(points) if k == kind]
+        flight = fit([(bytes_, flown[i] / counts[i]) for bytes_, i in mine])
+        held = fit([(bytes_, issued[i] / counts[i]) for bytes_, i in mine])
         links[kind] = Link(flight.latency, flight.bandwidth, issue_latency=held.latency,
                            issue_bandwidth=held.bandwidth)
-    return Network(f"{dist.get_backend(group)} over {n} ranks, measured", links)
+    return links
 
 
 # The sizes (input bytes) and calls of each kind timed on a group of one rank (measure_one_rank).
@@ -597,8 +606,9 @@ ONE_RANK_SIZES = ((1 << 16, 60), (1 << 22, 8))
 def measure_one_rank(group: dist.ProcessGroup) -> dict[str, Link]:
     """Each kind's call and wait on ``group``, a group of this rank alone (``Network.one_rank``):
     nothing crosses a wire, but the backend is still called, copies the input into the
-    output and is waited on, about 30 us a call with gloo here (a 48-layer MLP's 144
-    collectives, 4.7 ms of a 28 ms step). ``ONE_RANK_SIZES``, interleaved, each kind's means
+    output and is waited on: 35-90 us a call and its wait with gloo here (the time benchmark's
+    deep MLP's 144 added 7-9 ms to its forward and backward, docs/time.md). ``ONE_RANK_SIZES``,
+    interleaved, each kind's means
     fitted over the input's bytes as ``measure_network`` fits bus bytes; about 0.05 s."""
     device = comm_device(group)
     name = group.group_name
@@ -611,23 +621,7 @@ def measure_one_rank(group: dist.ProcessGroup) -> dict[str, Link]:
             _wait(issue())  # to warm up
             points.append((kind, issue, given))
             counts.append(calls)
-    issued, flown = [0.0] * len(points), [0.0] * len(points)
-    for i in interleaved(counts):
-        start = time.perf_counter()
-        handle = points[i][1]()
-        returned = time.perf_counter()
-        _wait(handle)
-        _sync(device)
-        issued[i] += returned - start
-        flown[i] += time.perf_counter() - returned
-    links: dict[str, Link] = {}
-    for kind in KINDS:
-        mine = [(float(given), i) for i, (k, _, given) in enumerate(points) if k == kind]
-        flight = fit([(x, flown[i] / counts[i]) for x, i in mine])
-        held = fit([(x, issued[i] / counts[i]) for x, i in mine])
-        links[kind] = Link(flight.latency, flight.bandwidth, issue_latency=held.latency,
-                           issue_bandwidth=held.bandwidth)
-    return links
+    return _timed_links(points, counts, device, lambda kind, given: given)
 
 
 # Pairs of a loop alone and with an all_gather in flight (measure_contention), and the side of
