@@ -784,9 +784,15 @@ def test_a_collective_over_one_rank_costs_its_call_and_its_copy() -> None:
     assert "over a group of one rank" in str(rates) and "input bytes" in str(rates)
     free = predict_step({"forward": gm}, Rates("no group", device, Network.free()), dimensions={"g0": ("shard", 0)})
     assert free.seconds == pytest.approx(m) and free.collectives[0].seconds == 0.0
-    # A network of two ranks' links leaves a collective over one rank free.
-    two = Rates("two", device, Network("two ranks", {"all_gather": Link(1.0, 1.0)}))
+    # A network of two ranks' links leaves a collective over one rank free, on any dimension;
+    # measured one-rank links stand in for the kinds they leave out as the others do.
+    two = Rates("two", device, Network("two ranks", {"all_gather": Link(1.0, 1.0)},
+                                       between_nodes={"all_gather": Link(2.0, 2.0)}, ranks_per_node=8))
     assert predict_step({"forward": gm}, two, dimensions={"g0": ("shard", 0)}).seconds == pytest.approx(m)
+    assert two.network.seconds("all_reduce", bus, 1, "replicate") == 0.0
+    measured = replace(two.network, one_rank={"all_gather": one})
+    assert measured.seconds("all_reduce", bus, 1, "replicate") == pytest.approx(held + flight)
+    assert rates.network.seconds("broadcast", bus, 1) == pytest.approx(held + flight)
 
 
 def _one_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:

@@ -199,10 +199,12 @@ class Network:
         return cls(name, {"all_gather": Link(0.0, math.inf)})
 
     def link(self, kind: str, group_size: int, dimension: str = "shard") -> Link:
-        if group_size <= 1:
-            return self.one_rank.get(kind, _NO_WIRE)
         table = self.links
-        if self.between_nodes is not None and (
+        if group_size <= 1:  # no wire: the one-rank calls, where measured, else free
+            table = self.one_rank
+            if not table:
+                return _NO_WIRE
+        elif self.between_nodes is not None and (
                 dimension == "replicate" or self.ranks_per_node is not None and group_size > self.ranks_per_node):
             table = self.between_nodes
         for candidate in (kind, _SAME_AS.get(kind, "all_gather"), "all_gather"):

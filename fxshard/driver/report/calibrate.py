@@ -607,9 +607,9 @@ def measure_one_rank(group: dist.ProcessGroup) -> dict[str, Link]:
     """Each kind's call and wait on ``group``, a group of this rank alone (``Network.one_rank``):
     nothing crosses a wire, but the backend is still called, copies the input into the
     output and is waited on: 35-90 us a call and its wait with gloo here (the time benchmark's
-    deep MLP's 144 added 7-9 ms to its forward and backward, docs/time.md). ``ONE_RANK_SIZES``,
-    interleaved, each kind's means
-    fitted over the input's bytes as ``measure_network`` fits bus bytes; about 0.05 s."""
+    deep MLP's 144 added 7-9 ms to its forward and backward, docs/time.md).
+    ``ONE_RANK_SIZES``, interleaved, each kind's means fitted over the input's bytes as
+    ``measure_network`` fits bus bytes; about 0.05 s."""
     device = comm_device(group)
     name = group.group_name
     points: list[tuple[str, Callable[[], torch.Tensor], int]] = []
