@@ -117,13 +117,14 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # A fresh calibration: a cache of its own.
     ranks = f"{world_size}g" if grouped else str(world_size)
+    live = world_size > 1 or grouped  # a process group ("1g": one process with one of its own)
     os.environ["FXSHARD_CACHE_DIR"] = os.path.join(out, f"cache-{name}-{ranks}-{rank}")
     load_before = os.getloadavg()[0]
-    if world_size > 1 or grouped:  # "1g": one process that made a gloo group of its own
+    if live:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
     def barrier() -> None:
-        if world_size > 1 or grouped:
+        if live:
             dist.barrier()
 
     barrier()
@@ -214,7 +215,7 @@ def rank_main(rank: int, world_size: int, port: int, name: str, steps: int, warm
         "host_matmul_s_before": pace_before, "host_matmul_s_after": pace_after,
     }
     torch.save(result, os.path.join(out, f"{name}-{ranks}-{rank}.pt"))
-    if world_size > 1 or grouped:
+    if live:
         dist.destroy_process_group()
 
 
@@ -228,6 +229,12 @@ def _port() -> int:
 
 def error(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
+
+
+def ranks_of(row: dict[str, Any]) -> str:
+    """A row's ranks as ``--world-sizes`` names them ("2", "1", "1g"; rows recorded before "1g"
+    carry only their world size)."""
+    return str(row.get("ranks", row.get("world_size", 2)))
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -255,7 +262,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {name(r)} | {r.get('ranks', r.get('world_size', 2))} | {r['params'] / 1e6:.2f}M | {r['units']} | "
+            f"| {name(r)} | {ranks_of(r)} | {r['params'] / 1e6:.2f}M | {r['units']} | "
             f"{r['measured_step_s'] * ms:.1f} | "
             f"{r['predicted_step_s'] * ms:.1f} | {error(r['predicted_step_s'], r['measured_step_s']):+.0%} | "
             f"{r['measured_forward_backward_s'] * ms:.1f} / {r['predicted_forward_backward_s'] * ms:.1f} | "
@@ -283,9 +290,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "tables above list each run's rows in turn; here each model's errors, run by run.", "",
                   "| model | ranks | step error, run by run | steps within 15% | collectives > 1 MB within 25% |",
                   "|---|---:|---|---:|---:|"]
-        keys = list(dict.fromkeys((r["label"], str(r.get("ranks", r.get("world_size", 2)))) for r in rows))
+        keys = list(dict.fromkeys((r["label"], ranks_of(r)) for r in rows))
         for label, ranks in keys:
-            mine = [r for r in rows if (r["label"], str(r.get("ranks", r.get("world_size", 2)))) == (label, ranks)]
+            mine = [r for r in rows if (r["label"], ranks_of(r)) == (label, ranks)]
             errors = [error(r["predicted_step_s"], r["measured_step_s"]) for r in mine]
             big = [error(c["predicted_alone_s"], c["measured_alone_s"]) for r in mine for c in r["big_collectives"]]
             lines.append(f"| {label} | {ranks} | {', '.join(f'{e:+.0%}' for e in errors)} | "

@@ -906,7 +906,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                 peak += cost.flops / device.peak_rate(outs[0].dtype if outs else None)
             if c is not None:
                 flight = _Flight(key, c.group_name, c.dimension or "shard",
-                                 link.latency + link.hop_latency * max(0, c.group_size - 1),
+                                 link.latency + link.hop_latency * (c.group_size - 1),
                                  bus / link.bandwidth, now)
                 key += 1
                 net.issue(flight)
