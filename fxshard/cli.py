@@ -8,7 +8,8 @@
         [--hardware h100-ib]  # predict the step's time there; --policy "auto()" chooses by it
     fxshard passes [--option compute=inductor]      # every graph's pass list, and why
     fxshard calibrate [--hardware NAME]   # the rates fxshard predicts time with (this machine's;
-                                          # under torchrun, the live group's network too)
+                                          # under torchrun, the live group's network too, or with
+                                          # one process its collectives over that one rank)
 
 MODULE is a dotted module name or a path to a .py file; FACTORY a function in
 it that returns the model. The model is built on the meta device (no memory),
@@ -341,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     """This machine's device rates (measured once, cached per device, torch release and thread
-    count); under torchrun also the live group's network, agreed over the ranks; or a profile."""
+    count); under torchrun also the live group's network, agreed over the ranks (with one
+    process, its collectives over a group of that one rank, as ``Driver.timing`` measures
+    them); or a profile."""
     import os
 
     import torch
@@ -361,7 +364,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"fxshard calibrate: error: {e}", file=sys.stderr)
             return 2
         return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if "WORLD_SIZE" in os.environ:  # under torchrun, also with one process: its group of one rank
         from fxshard.driver.run.runtime import comm_device, resolve_world, with_comm_groups
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

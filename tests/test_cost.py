@@ -782,6 +782,8 @@ def test_a_collective_over_one_rank_costs_its_call_and_its_copy() -> None:
     assert (span.issued, span.start, span.end) == pytest.approx((held, held, held + flight))
     assert rates.network.seconds("all_gather", bus, 1) == pytest.approx(held + flight)
     assert "over a group of one rank" in str(rates) and "input bytes" in str(rates)
+    assert "bus bytes" not in str(rates)  # no table for the free links between ranks there are not
+    assert "network no group: collectives cost nothing" in str(Rates("none", device, Network.free("no group")))
     free = predict_step({"forward": gm}, Rates("no group", device, Network.free()), dimensions={"g0": ("shard", 0)})
     assert free.seconds == pytest.approx(m) and free.collectives[0].seconds == 0.0
     # A network of two ranks' links leaves a collective over one rank free, on any dimension;
@@ -811,6 +813,7 @@ def _one_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
                 spans=[c.seconds for c in report.time.collectives])
 
 
+@pytest.mark.release  # functional collectives over a gloo group of one rank, and their timing
 def test_a_one_rank_job_with_a_process_group_times_its_collectives_on_it(tmp_path: Any) -> None:
     """torchrun with one process: fxshard.compile over a gloo group of one rank emits the
     collectives (a copy each); report() times their calls on that group when it first asks,
@@ -821,6 +824,32 @@ def test_a_one_rank_job_with_a_process_group_times_its_collectives_on_it(tmp_pat
     for link in out["one_rank"].values():
         assert link.latency + link.issue_latency > 0
     assert out["spans"] and all(seconds > 0 for seconds in out["spans"])
+
+
+def test_fxshard_calibrate_under_torchrun_with_one_process_measures_its_group(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``torchrun --nproc-per-node 1 -m fxshard.cli calibrate``: WORLD_SIZE is 1, and the
+    command still makes the group and prints the collectives' links over that one rank,
+    as the Driver times them (it printed the device's rates alone)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from fxshard.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                            WORLD_SIZE="1", FXSHARD_CACHE_DIR=str(tmp_path)).items():
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "gloo over one rank, measured" in out
+    table = out[out.index("over a group of one rank"):]
+    assert all(kind in table for kind in ("all_gather", "reduce_scatter", "all_reduce"))
+    assert not dist.is_initialized()
 
 
 def test_the_agreement_before_each_graph_is_waited_for() -> None:

@@ -278,6 +278,10 @@ class Rates:
         if self.network.one_rank:
             tables += [(" over a group of one rank", "input bytes", self.network.one_rank)]
         for where, per, table in tables:
+            if all(link == _NO_WIRE for link in table.values()):  # Network.free's: one rank, or fake
+                if not self.network.one_rank:  # else only the group of one rank has collectives
+                    lines.append(f"  network {self.network.name}{where}: collectives cost nothing")
+                continue
             lines.append(f"  network {self.network.name}{where}:")
             for kind, link in table.items():
                 hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""

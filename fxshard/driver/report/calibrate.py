@@ -879,7 +879,7 @@ def calibrate(world: World, device: torch.device) -> Rates:
         network = Network.free("one rank: no collectives")
         if world.group is not None and dist.get_backend(world.group) != "fake" and rehearsal.of(world.group) is None:
             group = measured_group(world)
-            network = replace(Network.free(f"{dist.get_backend(group)} over one rank, measured"),
+            network = replace(Network.free(f"{dist.get_backend(world.group)} over one rank, measured"),
                               one_rank=measure_one_rank(group))
         return Rates(f"{local.name}, one rank", local, network, mmap_threshold=mmap_threshold())
     backend = dist.get_backend(world.group)
