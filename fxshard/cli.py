@@ -364,7 +364,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"fxshard calibrate: error: {e}", file=sys.stderr)
             return 2
         return 0
-    if "WORLD_SIZE" in os.environ:  # under torchrun, also with one process: its group of one rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun (which sets both), also with one process: its collectives over that one rank.
+    if world_size > 1 or "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         from fxshard.driver.run.runtime import comm_device, resolve_world, with_comm_groups
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -850,6 +850,11 @@ def test_fxshard_calibrate_under_torchrun_with_one_process_measures_its_group(
     table = out[out.index("over a group of one rank"):]
     assert all(kind in table for kind in ("all_gather", "reduce_scatter", "all_reduce"))
     assert not dist.is_initialized()
+    # WORLD_SIZE=1 alone (a shell's, not torchrun's): this machine's rates, no group to make.
+    monkeypatch.delenv("MASTER_ADDR")
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "one rank" not in out and "run under torchrun to measure the network too" in out
 
 
 def test_the_agreement_before_each_graph_is_waited_for() -> None:
