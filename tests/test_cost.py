@@ -1359,31 +1359,61 @@ def _scripted_sharing(monkeypatch: Any, sharing: float, slow: Callable[[int], fl
     monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
 
 
-def test_latency_sharing_is_the_median_of_five_measurements_so_a_slow_moment_cannot_move_it(
-        monkeypatch: Any) -> None:
-    """Each measurement is a ratio of two differences of one latency each: a slow moment of the
-    host (every wait three times slower, for thirty waits, wherever it falls) over the calls
-    one after the other moves one measurement by half or more, not the median of five.
-    Measured once, 16 fresh calibrations on the host gave 0.0 to 0.4 in three to five of them
-    where the rest gave 1.00 (benchmarks/results/calibration_spread.md)."""
+def _two_groups() -> Any:
     from types import SimpleNamespace
-
-    from fxshard.driver.report import calibrate
 
     class Group(_TwoRanks):
         def __init__(self, name: str) -> None:
             self.group_name = name
 
-    world = SimpleNamespace(comm=[Group("first"), Group("second")], size=2, layout=SimpleNamespace(replicate=None))
-    for sharing in (1.0, 0.25):
+    return SimpleNamespace(comm=[Group("first"), Group("second")], size=2, layout=SimpleNamespace(replicate=None))
+
+
+def test_latency_sharing_pools_its_blocks_and_reads_above_one_where_both_at_once_take_longer(
+        monkeypatch: Any) -> None:
+    """Two collectives at once that take longer than one after the other (gloo's threads on 2
+    cores: 1.64 over 150 blocks on the host) read above 1, up to ``SHARING_MAX`` (the clamp
+    at 1 predicted the deep MLP's backward 15-31% short). Pooled over 20 blocks, a slow moment
+    of the host (every wait three times slower, for thirty waits, wherever it falls) moves
+    it by at most an eighth."""
+    from fxshard.driver.report import calibrate
+
+    world = _two_groups()
+    for sharing in (1.0, 0.25, 1.6):
         _scripted_sharing(monkeypatch, sharing, lambda k: 1.0)
-        assert calibrate.measure_latency_sharing(world) == pytest.approx(sharing)  # type: ignore[arg-type]
-    waits = calibrate.SHARING_REPEATS * 25 * 6  # each measurement: 25 waits alone of each, 25 pairs of each
+        assert calibrate.measure_latency_sharing(world) == pytest.approx(sharing)
+    _scripted_sharing(monkeypatch, 5.0, lambda k: 1.0)
+    assert calibrate.measure_latency_sharing(world) == calibrate.SHARING_MAX
+    waits = calibrate.SHARING_REPEATS * 25 * 6  # each block: 25 waits alone of each, 25 pairs of each
     found = []
     for start in range(0, waits, 10):
         _scripted_sharing(monkeypatch, 1.0, lambda k, start=start: 3.0 if start <= k < start + 30 else 1.0)
-        found.append(calibrate.measure_latency_sharing(world))  # type: ignore[arg-type]
-    assert min(found) >= 0.9, sorted(found)[:5]
+        found.append(calibrate.measure_latency_sharing(world))
+    assert 0.88 <= min(found) and max(found) <= 1.13, (min(found), max(found))
+
+
+def test_latency_sharing_holds_on_a_host_whose_calls_now_and_then_take_a_tick_more(monkeypatch: Any) -> None:
+    """One wait in seven takes 3 ms more (a scheduler tick; gloo's 64 KiB all_gathers here: 9-41%
+    of calls), at random, on a host whose two collectives at once take as long as one after the
+    other (sharing 1). One block of each variant is a ratio of two differences of one latency
+    each, and its ticks swing it far: the median of five clamped blocks read 0.0-0.4 in fresh
+    calibrations. Pooled over every block, twenty seeds all read within a fifth of 1."""
+    import random
+
+    from fxshard.driver.report import calibrate
+
+    world = _two_groups()
+    found = []
+    for seed in range(20):
+        ticks = random.Random(seed)
+        extra: dict[int, float] = {}
+
+        def slow(k: int, ticks: random.Random = ticks, extra: dict[int, float] = extra) -> float:
+            return extra.setdefault(k, 4.0 if ticks.random() < 1 / 7 else 1.0)
+
+        _scripted_sharing(monkeypatch, 1.0, slow)
+        found.append(calibrate.measure_latency_sharing(world))
+    assert 0.8 <= min(found) and max(found) <= 1.2, sorted(found)
 
 
 def test_the_network_is_measured_on_the_dimension_that_communicates_and_cached_by_its_groups(

@@ -251,9 +251,10 @@ class Rates:
     # The latency passes at 1 / (1 + starvation) of its pace while compute runs.
     starvation: float = 0.0
     # How far the latencies of collectives in flight at once add up: 0, they pass together
-    # (NCCL's kernels, the profiles); 1, one after the other (gloo's threads on the CPU wait
-    # for the same cores: two small collectives on two groups at once take as long as one
-    # after the other, or longer). k latencies at once pass at 1 / (1 + sharing (k - 1)).
+    # (NCCL's kernels, the profiles); 1, one after the other; above 1, at once they take
+    # longer than one after the other (gloo's threads on the CPU wait for the same cores: two
+    # small collectives on two groups at once, 1.64 times as long beyond one alone as one
+    # after the other on 2 cores). k latencies at once pass at 1 / (1 + sharing (k - 1)).
     latency_sharing: float = 0.0
     # The allocator's mmap threshold known in the job's processes when the rates were taken
     # (``calibrate.mmap_threshold``; the smallest over ranks, so every rank predicts the same),

@@ -93,7 +93,7 @@ WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 14  # 14: the link warmed (WARM_ROUNDS) before the network is timed
+METHOD = 15  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -632,8 +632,10 @@ CONTENTION_PAIRS = 21
 CONTENTION_MATMUL = 512
 # Pairs of a small all_gather alone and under compute (measure_starvation).
 STARVATION_PAIRS = 9
-# Measurements of the latency sharing, their median kept (measure_latency_sharing).
-SHARING_REPEATS = 5
+# Blocks of the latency sharing's four variants, their calls pooled (measure_latency_sharing),
+# and the most it reports.
+SHARING_REPEATS = 20
+SHARING_MAX = 3.0
 
 
 def measure_contention(group: dist.ProcessGroup) -> float:
@@ -754,16 +756,20 @@ def measure_latency_sharing(world: World) -> float:
     """How far two small collectives on two of the job's process groups at once take as long as
     one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
     two groups of the measured dimension's slots (``measured_groups``: the shard dimension's,
-    or a NO_SHARD mesh's replicas'), one after the other and both in flight, 24
-    times each (the mean); (together - alone) / (one after the other - alone), alone being
-    the slower one by itself, between 0 and 1; measured ``SHARING_REPEATS`` times, the
-    median kept. 0 where the job has one such group (nothing is in flight at once) or an
-    accelerator's (NCCL's kernels run side by side).
+    or a NO_SHARD mesh's replicas'), alone on each, one after the other and both in flight,
+    in blocks of 24 calls of each variant, ``SHARING_REPEATS`` blocks of each; over all
+    their calls, (together - alone) / (one after the other - alone), alone being the slower
+    one by itself, between 0 and ``SHARING_MAX`` (above 1: both at once take longer than one
+    after the other). 0 where the job has one such group (nothing is in flight at once) or
+    an accelerator's (NCCL's kernels run side by side).
 
-    Each measurement is a ratio of two differences of about one latency each, and a slow
-    moment of the host over one variant's calls moves it by its whole range: measured once,
-    16 fresh calibrations on 2 gloo ranks gave 0.0 to 0.4 in three to five of them, where
-    the rest gave 1.00 (benchmarks/results/calibration_spread.md)."""
+    A ratio of two differences of about one latency each, where a few calls in ten take a
+    scheduler tick more: one block of each variant ranged from -1.8 to 52 on 2 gloo ranks
+    here (150 blocks; all of them pooled: 1.64). The median of five such blocks, each
+    clamped to at most 1, read below 0.8 in 7-22% of windows of five and, in fresh
+    calibrations, 0.0-0.4 at times, which predicted the deep MLP's step 19-23% short. Pooled
+    over 20 blocks (about 2 s, 1.6 more than five), fewer than 3% of windows read below 0.8,
+    and the median was 1.56-1.72 (docs/time.md, "Calibration")."""
     groups = measured_groups(world)
     if len(groups) < 2:
         return 0.0
@@ -781,13 +787,17 @@ def measure_latency_sharing(world: World) -> float:
     def mean(fn: Callable[[], object]) -> float:
         return _seconds(fn, device, least=0.0, calls=24, how="mean")
 
-    def once() -> float:
-        alone = max(mean(lambda: ops.wait_tensor(gather(first))), mean(lambda: ops.wait_tensor(gather(second))))
-        serial = mean(lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))))
-        together = mean(lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
-        return min(1.0, max(0.0, (together - alone) / (serial - alone))) if serial > alone else 1.0
-
-    return statistics.median(once() for _ in range(SHARING_REPEATS))
+    variants = (lambda: ops.wait_tensor(gather(first)), lambda: ops.wait_tensor(gather(second)),
+                lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))),
+                lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
+    totals = [0.0] * len(variants)
+    for _ in range(SHARING_REPEATS):  # each block's mean, pooled: every block's calls weigh alike
+        for i, variant in enumerate(variants):
+            totals[i] += mean(variant)
+    alone, serial, together = max(totals[0], totals[1]), totals[2], totals[3]
+    if serial <= alone:
+        return 1.0  # two one after the other no longer than one: no latency to share, read as 1
+    return min(SHARING_MAX, max(0.0, (together - alone) / (serial - alone)))
 
 
 # -- agreeing ---------------------------------------------------------------------------------
