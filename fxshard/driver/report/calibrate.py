@@ -768,8 +768,9 @@ def measure_latency_sharing(world: World) -> float:
     here (150 blocks; all of them pooled: 1.64). The median of five such blocks, each
     clamped to at most 1, read below 0.8 in 7-22% of windows of five and, in fresh
     calibrations, 0.0-0.4 at times, which predicted the deep MLP's step 19-23% short. Pooled
-    over 20 blocks (about 2 s; a fresh calibration about 1.4 s longer than with five), fewer than 3% of windows read below 0.8,
-    and the median was 1.56-1.72 (docs/time.md, "Calibration")."""
+    over 20 blocks (about 2 s; a fresh calibration about 1.4 s longer than with five), fewer
+    than 3% of windows read below 0.8, and the median was 1.56-1.72 (docs/time.md,
+    "Calibration")."""
     groups = measured_groups(world)
     if len(groups) < 2:
         return 0.0
