@@ -164,6 +164,36 @@ def test_dropouts_backward_costs_its_measured_seconds_per_element() -> None:
     assert node_cost(back, device).seconds == pytest.approx(1000 * 2e-9 + 1e-6)  # 9 kB at 9 GB/s: 1 us
 
 
+def test_dropout_costs_its_measured_seconds_per_element_at_its_own_probability() -> None:
+    """The CPU kernel's branch per element makes p matter: the Net's dropout at p = 0.25 took
+    4.5-4.7 ms a step in the step and was charged 3.1 from the rate timed at p = 0.1."""
+    from fxshard.driver.report.calibrate import _per_element_ops
+
+    measured = _per_element_ops(torch.device("cpu"))
+    assert [k for k in measured if k.startswith("native_dropout ")] == ["native_dropout p=0.25", "native_dropout p=0.5"]
+    for key, p in (("native_dropout", 0.1), ("native_dropout p=0.25", 0.25), ("native_dropout p=0.5", 0.5)):
+        run, numel = measured[key]
+        torch.manual_seed(0)
+        out, mask = run()
+        assert numel == 1 << 20 and mask.shape == (numel,)
+        assert abs(1 - mask.float().mean().item() - p) < 0.01  # timed at its own p
+    device = DeviceRates("dropout", {"float32": GFLOP}, 1e15, 0.0, per_element={
+        "native_dropout": 5e-9, "native_dropout p=0.25": 8e-9, "native_dropout p=0.5": 11e-9})
+    b = Builder()
+    x = b.input("x", 1000)
+
+    def seconds(p: float) -> float:
+        return node_cost(b.op(torch.ops.aten.native_dropout.default, x, p, True), device).seconds
+
+    assert seconds(0.5) == pytest.approx(1000 * 11e-9)
+    assert seconds(0.25) == pytest.approx(1000 * 8e-9) and seconds(0.75) == pytest.approx(1000 * 8e-9)
+    assert seconds(0.4) == pytest.approx(1000 * 9.8e-9)  # 0.15 / 0.25 of the way from 8 to 11 ns
+    assert seconds(0.9) == pytest.approx(1000 * 5e-9) and seconds(0.01) == pytest.approx(1000 * 5e-9)  # held
+    only_one = DeviceRates("older", {"float32": GFLOP}, 1e15, 0.0, per_element={"native_dropout": 5e-9})
+    assert node_cost(b.op(torch.ops.aten.native_dropout.default, x, 0.5, True), only_one).seconds == \
+        pytest.approx(1000 * 5e-9)
+
+
 def test_a_collective_costs_latency_plus_its_ring_bus_bytes_over_bandwidth() -> None:
     inside, between = Link(10e-6, 1e9, 1e-6), Link(50e-6, 1e8)
     net = Network("test", {"all_gather": inside, "reduce_scatter": inside, "all_reduce": inside},
@@ -249,16 +279,18 @@ class _TwoRanks:  # two gloo ranks, as far as measure_network asks (nothing runs
         return 2
 
 
-def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tuple[str, int]]:
+def _scripted_network(monkeypatch: Any, slow: Callable[[int], float], cold: float = 0.0) -> list[tuple[str, int]]:
     """measure_network's collectives replaced by a scripted host: each call of a collective of
     ``bus`` bytes takes ``slow(call number) * (100 us + bus / 1 GB/s)`` on the patched clock,
     a fifth of its latency and a quarter of its bytes' time in the call that issues it (as
-    gloo's reduce_scatter copies its input), the rest until its wait returns. Returns the
-    (kind, input bytes) of every call, in order."""
+    gloo's reduce_scatter copies its input), the rest until its wait returns. With ``cold``
+    (seconds per bus byte), a 4 KiB cache, and a call right after an eviction issues that much
+    longer; without, no cache is known and no cold issue is timed. Returns the (kind, input
+    bytes) of every call, in order."""
     from fxshard.driver.report import calibrate
     from fxshard.ir.collectives import bus_bytes
 
-    clock, made = [0.0], []
+    clock, made, evicted = [0.0], [], [False]
 
     def collective(kind: str, full: torch.Tensor, shard: torch.Tensor, n: int, name: str) -> Any:
         given = (shard if kind == "all_gather" else full).numel() * 4
@@ -266,7 +298,8 @@ def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tu
         def issue() -> float:
             made.append((kind, given))
             factor, bus = slow(len(made)), bus_bytes(kind, given, n)
-            clock[0] += factor * (2e-5 + bus / 4e9)
+            clock[0] += factor * (2e-5 + bus / 4e9) + (bus * cold if evicted[0] else 0.0)
+            evicted[0] = False
             return factor * (8e-5 + bus * 3 / 4e9)  # what its wait takes
         return issue, given
 
@@ -278,6 +311,8 @@ def _scripted_network(monkeypatch: Any, slow: Callable[[int], float]) -> list[tu
     monkeypatch.setattr(calibrate, "_wait", wait)
     monkeypatch.setattr(calibrate, "comm_device", lambda group: torch.device("cpu"))
     monkeypatch.setattr(calibrate.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(calibrate, "last_level_cache", lambda: (1 << 12) if cold else None)
+    monkeypatch.setattr(calibrate, "_evict", lambda buffer: evicted.__setitem__(0, True))
     return made
 
 
@@ -303,6 +338,48 @@ def test_the_network_is_measured_by_the_mean_of_each_sizes_calls_interleaved(mon
     largest = [i for i, (kind, given) in enumerate(made) if kind == "all_gather" and given == sizes[-1][0] // 2]
     timed = largest[1 + calibrate.WARM_ROUNDS:]  # after the untimed ones
     assert min(b - a for a, b in zip(timed, timed[1:])) > len(made) / (2 * sizes[-1][1])
+
+
+def test_a_collective_issued_on_a_cold_input_holds_its_thread_for_its_cold_bytes(monkeypatch: Any) -> None:
+    """Calibration times each kind's issue right after a read of twice the cache, against the
+    same call warm; a step's all_gather of a shard (a placeholder: last touched by the step
+    before) is charged the cold issue, one of a tensor just computed the warm one. The Net's
+    shard all_gathers took 0.4-0.6 ms to issue in its step, against 0.1-0.2 predicted warm."""
+    from fxshard.driver.report import calibrate
+
+    made = _scripted_network(monkeypatch, lambda call: 1.0, cold=1 / 2e9)
+    warm = calibrate.measure_network(_TwoRanks())  # type: ignore[arg-type]
+    assert all(link.issue_cold_bandwidth is None for link in warm.links.values())
+    network = calibrate.measure_cold_issues(warm, _TwoRanks())  # type: ignore[arg-type]
+    for kind in calibrate.KINDS:
+        link = network.links[kind]
+        # Warm: 20 us + bus / 4 GB/s (the fitted line, as before); cold, a bus byte takes
+        # 1/4 + 1/2 ns: 4/3 GB/s.
+        assert (link.issue_latency, link.issue_bandwidth) == (pytest.approx(2e-5), pytest.approx(4e9))
+        assert link.issue_cold_bandwidth == pytest.approx(4e9 / 3)
+        assert link.issue(1e6) == pytest.approx(2e-5 + 1e6 / 4e9)
+        assert link.issue(1e6, cold=1.0) == pytest.approx(2e-5 + 1e6 * 3 / 4e9)
+        assert link.issue(1e6, cold=0.5) == pytest.approx(2e-5 + 1e6 * 2 / 4e9)  # halfway
+        given = calibrate.COLD_ISSUE_BYTES // (2 if kind == "all_gather" else 1)
+        timed = [c for c in made if c == (kind, given)]
+        assert len(timed) >= 2 * calibrate.COLD_ISSUE_CALLS  # each cold call and its warm twin
+
+    # In a step: the shard's issue is cold, the freshly computed tensor's warm.
+    f = Builder()
+    shard, x = f.input("shard", 1 << 16), f.input("x", 1 << 16)  # 256 KiB: its bus bytes for 2 ranks
+    fresh = f.op(torch.ops.aten.relu.default, x)
+    cold_gather, warm_gather = f.gather(shard, "a", "g0"), f.gather(fresh, "b", "g1")
+    graph = f.done(f.wait(cold_gather), f.wait(warm_gather))
+    device = replace(_device(overhead=0.0), cache_bytes=1 << 30)
+    time = predict_step({"forward": graph}, Rates("r", device, network))
+    spans = {s.node: s.end - s.start for s in time.nodes}
+    bus = 1 << 18
+    assert spans[cold_gather.name] == pytest.approx(2e-5 + bus * 3 / 4e9)
+    assert spans[warm_gather.name] == pytest.approx(2e-5 + bus / 4e9)
+    # Without a cache (a profile), every issue is warm.
+    assert {s.node: s.end - s.start for s in predict_step(
+        {"forward": graph}, Rates("r", replace(device, cache_bytes=None), network)).nodes}[cold_gather.name] == \
+        pytest.approx(2e-5 + bus / 4e9)
 
 
 def test_the_network_is_timed_on_a_warm_link_as_the_steps_find_it(monkeypatch: Any) -> None:

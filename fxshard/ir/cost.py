@@ -156,17 +156,24 @@ class Link:
     bytes over ``issue_bandwidth`` (gloo's reduce_scatter copies its whole input before the
     call returns; NCCL's calls only enqueue, which the profiles take as free: 0, inf, and
     calibration measures as the call's time on the host). On an asynchronous device the
-    issue is the host's time, not the device stream's."""
+    issue is the host's time, not the device stream's. ``issue_cold_bandwidth``: the same
+    bytes where the input is out of the caches (a shard, last touched by the step before),
+    measured so on the CPU (None: as warm)."""
 
     latency: float
     bandwidth: float
     hop_latency: float = 0.0
     issue_latency: float = 0.0
     issue_bandwidth: float = math.inf
+    issue_cold_bandwidth: float | None = None
 
-    def issue(self, bus: float) -> float:
-        """Seconds the call holds its thread before the collective is in flight."""
-        return self.issue_latency + bus / self.issue_bandwidth
+    def issue(self, bus: float, cold: float = 0.0) -> float:
+        """Seconds the call holds its thread before the collective is in flight; ``cold``: the
+        fraction of its input out of the caches (``cold_operands``)."""
+        warm = bus / self.issue_bandwidth
+        if cold and self.issue_cold_bandwidth is not None:
+            warm += cold * max(0.0, bus / self.issue_cold_bandwidth - warm)
+        return self.issue_latency + warm
 
     def seconds(self, bus: float, group_size: int) -> float:
         """The whole collective alone: its issue, then its flight."""
@@ -286,8 +293,10 @@ class Rates:
             lines.append(f"  network {self.network.name}{where}:")
             for kind, link in table.items():
                 hop = f" + {link.hop_latency * 1e6:.3g} us per ring step" if link.hop_latency else ""
+                cold = (f" ({link.issue_cold_bandwidth / 1e9:.3g} GB/s cold)"
+                        if link.issue_cold_bandwidth is not None else "")
                 issue = (f"; its issue {link.issue_latency * 1e6:.1f} us + {per} / "
-                         f"{link.issue_bandwidth / 1e9:.3g} GB/s on the calling thread"
+                         f"{link.issue_bandwidth / 1e9:.3g} GB/s{cold} on the calling thread"
                          if link.issue_latency or link.issue_bandwidth != math.inf else "")
                 lines.append(f"    {kind:<15} {link.latency * 1e6:8.1f} us{hop} + {per} / "
                              f"{link.bandwidth / 1e9:.3g} GB/s{issue}")
@@ -395,13 +404,44 @@ def flops(node: fx.Node) -> int:
 # Operators without a FLOP formula whose CPU kernels run well below the streaming bandwidth
 # (transcendentals, normalisations, softmax, pooling, random masks): calibration times each on
 # about a million elements (fxshard/driver/report/calibrate.py); every other operator streams its bytes.
+# native_dropout's CPU kernel draws its mask with a branch per element, so its time depends on the
+# probability p, most at 0.5 and the same for p as for 1 - p (a million elements on the project's
+# CPU: 5.5 ms at p = 0.1, 7.8 at 0.25, 11.1 at 0.5, 7.7 at 0.75, 5.4 at 0.9): calibration times it
+# at each of these p, and a node is charged at its own, interpolated (``per_element_seconds``).
+DROPOUT_P = (0.1, 0.25, 0.5)
+
+
+def dropout_key(p: float) -> str:
+    """``per_element``'s key for native_dropout timed at ``p`` ("native_dropout" at the first)."""
+    return "native_dropout" if p == DROPOUT_P[0] else f"native_dropout p={p}"
+
+
 PER_ELEMENT = (
     "tanh", "sigmoid", "exp", "gelu", "gelu_backward", "silu", "silu_backward",
     "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
     "native_layer_norm", "native_layer_norm_backward",
     "max_pool2d_with_indices", "max_pool2d_with_indices_backward",
-    "native_dropout", "native_dropout_backward", "embedding_dense_backward",
+    *(dropout_key(p) for p in DROPOUT_P), "native_dropout_backward", "embedding_dense_backward",
 )
+
+
+def per_element_seconds(node: fx.Node, device: DeviceRates) -> float | None:
+    """Seconds per element of ``node``'s first operand, where calibration measured its operator
+    (``PER_ELEMENT``); None elsewhere. native_dropout's is read off the times at ``DROPOUT_P`` by
+    min(p, 1 - p), linear between them, the ends held."""
+    name = op_name(node)
+    if name != "native_dropout" or not isinstance(p := node.args[1] if len(node.args) > 1 else None, float | int):
+        return device.per_element.get(name)
+    points = [(q, device.per_element[dropout_key(q)]) for q in DROPOUT_P if dropout_key(q) in device.per_element]
+    if not points:
+        return None
+    q = min(float(p), 1.0 - float(p))
+    if q <= points[0][0]:
+        return points[0][1]
+    for (q0, s0), (q1, s1) in zip(points, points[1:]):
+        if q <= q1:
+            return s0 + (q - q0) / (q1 - q0) * (s1 - s0)
+    return points[-1][1]
 
 
 # Operators whose time calibration measures per distinct node (shapes, strides, dtypes and
@@ -459,7 +499,7 @@ def node_cost(node: fx.Node, device: DeviceRates, cold: float = 0.0) -> NodeCost
             return NodeCost(count, moved, timed + device.overhead, device.overhead)
     outs = _tensors(out)
     seconds = moved / device.bandwidth
-    per = device.per_element.get(op_name(node)) if device.per_element else None
+    per = per_element_seconds(node, device) if device.per_element else None
     if per:
         first = _tensors(_val(node.args))
         seconds = max(seconds, per * first[0].numel() if first else 0.0)
@@ -469,8 +509,10 @@ def node_cost(node: fx.Node, device: DeviceRates, cold: float = 0.0) -> NodeCost
 
 
 def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRates) -> dict[tuple[str, str], float]:
-    """For each timed node of ``graphs`` ((name, graph), in the order they run), the fraction
-    of its operands' bytes that are out of the caches when it runs, by (graph, node name).
+    """For each timed node and each collective of ``graphs`` ((name, graph), in the order they
+    run), the fraction of its operands' bytes that are out of the caches when it runs, by
+    (graph, node name): a timed node costs its cold time by it, a collective's issue its cold
+    bytes (``Link.issue``).
 
     An operand is cold when more than ``device.cache_bytes`` of the step's traffic (each
     node's bytes moved, ``node_cost``; a collective's result where it is waited for) passed
@@ -479,8 +521,8 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
     node of an earlier one (AOTAutograd's saved activations, views among them) is that
     node's memory; a tangent was just written (by the loss's backward). Other placeholders
     (parameters, inputs: last touched by the step before) are cold. Empty without a cache
-    or cold timings."""
-    if device.cache_bytes is None or not device.node_cold_seconds:
+    (a profile's)."""
+    if device.cache_bytes is None:
         return {}
     clock = 0
     last: dict[str, int] = {}  # a memory's name: the clock when it was last touched
@@ -509,7 +551,7 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
                 continue
             base[node] = node.name
             key = node_key(node)
-            if key is not None and key in device.node_cold_seconds:
+            if key is not None and key in device.node_cold_seconds or P.is_collective(node):
                 sizes = [(_nbytes(a.meta.get("val")), last.get(base.get(a, a.name))) for a in inputs]
                 total = sum(b for b, _ in sizes)
                 cold = sum(b for b, t in sizes if t is None or clock - t > device.cache_bytes)
@@ -889,7 +931,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             if c is not None:  # a collective
                 link = network.link(c.kind, c.group_size, c.dimension or "shard")
                 bus = _bus(c.kind, c.input_bytes, c.group_size)
-                held = link.issue(bus)
+                held = link.issue(bus, cold.get((name, node.name), 0.0))
                 if held:  # its call holds the thread, then it flies (the host's, on a device)
                     cost = replace(cost, seconds=cost.seconds + held,
                                    launch=cost.launch + held if device.asynchronous else cost.launch)

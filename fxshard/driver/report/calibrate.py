@@ -5,7 +5,8 @@
                               device, torch release and thread count, cached on disk
     measure_network(group)    all_gather, reduce_scatter and all_reduce at five sizes each (three
                               on an accelerator), fitted by least squares to latency + bus
-                              bytes / bandwidth
+                              bytes / bandwidth; on the CPU, then each one's issue on an input
+                              out of the caches (measure_cold_issues)
     calibrate(world, device)  both, the same on every rank: each rank's numbers, then the
                               slowest of each over the job (a MAX all_reduce), so every rank
                               predicts (and, later, plans) the same
@@ -48,12 +49,14 @@ from fxshard.ir import compat
 from fxshard.ir.collectives import bus_bytes
 from fxshard.ir.compat import pytree
 from fxshard.ir.cost import (
+    DROPOUT_P,
     MMAP_THRESHOLD_MIN,
     PER_ELEMENT,
     DeviceRates,
     Link,
     Network,
     Rates,
+    dropout_key,
     node_key,
 )
 
@@ -93,7 +96,7 @@ WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 15  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX
+METHOD = 16  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX; 16: dropout at three p
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -433,7 +436,8 @@ def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], objec
         "max_pool2d_with_indices": (lambda: aten.max_pool2d_with_indices(image, [2, 2], [2, 2]), image.numel()),
         "max_pool2d_with_indices_backward": (lambda: aten.max_pool2d_with_indices_backward(
             pooled, image, [2, 2], [2, 2], [0, 0], [1, 1], False, where), pooled.numel()),
-        "native_dropout": (lambda: aten.native_dropout(x, 0.1, True), numel),
+        # Its mask's branch per element makes p matter (cost.DROPOUT_P): one entry per p.
+        **{dropout_key(p): (functools.partial(aten.native_dropout, x, p, True), numel) for p in DROPOUT_P},
         # Its mask is bool: cast to the gradient's dtype, then two multiplies (about 2.3 ms for a
         # million elements here, where an add of as many took 0.6).
         "native_dropout_backward": (lambda: aten.native_dropout_backward(g, kept, 1 / 0.9), numel),
@@ -567,6 +571,52 @@ def measure_network(group: dist.ProcessGroup) -> Network:
     _sync(device)
     return Network(f"{dist.get_backend(group)} over {n} ranks, measured",
                    _timed_links(points, counts, device, lambda kind, given: bus_bytes(kind, given, n)))
+
+
+# The cold issue (``_with_cold_issues``): one size (full-buffer bytes) and the calls of each kind.
+COLD_ISSUE_BYTES, COLD_ISSUE_CALLS = 4 << 20, 8
+
+
+def measure_cold_issues(network: Network, group: dist.ProcessGroup) -> Network:
+    """``network`` (``measure_network``'s on ``group``; every rank of it calls this) with each
+    kind's ``issue_cold_bandwidth``: its issue at ``COLD_ISSUE_BYTES`` with the input out of
+    the caches (a read of twice the last-level cache before the call) against the same call
+    right after, its input in the caches, the median of ``COLD_ISSUE_CALLS`` pairs, the kinds
+    interleaved. A step issues a shard's all_gather on memory last touched by the step before:
+    between two gloo ranks here a 2 MiB shard's issue took 0.15 ms warm and 0.35 cold (0.55
+    with both ranks computing around it, as in a step), and the Net's in its step 0.4-0.6
+    against 0.1-0.2 predicted from warm calls. About 0.3 s on 2 gloo ranks here; on the CPU
+    only (a device's input is not the host's caches'), and not where no cache size is known.
+    Run after the other measurements: its reads leave the caches and the allocator as no
+    other calibration step expects them."""
+    cache = last_level_cache() if comm_device(group).type == "cpu" else None
+    if cache is None:
+        return network
+    links = network.links
+    n, name = group.size(), group.group_name
+    numel = COLD_ISSUE_BYTES // 4 // n * n
+    full, shard = torch.ones(numel), torch.ones(numel // n)
+    evict = torch.ones(cache // 2)  # twice the cache, float32
+    calls = {kind: _collective(kind, full, shard, n, name) for kind in KINDS}
+    pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
+    for _ in range(COLD_ISSUE_CALLS):
+        for kind, (issue, _) in calls.items():
+            timed = []
+            for cold in (True, False):
+                if cold:
+                    _evict(evict)
+                start = time.perf_counter()
+                handle = issue()
+                timed.append(time.perf_counter() - start)
+                _wait(handle)
+            pairs[kind].append((timed[0], timed[1]))
+    out = dict(links)
+    for kind, (_, given) in calls.items():
+        link, bus = links[kind], bus_bytes(kind, given, n)
+        extra = statistics.median(c for c, _ in pairs[kind]) - statistics.median(w for _, w in pairs[kind])
+        warm = bus / link.issue_bandwidth
+        out[kind] = replace(link, issue_cold_bandwidth=bus / (warm + max(0.0, extra)) if warm + extra > 0 else math.inf)
+    return replace(network, links=out)
 
 
 def _timed_links(points: Sequence[tuple[str, Callable[[], torch.Tensor], int]], counts: Sequence[int],
@@ -813,8 +863,9 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     values += [1.0 / device.bandwidth, device.overhead, device.view_overhead]
     for kind in KINDS:
         link = network.links.get(kind) if network is not None else None
-        values += [link.latency, 1.0 / link.bandwidth, link.issue_latency, 1.0 / link.issue_bandwidth] \
-            if link is not None else [0.0, 0.0, 0.0, 0.0]
+        cold = link.issue_cold_bandwidth if link is not None else None
+        values += [link.latency, 1.0 / link.bandwidth, link.issue_latency, 1.0 / link.issue_bandwidth,
+                   1.0 / cold if cold is not None else -1.0] if link is not None else [0.0, 0.0, 0.0, 0.0, -1.0]
     for d in DTYPES:
         values += [1.0 / rate for _, rate in device.matmul_curve.get(d, ())]
     values += [device.per_element[name] for name in PER_ELEMENT if name in device.per_element]
@@ -829,10 +880,14 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
             network_name: str) -> tuple[DeviceRates, Network, float, float, float, int | None]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
-    links = {kind: Link(values[5 + 4 * i], 1.0 / values[6 + 4 * i], issue_latency=values[7 + 4 * i],
-                        issue_bandwidth=1.0 / values[8 + 4 * i] if values[8 + 4 * i] > 0 else math.inf)
+    def cold(inverse: float) -> float | None:  # -1: some rank measured none (the MAX is then -1 only if all)
+        return None if inverse < 0 else 1.0 / inverse if inverse > 0 else math.inf
+
+    links = {kind: Link(values[5 + 5 * i], 1.0 / values[6 + 5 * i], issue_latency=values[7 + 5 * i],
+                        issue_bandwidth=1.0 / values[8 + 5 * i] if values[8 + 5 * i] > 0 else math.inf,
+                        issue_cold_bandwidth=cold(values[9 + 5 * i]))
              for i, kind in enumerate(KINDS)}
-    rest, curves = iter(values[5 + 4 * len(KINDS):]), {}
+    rest, curves = iter(values[5 + 5 * len(KINDS):]), {}
     for d in DTYPES:
         curves[d] = tuple((work, 1.0 / next(rest)) for work, _ in like.matmul_curve.get(d, ()))
     per_element = {op: next(rest) for op in PER_ELEMENT if op in like.per_element}
@@ -915,6 +970,7 @@ def calibrate(world: World, device: torch.device) -> Rates:
         measured, contention = measure_network(group), measure_contention(group)
         starvation = measure_starvation(group, measured.link("all_gather", group.size()))
         sharing = measure_latency_sharing(world)
+        measured = measure_cold_issues(measured, group)
         _NETWORKS[key] = _network_entry(measured, contention, starvation, sharing)
         _save(key, _NETWORKS[key])
         log.info("fxshard: measured the %s network in %.2f s", name, time.perf_counter() - start)
@@ -932,7 +988,7 @@ def calibrate(world: World, device: torch.device) -> Rates:
 
 def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
     return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth, "issue_latency": link.issue_latency,
-                      "issue_bandwidth": link.issue_bandwidth}
+                      "issue_bandwidth": link.issue_bandwidth, "issue_cold_bandwidth": link.issue_cold_bandwidth}
                for kind, link in network.links.items()},
             "contention": contention, "starvation": starvation, "latency_sharing": sharing}
 
@@ -941,11 +997,21 @@ def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] 
     try:
         return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]),
                                               issue_latency=float(entry[kind]["issue_latency"]),
-                                              issue_bandwidth=float(entry[kind]["issue_bandwidth"]))
+                                              issue_bandwidth=float(entry[kind]["issue_bandwidth"]),
+                                              issue_cold_bandwidth=_optional(entry[kind]["issue_cold_bandwidth"]))
                                    for kind in KINDS}),
                 float(entry["contention"]), float(entry["starvation"]), float(entry["latency_sharing"]))
     except (KeyError, TypeError, ValueError):
         return None  # an entry of an older fxshard: measured again
+
+
+def _evict(buffer: torch.Tensor) -> None:
+    """Read ``buffer`` (twice the last-level cache): whatever was in the caches leaves them."""
+    buffer.sum()
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: torch.device) -> Rates:
@@ -1022,7 +1088,7 @@ def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None =
         count = min(COLD_CALLS + 1, math.ceil(evict.nbytes / max(operands, 1)) + 1)
         copies = [pytree.tree_map(lambda v: real(v, 0.5), vals) for _ in range(count)]
         if count == COLD_CALLS + 1:
-            evict.sum()
+            _evict(evict)
         cold = []
         for i in range(COLD_CALLS + 1):  # the first call warms the code the read evicted
             a, k = copies[i % count]
