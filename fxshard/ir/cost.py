@@ -260,13 +260,18 @@ class Rates:
     # How far the latencies of collectives in flight at once add up: 0, they pass together
     # (NCCL's kernels, the profiles); 1, one after the other; above 1, at once they take
     # longer than one after the other (gloo's threads on the CPU wait for the same cores: two
-    # small collectives on two groups at once, 1.64 times as long beyond one alone as one
+    # small all_gathers on two groups at once, 1.64 times as long beyond one alone as one
     # after the other on 2 cores). k latencies at once pass at 1 / (1 + sharing (k - 1)).
+    # ``latency_sharing`` for collectives of one kind (a gather prefetched beside the one in
+    # use), ``latency_sharing_mixed`` for kinds that differ (the backward's next gather beside
+    # the reduce_scatter before it: 1.0-1.3 where two all_gathers read 1.5-2.1 on 2 gloo ranks
+    # here); None: as ``latency_sharing``.
     latency_sharing: float = 0.0
     # The allocator's mmap threshold known in the job's processes when the rates were taken
     # (``calibrate.mmap_threshold``; the smallest over ranks, so every rank predicts the same),
     # which decides the fresh pages a step faults in (``fresh_pages``). None: not known.
     mmap_threshold: int | None = None
+    latency_sharing_mixed: float | None = None
 
     def __str__(self) -> str:
         d, lines = self.device, [f"rates {self.name}"]
@@ -308,7 +313,9 @@ class Rates:
                          f"1/{1 + self.starvation:.2f} of its pace while compute runs")
         if self.latency_sharing:
             lines.append(f"  latency sharing {self.latency_sharing:.2f}: k latencies at once pass at "
-                         f"1/(1 + {self.latency_sharing:.2f} (k - 1)) of their pace")
+                         f"1/(1 + {self.latency_sharing:.2f} (k - 1)) of their pace"
+                         + (f" ({self.latency_sharing_mixed:.2f} where their kinds differ)"
+                            if self.latency_sharing_mixed is not None else ""))
         lines += [f"  source: {s}" for s in self.sources]
         return "\n".join(lines)
 
@@ -735,6 +742,7 @@ class _Flight:
     end: float = math.nan
     pending: float = 0.0  # latency left: it moves no data until that has passed
     left: float = 0.0  # work left
+    kind: str = ""  # all_gather, reduce_scatter, ...: which latency sharing applies
 
     def begin(self, at: float) -> None:
         self.start, self.pending, self.left = at, self.latency, self.work
@@ -748,17 +756,21 @@ class _Streams:
     on one link share its bandwidth equally (processor sharing). A collective's latency
     passes at ``pace`` (1, or slower while compute runs where its wake-ups wait for a core:
     ``Rates.starvation``), divided among the latencies passing at once as ``sharing`` says
-    (``Rates.latency_sharing``)."""
+    (``Rates.latency_sharing``; ``mixed`` where the kinds waiting differ)."""
 
-    def __init__(self, sharing: float = 0.0) -> None:
+    def __init__(self, sharing: float = 0.0, mixed: float | None = None) -> None:
         self.now = 0.0
         self.pace = 1.0
         self.sharing = sharing
+        self.mixed = sharing if mixed is None else mixed
         self.queues: dict[str, deque[_Flight]] = {}
 
     def _latency_pace(self, active: list[_Flight]) -> float:
-        waiting = sum(1 for f in active if not f.in_data())
-        return self.pace / (1.0 + self.sharing * max(0, waiting - 1))
+        waiting = [f.kind for f in active if not f.in_data()]
+        if len(waiting) < 2:
+            return self.pace
+        sharing = self.sharing if len(set(waiting)) == 1 else self.mixed
+        return self.pace / (1.0 + sharing * (len(waiting) - 1))
 
     def _active(self) -> list[_Flight]:
         return [q[0] for q in self.queues.values() if q]
@@ -894,7 +906,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
                                                rates.mmap_threshold)))
     charged = 0
     cold = cold_operands([(n, graphs[n]) for n in names], device)
-    net = _Streams(rates.latency_sharing)
+    net = _Streams(rates.latency_sharing, rates.latency_sharing_mixed)
     now = 0.0  # the compute stream's clock
     host = 0.0  # where the host has launched up to (an asynchronous device's; else ``now``)
     compute = exposed = agreed = peak = 0.0
@@ -954,7 +966,7 @@ def predict_step(graphs: Mapping[str, fx.GraphModule], rates: Rates, *,
             if c is not None:
                 flight = _Flight(key, c.group_name, c.dimension or "shard",
                                  link.latency + link.hop_latency * (c.group_size - 1),
-                                 bus / link.bandwidth, now)
+                                 bus / link.bandwidth, now, kind=c.kind)
                 key += 1
                 net.issue(flight)
                 issued[node] = (flight, c)

@@ -96,7 +96,8 @@ WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 16  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX; 16: dropout at three p
+METHOD = 16  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX; 16: dropout at three p,
+# the cold issue, and the latency sharing of kinds that differ
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -682,9 +683,9 @@ CONTENTION_PAIRS = 21
 CONTENTION_MATMUL = 512
 # Pairs of a small all_gather alone and under compute (measure_starvation).
 STARVATION_PAIRS = 9
-# Blocks of the latency sharing's four variants, their calls pooled (measure_latency_sharing),
-# and the most it reports.
-SHARING_REPEATS = 20
+# Blocks of the latency sharing's seven variants, the calls of each variant in a block, all
+# their calls pooled (measure_latency_sharing), and the most it reports.
+SHARING_REPEATS, SHARING_CALLS = 20, 24
 SHARING_MAX = 3.0
 
 
@@ -802,60 +803,79 @@ def measure_starvation(group: dist.ProcessGroup, link: Link) -> float:
     return min(8.0, max(0.0, statistics.median(delays) / link.latency)) if link.latency > 0 else 0.0
 
 
-def measure_latency_sharing(world: World) -> float:
+def measure_latency_sharing(world: World) -> tuple[float, float]:
     """How far two small collectives on two of the job's process groups at once take as long as
-    one after the other (``Rates.latency_sharing``): a 64 KiB all_gather on each of the first
+    one after the other (``Rates.latency_sharing``, ``latency_sharing_mixed``): on the first
     two groups of the measured dimension's slots (``measured_groups``: the shard dimension's,
-    or a NO_SHARD mesh's replicas'), alone on each, one after the other and both in flight,
-    in blocks of 24 calls of each variant, ``SHARING_REPEATS`` blocks of each; over all
-    their calls, (together - alone) / (one after the other - alone), alone being the slower
-    one by itself, between 0 and ``SHARING_MAX`` (above 1: both at once take longer than one
-    after the other). 0 where the job has one such group (nothing is in flight at once) or
-    an accelerator's (NCCL's kernels run side by side).
+    or a NO_SHARD mesh's replicas'), a 64 KiB all_gather on the first beside a 64 KiB one on
+    the second (two of one kind: a gather prefetched beside the one in use), and beside a
+    reduce_scatter of 64 KiB on the second (kinds that differ: the backward's next gather
+    beside the reduce_scatter before it); each alone, one after the other and both in flight,
+    in blocks of ``SHARING_CALLS`` calls of each variant, ``SHARING_REPEATS`` blocks of each;
+    over all their calls, (together - alone) / (one after the other - alone), alone being the
+    slower one by itself, between 0 and ``SHARING_MAX`` (above 1: both at once take longer
+    than one after the other). (0, 0) where the job has one such group (nothing is in flight
+    at once) or an accelerator's (NCCL's kernels run side by side).
 
     A ratio of two differences of about one latency each, where a few calls in ten take a
     scheduler tick more: one block of each variant ranged from -1.8 to 52 on 2 gloo ranks
-    here (150 blocks; all of them pooled: 1.64). The median of five such blocks, each
-    clamped to at most 1, read below 0.8 in 7-22% of windows of five and, in fresh
-    calibrations, 0.0-0.4 at times, which predicted the deep MLP's step 19-23% short. Pooled
-    over 20 blocks (about 2 s; a fresh calibration about 1.4 s longer than with five), fewer
-    than 3% of windows read below 0.8, and the median was 1.56-1.72 (docs/time.md,
-    "Calibration")."""
+    here (150 blocks of two all_gathers; all of them pooled: 1.64). The median of five such
+    blocks, each clamped to at most 1, read below 0.8 in 7-22% of windows of five and, in
+    fresh calibrations, 0.0-0.4 at times, which predicted the deep MLP's step 19-23% short.
+    Pooled over 20 blocks, fewer than 3% of windows read below 0.8 (docs/time.md,
+    "Calibration"). The two pairs differ: in twelve measurements here two all_gathers read
+    1.47-2.08 and an all_gather beside a reduce_scatter 1.01-1.31, and the deep MLP's backward,
+    that pair at every block, was predicted 10-45% long with the all_gathers' reading (the
+    replay of its collectives agrees with about 1). About 3 s on 2 gloo ranks here."""
     groups = measured_groups(world)
     if len(groups) < 2:
-        return 0.0
+        return 0.0, 0.0
     first, second = groups[0], groups[1]
     device = comm_device(first)
     if device.type != "cpu":
-        return 0.0
+        return 0.0, 0.0
     ops = compat.c10d_functional
     n = first.size()
-    shard = torch.ones((1 << 16) // 4 // n, device=device)
+    numel = (1 << 16) // 4 // n * n
+    shard, full = torch.ones(numel // n, device=device), torch.ones(numel, device=device)
 
     def gather(group: dist.ProcessGroup) -> torch.Tensor:
         return ops.all_gather_into_tensor(shard, n, group.group_name)
 
-    def mean(fn: Callable[[], object]) -> float:
-        return _seconds(fn, device, least=0.0, calls=24, how="mean")
+    def reduce(group: dist.ProcessGroup) -> torch.Tensor:
+        return ops.reduce_scatter_tensor(full, "sum", n, group.group_name)
 
-    variants = (lambda: ops.wait_tensor(gather(first)), lambda: ops.wait_tensor(gather(second)),
-                lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(gather(second))),
-                lambda: [ops.wait_tensor(t) for t in (gather(first), gather(second))])
+    def mean(fn: Callable[[], object]) -> float:
+        return _seconds(fn, device, least=0.0, calls=SHARING_CALLS, how="mean")
+
+    def pair(other: Callable[[dist.ProcessGroup], torch.Tensor]) -> tuple[Callable[[], object], ...]:
+        """The second collective alone, one after the other, both in flight."""
+        return (lambda: ops.wait_tensor(other(second)),
+                lambda: (ops.wait_tensor(gather(first)), ops.wait_tensor(other(second))),
+                lambda: [ops.wait_tensor(t) for t in (gather(first), other(second))])
+
+    variants = (lambda: ops.wait_tensor(gather(first)), *pair(gather), *pair(reduce))
     totals = [0.0] * len(variants)
     for _ in range(SHARING_REPEATS):  # each block's mean, pooled: every block's calls weigh alike
         for i, variant in enumerate(variants):
             totals[i] += mean(variant)
-    alone, serial, together = max(totals[0], totals[1]), totals[2], totals[3]
-    if serial <= alone:
-        return 1.0  # two one after the other no longer than one: no latency to share, read as 1
-    return min(SHARING_MAX, max(0.0, (together - alone) / (serial - alone)))
+
+    def ratio(alone: float, serial: float, together: float) -> float:
+        if serial <= alone:
+            return 1.0  # two one after the other no longer than one: no latency to share, read as 1
+        return min(SHARING_MAX, max(0.0, (together - alone) / (serial - alone)))
+
+    first_alone = totals[0]
+    return (ratio(max(first_alone, totals[1]), totals[2], totals[3]),
+            ratio(max(first_alone, totals[4]), totals[5], totals[6]))
 
 
 # -- agreeing ---------------------------------------------------------------------------------
 
 
 def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
-          starvation: float = 0.0, sharing: float = 0.0, threshold: int | None = None) -> list[float]:
+          starvation: float = 0.0, sharing: tuple[float, float] = (0.0, 0.0),
+          threshold: int | None = None) -> list[float]:
     """Seconds per unit of work, so that the MAX over ranks is the slowest rank's; and the
     inverse of the mmap ``threshold`` this rank knows (None: not known). Every rank measures
     the same sizes (its device type's), so the vectors line up."""
@@ -873,11 +893,11 @@ def _pack(device: DeviceRates, network: Network | None, contention: float = 0.0,
     values += [1.0 / device.fresh_bytes if device.fresh_bytes else 0.0, 1.0 / device.fresh_bandwidth]
     values += [1.0 / device.cache_bytes if device.cache_bytes else 0.0]  # the smallest cache
     # The smallest mmap threshold known (an unknown one counts as glibc's default, the smallest).
-    return [*values, contention, starvation, sharing, 1.0 / (threshold or MMAP_THRESHOLD_MIN)]
+    return [*values, contention, starvation, *sharing, 1.0 / (threshold or MMAP_THRESHOLD_MIN)]
 
 
 def _unpack(values: list[float], like: DeviceRates, name: str,
-            network_name: str) -> tuple[DeviceRates, Network, float, float, float, int | None]:
+            network_name: str) -> tuple[DeviceRates, Network, float, float, tuple[float, float], int | None]:
     flops = {d: 1.0 / v for d, v in zip(DTYPES, values) if v > 0}
     bandwidth, overhead, view = 1.0 / values[2], values[3], values[4]
     def cold(inverse: float) -> float | None:  # -1: some rank measured none (the MAX is then -1 only if all)
@@ -897,7 +917,7 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
                         fresh_bytes=round(1.0 / inverse_fresh) if inverse_fresh > 0 else None,
                         fresh_bandwidth=1.0 / fault if fault > 0 else math.inf,
                         cache_bytes=round(1.0 / inverse_cache) if inverse_cache > 0 else None),
-            Network(network_name, links), next(rest), next(rest), next(rest), _threshold(next(rest)))
+            Network(network_name, links), next(rest), next(rest), (next(rest), next(rest)), _threshold(next(rest)))
 
 
 def _threshold(inverse: float) -> int | None:
@@ -982,25 +1002,28 @@ def calibrate(world: World, device: torch.device) -> Rates:
         agreed[1:], local, f"{local.name} (the slowest of {world.job_size} ranks)",
         f"{name}, measured (the slowest rank's)")
     return Rates(f"calibrated: {device_rates_.name}; {network.name}", device_rates_, network,
-                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing,
-                 threshold)
+                 (f"measured on this job's ranks; cached in {cache_path()}",), contention, starvation, sharing[0],
+                 threshold, latency_sharing_mixed=sharing[1])
 
 
-def _network_entry(network: Network, contention: float, starvation: float, sharing: float) -> dict[str, Any]:
+def _network_entry(network: Network, contention: float, starvation: float,
+                   sharing: tuple[float, float]) -> dict[str, Any]:
     return {**{kind: {"latency": link.latency, "bandwidth": link.bandwidth, "issue_latency": link.issue_latency,
                       "issue_bandwidth": link.issue_bandwidth, "issue_cold_bandwidth": link.issue_cold_bandwidth}
                for kind, link in network.links.items()},
-            "contention": contention, "starvation": starvation, "latency_sharing": sharing}
+            "contention": contention, "starvation": starvation, "latency_sharing": sharing[0],
+            "latency_sharing_mixed": sharing[1]}
 
 
-def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, float] | None:
+def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, tuple[float, float]] | None:
     try:
         return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]),
                                               issue_latency=float(entry[kind]["issue_latency"]),
                                               issue_bandwidth=float(entry[kind]["issue_bandwidth"]),
                                               issue_cold_bandwidth=_optional(entry[kind]["issue_cold_bandwidth"]))
                                    for kind in KINDS}),
-                float(entry["contention"]), float(entry["starvation"]), float(entry["latency_sharing"]))
+                float(entry["contention"]), float(entry["starvation"]),
+                (float(entry["latency_sharing"]), float(entry["latency_sharing_mixed"])))
     except (KeyError, TypeError, ValueError):
         return None  # an entry of an older fxshard: measured again
 
