@@ -826,7 +826,7 @@ def measure_latency_sharing(world: World) -> tuple[float, float]:
     "Calibration"). The two pairs differ: in twelve measurements here two all_gathers read
     1.47-2.08 and an all_gather beside a reduce_scatter 1.01-1.31, and the deep MLP's backward,
     that pair at every block, was predicted 10-45% long with the all_gathers' reading (the
-    replay of its collectives agrees with about 1). About 3 s on 2 gloo ranks here."""
+    replay of its collectives agrees with about 1). About 5 s on 2 gloo ranks here."""
     groups = measured_groups(world)
     if len(groups) < 2:
         return 0.0, 0.0
