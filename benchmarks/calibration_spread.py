@@ -92,7 +92,8 @@ def rank_main(rank: int, port: int, name: str, rounds: int, steps: int, scratch:
                      **{f"{kind}_latency_s": link.latency for kind, link in rates.network.links.items()},
                      **{f"{kind}_bandwidth": link.bandwidth for kind, link in rates.network.links.items()},
                      "contention": rates.contention, "starvation": rates.starvation,
-                     "latency_sharing": rates.latency_sharing, "load_1min": os.getloadavg()[0]})
+                     "latency_sharing": rates.latency_sharing, "latency_sharing_mixed": rates.latency_sharing_mixed,
+                     "load_1min": os.getloadavg()[0]})
         if rank == 0:
             r = rows[-1]
             print(f"  round {i}: predicted {r['predicted_step_s'] * 1e3:.1f} ms, measured "
@@ -105,7 +106,12 @@ def rank_main(rank: int, port: int, name: str, rounds: int, steps: int, scratch:
 
 
 # The calibrated numbers, in the groups one measurement each makes (``calibrate.calibrate``).
-FACTORS = ("network", "contention", "starvation", "latency_sharing")
+FACTORS = ("network", "contention", "starvation", "latency_sharing", "latency_sharing_mixed")
+
+
+def _sharing(value: float | None) -> str:
+    """A row's latency sharing beside a reduce_scatter ("-": recorded before calibration measured it)."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _what_if(sharded: Any, driver: Any, kept: list[Any], rows: list[dict[str, Any]]) -> None:
@@ -159,12 +165,14 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
              f"(the device's rates kept), the predicted step with it, then the median of {meta['steps']} "
              "measured steps on rank 0 (forward, loss, backward, AdamW step).", "",
              "| round | all_gather / reduce_scatter / all_reduce latency us | contention | starvation | "
-             "latency sharing | predicted ms | measured ms | error | load |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "latency sharing, two all_gathers / beside a reduce_scatter | predicted ms | measured ms | error | "
+             "load |",
+             "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['round']} | {r['all_gather_latency_s'] * us:.0f} / {r['reduce_scatter_latency_s'] * us:.0f}"
                      f" / {r['all_reduce_latency_s'] * us:.0f} | {r['contention']:.2f} | {r['starvation']:.2f} | "
-                     f"{r['latency_sharing']:.2f} | {r['predicted_step_s'] * ms:.1f} | "
+                     f"{r['latency_sharing']:.2f} / {_sharing(r.get('latency_sharing_mixed'))} | "
+                     f"{r['predicted_step_s'] * ms:.1f} | "
                      f"{r['measured_step_s'] * ms:.1f} | {r['predicted_step_s'] / r['measured_step_s'] - 1:+.0%} | "
                      f"{r['load_1min']:.1f} |")
 
