@@ -437,7 +437,8 @@ def per_element_seconds(node: fx.Node, device: DeviceRates) -> float | None:
     (``PER_ELEMENT``); None elsewhere. native_dropout's is read off the times at ``DROPOUT_P`` by
     min(p, 1 - p), linear between them, the ends held."""
     name = op_name(node)
-    if name != "native_dropout" or not isinstance(p := node.args[1] if len(node.args) > 1 else None, float | int):
+    p = node.args[1] if name == "native_dropout" and len(node.args) > 1 else None
+    if not isinstance(p, float | int):
         return device.per_element.get(name)
     points = [(q, device.per_element[dropout_key(q)]) for q in DROPOUT_P if dropout_key(q) in device.per_element]
     if not points:
@@ -558,7 +559,7 @@ def cold_operands(graphs: Sequence[tuple[str, fx.GraphModule]], device: DeviceRa
                 continue
             base[node] = node.name
             key = node_key(node)
-            if key is not None and key in device.node_cold_seconds or P.is_collective(node):
+            if (key is not None and key in device.node_cold_seconds) or P.is_collective(node):
                 sizes = [(_nbytes(a.meta.get("val")), last.get(base.get(a, a.name))) for a in inputs]
                 total = sum(b for b, _ in sizes)
                 cold = sum(b for b, t in sizes if t is None or clock - t > device.cache_bytes)

@@ -574,7 +574,7 @@ def measure_network(group: dist.ProcessGroup) -> Network:
                    _timed_links(points, counts, device, lambda kind, given: bus_bytes(kind, given, n)))
 
 
-# The cold issue (``_with_cold_issues``): one size (full-buffer bytes) and the calls of each kind.
+# The cold issue (``measure_cold_issues``): one size (full-buffer bytes) and the calls of each kind.
 COLD_ISSUE_BYTES, COLD_ISSUE_CALLS = 4 << 20, 8
 
 
@@ -593,31 +593,28 @@ def measure_cold_issues(network: Network, group: dist.ProcessGroup) -> Network:
     cache = last_level_cache() if comm_device(group).type == "cpu" else None
     if cache is None:
         return network
-    links = network.links
     n, name = group.size(), group.group_name
     numel = COLD_ISSUE_BYTES // 4 // n * n
     full, shard = torch.ones(numel), torch.ones(numel // n)
     evict = torch.ones(cache // 2)  # twice the cache, float32
     calls = {kind: _collective(kind, full, shard, n, name) for kind in KINDS}
-    pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
+    timed: dict[tuple[str, bool], list[float]] = {(kind, cold): [] for kind in KINDS for cold in (True, False)}
     for _ in range(COLD_ISSUE_CALLS):
         for kind, (issue, _) in calls.items():
-            timed = []
-            for cold in (True, False):
+            for cold in (True, False):  # the same call cold, then warm
                 if cold:
                     _evict(evict)
                 start = time.perf_counter()
                 handle = issue()
-                timed.append(time.perf_counter() - start)
+                timed[kind, cold].append(time.perf_counter() - start)
                 _wait(handle)
-            pairs[kind].append((timed[0], timed[1]))
-    out = dict(links)
+    links = dict(network.links)
     for kind, (_, given) in calls.items():
         link, bus = links[kind], bus_bytes(kind, given, n)
-        extra = statistics.median(c for c, _ in pairs[kind]) - statistics.median(w for _, w in pairs[kind])
-        warm = bus / link.issue_bandwidth
-        out[kind] = replace(link, issue_cold_bandwidth=bus / (warm + max(0.0, extra)) if warm + extra > 0 else math.inf)
-    return replace(network, links=out)
+        extra = max(0.0, statistics.median(timed[kind, True]) - statistics.median(timed[kind, False]))
+        held = bus / link.issue_bandwidth + extra  # the cold bytes' time
+        links[kind] = replace(link, issue_cold_bandwidth=bus / held if held > 0 else math.inf)
+    return replace(network, links=links)
 
 
 def _timed_links(points: Sequence[tuple[str, Callable[[], torch.Tensor], int]], counts: Sequence[int],
