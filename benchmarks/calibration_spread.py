@@ -134,20 +134,20 @@ def _what_if(sharded: Any, driver: Any, kept: list[Any], rows: list[dict[str, An
 
 def _one_call_at_a_time(group: dist.ProcessGroup, calls: int = 600, window: int = 60) -> dict[str, Any]:
     """A 64 KiB all_gather and reduce_scatter (calibration's smallest size), ``calls`` times each,
-    each call timed alone: the spread of one call, and of the mean over ``window`` calls in a
+    each call and its wait timed alone: the spread of one call, and of the mean over ``window`` calls in a
     row (calibration's count at that size)."""
-    from fxshard.driver.report.calibrate import _collective
+    from fxshard.driver.report.calibrate import _collective, _wait
 
     n, name = group.size(), group.group_name
     numel = (1 << 16) // 4 // n * n
     found: dict[str, Any] = {}
     for kind in ("all_gather", "reduce_scatter"):
-        run, _ = _collective(kind, torch.ones(numel), torch.ones(numel // n), n, name)
-        run()
+        issue, _ = _collective(kind, torch.ones(numel), torch.ones(numel // n), n, name)
+        _wait(issue())
         times = []
-        for _ in range(calls):
+        for _ in range(calls):  # each call and its wait, as calibration times them
             start = time.perf_counter()
-            run()
+            _wait(issue())
             times.append(time.perf_counter() - start)
         ordered = sorted(times)
         means = [statistics.fmean(times[i:i + window]) for i in range(0, calls, window)]
