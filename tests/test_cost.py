@@ -1250,6 +1250,77 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     assert all(math.isfinite(e.get("ts", 0)) for e in trace["traceEvents"])
 
 
+def _node_times_worker(rank: int, world_size: int, cache: str, batches: list[int]) -> dict[str, Any]:
+    """Two ranks whose matmuls time differently (``_time_node`` scripted: each rank slower on
+    half the nodes, by their key's length): one step each at ``batches``, then each rank's
+    timed nodes as its driver holds them and its report's prediction."""
+    import os
+
+    import fxshard
+    from fxshard.driver.report import calibrate
+    from fxshard.ir.cost import node_key
+    from fxshard.policies import by_class
+
+    from models import MLP
+
+    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")  # its own times, as if on two hosts
+    rates = Rates("injected", replace(_device(overhead=1e-5), measured=True),
+                  Network("injected", {k: LINK for k in calibrate.KINDS}))
+    calibrate.calibrate = lambda world, device: rates  # type: ignore[assignment]
+    timed: dict[str, tuple[float, float]] = {}
+
+    def time_node(node: fx.Node, device: torch.device, evict: Any = None) -> tuple[float, float]:
+        key = node_key(node)
+        assert key is not None
+        slower = 1 + (len(key) + rank) % 2  # this rank the slower on half the nodes
+        timed[key] = (1e-3 * slower, 1.5e-3 * slower)
+        return timed[key]
+
+    calibrate._time_node = time_node  # type: ignore[assignment]
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear))
+    for batch in batches:
+        sharded(torch.randn(batch, 32)).square().mean().backward()
+    predicted = sharded.report().predicted_step_seconds
+    device = sharded._driver.rates.device
+    return dict(timed=timed, warm=dict(device.node_seconds), cold=dict(device.node_cold_seconds),
+                predicted=predicted)
+
+
+def test_every_rank_predicts_the_step_with_the_slowest_ranks_timed_matmuls() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        ranks = run_ranks(_node_times_worker, 2, cache, [8])
+    r0, r1 = ranks
+    assert r0["timed"].keys() == r1["timed"].keys() and len(r0["timed"]) >= 4
+    assert any(r0["timed"][k] != r1["timed"][k] for k in r0["timed"])  # the ranks time them apart
+    for r in ranks:
+        # Settled at the first forward: each node the slower rank's, warm and cold.
+        assert {k: r["warm"][k] for k in r0["timed"]} == {k: 2e-3 for k in r0["timed"]}
+        assert {k: r["cold"][k] for k in r0["timed"]} == {k: 3e-3 for k in r0["timed"]}
+    assert r0["predicted"] == r1["predicted"]
+
+
+def test_a_rank_whose_new_step_asks_to_settle_its_matmuls_is_answered_by_a_rank_that_settled_its_own() -> None:
+    import tempfile
+
+    # Rank 1's second step is a new one (a smaller batch: new shapes to time); rank 0 runs the
+    # step it settled before. The forward agreement still exchanges, on both ranks, and
+    # nothing hangs.
+    with tempfile.TemporaryDirectory() as cache:
+        ranks = run_ranks(_batches_per_rank_worker, 2, cache)
+    r0, r1 = ranks
+    new = set(r1["timed"]) - set(r0["timed"])  # the keys of rank 1's batch of 4
+    assert new
+    for k in new:  # rank 1 timed them alone: its own times are the slowest there are
+        assert r1["warm"][k] == r1["timed"][k][0] and r0["warm"][k] == r1["timed"][k][0]
+
+
+def _batches_per_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    return _node_times_worker(rank, world_size, cache, [8, 8 if rank == 0 else 4])
+
+
 def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: list[float] | None = None,
                          flight: float = 10e-3) -> list[int]:
     """measure_contention on a scripted host: an 8 MiB all_gather takes 5 ms alone and

@@ -141,6 +141,10 @@ class Driver:
         self.rates: Rates | None = None
         if runs and self.world.job_size > 1 and backend not in (None, "fake"):
             self.rates = calibrate.calibrate(self.world, comm_device(self.world.comm_group))
+        # On the CPU a report times the graphs' matmuls and convolutions on its own rank
+        # (calibrate.with_node_times); at a step's first forward every rank settles them
+        # together, at the slowest rank's (NodeTimes), so that every rank's report agrees.
+        self.settled: set[int] = set()  # the steps (their id()) whose nodes are settled so
 
     @property
     def plan(self) -> ShardPlan:
@@ -472,7 +476,7 @@ class Driver:
 
     def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
         """Run a compiled step (``RunState.run``)."""
-        return self.state.run(step, inputs)
+        return self.state.run(step, inputs, self.node_times(step))
 
     # -- what a step will do --------------------------------------------------------------------
 
@@ -516,6 +520,13 @@ class Driver:
         if schedule.budget is None:
             return report
         return replace(report, budget=schedule.budget, budget_inputs=schedule.planned_on)
+
+    def node_times(self, step: CompiledStep) -> NodeTimes | None:
+        """What this rank exchanges at ``step``'s forward agreement: its timed nodes, where
+        its rates time them (the CPU's measured rates; a profile's are its figures)."""
+        if self.rates is None or not self.rates.device.measured or self.device.type != "cpu":
+            return None
+        return NodeTimes(self, step)
 
     def timing(self) -> Rates | None:
         """The rates report() predicts with: the job's, calibrated when the driver was built;
@@ -622,6 +633,33 @@ def _class_reference(cls: type) -> str:
     if getattr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class NodeTimes:
+    """A step's timed nodes, settled over the ranks at its first forward
+    (``consistency.Share``): each rank times those it has not (``calibrate.with_node_times``,
+    cached on its host), every rank sends its times, and each takes the largest of every
+    node's (``calibrate.with_slowest_node_times``). Wanted until the step is settled; a rank
+    that settled its own step before still sends that one's."""
+
+    def __init__(self, driver: Driver, step: CompiledStep):
+        self.driver, self.step = driver, step
+
+    @property
+    def wanted(self) -> bool:
+        return id(self.step) not in self.driver.settled
+
+    def payload(self) -> dict[str, tuple[float, float | None]]:
+        d, graphs = self.driver, emitted_graphs(self.step.graphs)
+        assert d.rates is not None
+        d.rates = calibrate.with_node_times(d.rates, graphs, d.device)
+        return calibrate.node_times(d.rates, graphs)
+
+    def receive(self, everyone: list[Any]) -> None:
+        d = self.driver
+        assert d.rates is not None
+        d.rates = calibrate.with_slowest_node_times(d.rates, everyone)
+        d.settled.add(id(self.step))
 
 
 def emitted_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:

@@ -11,9 +11,11 @@
                               slowest of each over the job (a MAX all_reduce), so every rank
                               predicts (and, later, plans) the same
     with_node_times(...)      on the CPU, each distinct matmul of the graphs timed here, by
-                              each rank alone (report() may run on one rank): a CPU report's
-                              prediction may differ between ranks by their node times, so
-                              auto() takes each trial's largest over the ranks
+                              each rank alone (report() may run on one rank); on several
+                              ranks the driver settles them at a step's first forward, each
+                              node the slowest rank's (with_slowest_node_times), so every
+                              rank's report predicts the same after a step (before one, each
+                              its own; auto() takes each trial's largest over the ranks)
 
 The cache is one JSON file, ``calibration.json``, in ``$FXSHARD_CACHE_DIR`` or
 ``~/.cache/fxshard``. The network's entry is keyed by backend, group size, whether
@@ -1040,7 +1042,8 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
     warm (``node_seconds``) and, where the device knows its cache, with its operands evicted
     (``node_cold_seconds``). On the CPU only, and only for rates measured here (a profile's
     are its figures). Each rank times its own: no collective (``report()`` may run on one
-    rank alone)."""
+    rank alone); the driver settles them over the ranks at a step's first forward
+    (``compiler.NodeTimes``: ``node_times``, ``with_slowest_node_times``)."""
     if device.type != "cpu" or not rates.device.measured:
         return rates
     nodes: dict[str, fx.Node] = {}
@@ -1070,6 +1073,34 @@ def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: 
     return replace(rates, device=replace(
         d, node_seconds={**d.node_seconds, **{k: w for k, (w, _) in timed.items()}},
         node_cold_seconds={**d.node_cold_seconds, **{k: c for k, (_, c) in timed.items()}}))
+
+
+def node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule]) -> dict[str, tuple[float, float | None]]:
+    """The timed nodes of ``graphs`` that ``rates`` holds (``with_node_times``'s): by
+    ``cost.node_key``, (warm seconds, cold seconds or None)."""
+    d = rates.device
+    return {key: (d.node_seconds[key], d.node_cold_seconds.get(key))
+            for gm in graphs.values() for node in gm.graph.nodes
+            if (key := node_key(node)) is not None and key in d.node_seconds}
+
+
+def with_slowest_node_times(rates: Rates, everyone: Sequence[Mapping[str, tuple[float, float | None]] | None]
+                            ) -> Rates:
+    """``rates`` with each node's times the largest of every rank's ``node_times`` that has
+    it (None: a rank with none): the slowest rank's, as the rest of the job's rates are, so
+    every rank predicts the same; a step waits for its slowest rank at every collective."""
+    warm: dict[str, float] = {}
+    cold: dict[str, float] = {}
+    for times in everyone:
+        for key, (w, c) in (times or {}).items():
+            warm[key] = max(warm.get(key, 0.0), w)
+            if c is not None:
+                cold[key] = max(cold.get(key, 0.0), c)
+    if not warm:
+        return rates
+    d = rates.device
+    return replace(rates, device=replace(d, node_seconds={**d.node_seconds, **warm},
+                                         node_cold_seconds={**d.node_cold_seconds, **cold}))
 
 
 def _time_node(node: fx.Node, device: torch.device, evict: torch.Tensor | None = None) -> tuple[float, float] | None:

@@ -44,6 +44,17 @@ its rank checks:
 
 The host backend (gloo) checks on the host always: the host runs its collectives,
 so it waits for them anyway.
+
+What the ranks agree on besides (``Share``). A phase checked on the host may also
+carry an exchange of something every rank must hold alike: a rank that has such a
+thing to settle sets the fingerprint's second bit (``SHARE``), and when the
+fingerprints agree and some rank has set it, every rank, whether it asked or not,
+sends its ``payload`` in one ``all_gather_object`` and takes everyone's. The ranks
+decide from the same exchanged fingerprints, so all of them make that call or none
+does: a rank that has settled its share already (its step compiled before a peer's
+was) still takes part. The driver settles this way, at a step's first forward, the
+CPU's timed matmuls and convolutions (the slowest rank's, so every rank's report
+predicts the same).
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,6 +77,8 @@ from fxshard.ir.errors import CollectiveMismatchError, FxShardError
 Description = dict[str, Any]
 AGREEMENT_BYTES = 8  # each rank's contribution to the agreement all_gather
 ON_DEVICE = 1  # the fingerprint's lowest bit: its rank checks this phase on the device
+SHARE = 2  # its second bit: its rank asks every rank to exchange their ``Share`` after the check
+FLAGS = ON_DEVICE | SHARE  # not part of what the ranks compare
 LAG = 2  # phases whose device-side check may be outstanding before the host waits for one
 PERIOD = 2  # a fingerprint sent this many exchanges before on the same group: steady state
 # The fingerprints this process last sent on each job group (the last PERIOD of them).
@@ -99,6 +112,19 @@ class _Outstanding:
         return bool(self.flag.item())
 
 
+class Share(Protocol):
+    """What every rank exchanges right after a phase's fingerprints agree, when some rank
+    ``wants`` to (see the module's docstring): each rank's ``payload()``, everyone's handed
+    to ``receive`` in rank order. Only on a phase checked on the host."""
+
+    @property
+    def wanted(self) -> bool: ...
+
+    def payload(self) -> Any: ...
+
+    def receive(self, everyone: list[Any]) -> None: ...
+
+
 class Agreement:
     """The ranks' agreement as a driver runs it: on the host for a new fingerprint, on the
     device (without stopping the host) for one this rank agreed on before; see the module's
@@ -114,20 +140,24 @@ class Agreement:
         self.device = comm_device(world.job_group) if self.active else torch.device("cpu")
         self.on_device = checks_on_device(self.device) if on_device is None else on_device
 
-    def agree(self, phase: str, fingerprint: bytes, describe: Callable[[], Description]) -> None:
+    def agree(self, phase: str, fingerprint: bytes, describe: Callable[[], Description],
+              share: Share | None = None) -> None:
         """Every rank about to run ``phase`` with ``fingerprint`` meets here. Raises
         ``CollectiveMismatchError`` unless all agree (at once, or for a phase checked on the
-        device, at a later phase: ``settle``)."""
+        device, at a later phase: ``settle``). ``share``: what this rank exchanges when some
+        rank asks (``Share``); a rank that passes none sends None."""
         if not self.active:
             return
         self.settle(wait=False)
         group = self.world.job_group
-        mine = int.from_bytes(fingerprint[:AGREEMENT_BYTES], "little", signed=True) & ~ON_DEVICE
+        mine = int.from_bytes(fingerprint[:AGREEMENT_BYTES], "little", signed=True) & ~FLAGS
         sent = _SENT.setdefault(group, [])
         lazy = self.on_device and len(sent) == PERIOD and sent[0] == mine
         sent[:] = [*sent, mine][-PERIOD:]
         if lazy:
             mine |= ON_DEVICE
+        elif share is not None and not self.on_device and share.wanted:
+            mine |= SHARE
         value = torch.full((1,), mine, dtype=torch.int64, device=self.device)  # no copy: no host wait
         everyone = torch.empty(self.world.job_size, dtype=torch.int64, device=self.device)
         with compat.no_python_context():  # the backward's agreement runs inside a backward
@@ -137,6 +167,13 @@ class Agreement:
             return
         self._wait(work, phase, time.monotonic())
         if not _differs(everyone, mine):
+            if any(f & SHARE for f in everyone.tolist()):  # the same on every rank
+                payloads: list[Any] = [None] * self.world.job_size
+                with compat.no_python_context():
+                    dist.all_gather_object(payloads, share.payload() if share is not None else None,
+                                           group=group)
+                if share is not None:
+                    share.receive(payloads)
             return
         sent.clear()  # nothing is steady after a mismatch
         fingerprints = everyone.tolist()
@@ -199,7 +236,7 @@ class Agreement:
         whose fingerprint has the ``ON_DEVICE`` bit); ``describe``: this rank's step, when it
         checked on the host."""
         members = self.world.job_members()
-        same = [r for r, f in zip(members, fingerprints) if (f & ~ON_DEVICE) == (mine & ~ON_DEVICE)]
+        same = [r for r, f in zip(members, fingerprints) if (f & ~FLAGS) == (mine & ~FLAGS)]
         other = [r for r in members if r not in same]
         went_on = [r for r, f in zip(members, fingerprints) if f & ON_DEVICE]
         lines = [f"ranks would issue different collectives in the {phase} (seen from "
@@ -227,12 +264,12 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _differs(everyone: torch.Tensor, mine: int) -> bool:
-    return any((f & ~ON_DEVICE) != (mine & ~ON_DEVICE) for f in everyone.tolist())
+    return any((f & ~FLAGS) != (mine & ~FLAGS) for f in everyone.tolist())
 
 
 def _differs_on_device(everyone: torch.Tensor, mine: int) -> torch.Tensor:
-    """On the device: whether any rank's fingerprint, its lowest bit aside, differs from ``mine``."""
-    return ((everyone >> 1) != ((mine & ~ON_DEVICE) >> 1)).any()
+    """On the device: whether any rank's fingerprint, its two low bits aside, differs from ``mine``."""
+    return ((everyone >> 2) != ((mine & ~FLAGS) >> 2)).any()
 
 
 def with_buffer_broadcast(fingerprint: bytes) -> bytes:

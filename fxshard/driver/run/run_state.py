@@ -10,8 +10,9 @@ compiled steps. ``RunState`` holds what running them changes, step by step:
   a ``zero_grad`` since then drops the sum, as it drops DDP's accumulated ``.grad``);
 - the buffer broadcast (DDP's ``broadcast_buffers``: before the first forward,
   and after each grad-enabled one) and the module whose buffers it sends;
-- the ranks' agreement on each phase's collectives, and ``abandoned``, set once
-  a phase of a step leaves by an exception;
+- the ranks' agreement on each phase's collectives (and on what the driver
+  settles with it at a step's forward: ``run``'s ``share``), and ``abandoned``,
+  set once a phase of a step leaves by an exception;
 - each parameter's and flat shard's ``requires_grad`` when the model was sharded,
   checked before every step.
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from fxshard.driver.run.consistency import Agreement, describe_step, with_buffer_broadcast
+from fxshard.driver.run.consistency import Agreement, Share, describe_step, with_buffer_broadcast
 from fxshard.driver.run.orig_params import OrigParams
 from fxshard.driver.run.runtime import Abandoned, World, broadcast_buffers, collective_failure
 from fxshard.ir import compat
@@ -217,13 +218,15 @@ class RunState:
                     "it (fxshard.compile / fxshard.parameters), and change it back now."
                 )
 
-    def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor]) -> Any:
+    def run(self, step: CompiledStep, inputs: Sequence[torch.Tensor], share: Share | None = None) -> Any:
         """Run a compiled step. Before its forward, and before its backward, every rank
-        checks that all ranks are about to issue the same collectives."""
+        checks that all ranks are about to issue the same collectives; ``share``: what this
+        rank exchanges with every rank after the forward's check, when some rank asks
+        (``consistency.Share``: the driver's timed nodes)."""
         self.abandoned.check(self.world)
         self.check_requires_grad()
         buffers = self.buffers_to_broadcast()
-        self.agree(step, "forward", inputs, broadcast=bool(buffers))
+        self.agree(step, "forward", inputs, broadcast=bool(buffers), share=share)
         if buffers:
             broadcast_buffers(buffers, self.world)
         self.broadcast_next = torch.is_grad_enabled()
@@ -272,14 +275,15 @@ class RunState:
             raise mismatch from e
 
     def agree(self, step: CompiledStep, phase: str, inputs: Sequence[torch.Tensor],
-              broadcast: bool = False) -> None:
+              broadcast: bool = False, share: Share | None = None) -> None:
         graph, collectives, digest = step.phases[phase]
         if broadcast:
             digest = with_buffer_broadcast(digest)
         grad = torch.is_grad_enabled() or phase == "backward"  # a backward runs with grad off
         try:
             self.agreement.agree(
-                phase, digest, lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast))
+                phase, digest, lambda: describe_step(phase, graph, grad, list(inputs), collectives, broadcast),
+                share)
         except CollectiveMismatchError as e:
             if e.groups_unusable:  # a rank went on into a phase's collectives
                 self.abandoned.leave(f"the agreement before the {phase}", e)
