@@ -164,6 +164,38 @@ def test_dropouts_backward_costs_its_measured_seconds_per_element() -> None:
     assert node_cost(back, device).seconds == pytest.approx(1000 * 2e-9 + 1e-6)  # 9 kB at 9 GB/s: 1 us
 
 
+@pytest.mark.parametrize("slow", ["first pass", "second pass", "both passes"])
+def test_a_slow_moment_during_the_device_measurement_leaves_the_rates_of_the_pass_it_missed(
+        monkeypatch: pytest.MonkeyPatch, slow: str) -> None:
+    from fxshard.driver.report import calibrate
+
+    device = torch.device("cpu")
+    # Every call _seconds times, in one pass: the matmul curve of each dtype, the bandwidth, the
+    # overhead and the view, the per-element operators.
+    per_pass = len(calibrate.DTYPES) * len(calibrate.matmul_sizes(device)) + 3 + len(
+        calibrate._per_element_ops(device))
+    timed: list[Any] = []
+
+    def seconds(fn: Any, device: torch.device, *args: Any, **kwargs: Any) -> float:
+        timed.append(fn)
+        first = len(timed) <= per_pass
+        hit = slow == "both passes" or (slow == "first pass") == first
+        return 3e-3 if hit else 1e-3  # a host three times slower for a moment
+
+    monkeypatch.setattr(calibrate, "_seconds", seconds)
+    monkeypatch.setattr(calibrate, "measure_fresh", lambda device: (None, 0.0))
+    rates = calibrate.measure_device(device)
+    took = 3e-3 if slow == "both passes" else 1e-3  # a slower device is slower in every pass
+    for name in calibrate.DTYPES:
+        assert [rate for _, rate in rates.matmul_curve[name]] == [
+            pytest.approx(2.0 * n ** 3 / took) for n in calibrate.matmul_sizes(device)]
+        assert rates.matmul_flops[name] == pytest.approx(2.0 * 512 ** 3 / took)
+    assert rates.bandwidth == pytest.approx(3 * (1 << 22) * 4 / took)
+    assert (rates.overhead, rates.view_overhead) == (pytest.approx(took / 100), pytest.approx(took / 100))
+    assert rates.per_element == {name: pytest.approx(took / count)
+                                 for name, (_, count) in calibrate._per_element_ops(device).items()}
+
+
 def test_dropout_costs_its_measured_seconds_per_element_at_its_own_probability() -> None:
     """The CPU kernel's branch per element makes p matter: the Net's dropout at p = 0.25 took
     4.5-4.7 ms a step in the step and was charged 3.1 from the rate timed at p = 0.1."""
@@ -1319,6 +1351,57 @@ def test_a_rank_whose_new_step_asks_to_settle_its_matmuls_is_answered_by_a_rank_
 
 def _batches_per_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     return _node_times_worker(rank, world_size, cache, [8, 8 if rank == 0 else 4])
+
+
+def _node_times_under_user_modes_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    """The first step under the user's autocast and a dispatch mode that counts what it sees:
+    the context each node is timed in, and what the mode saw."""
+    import os
+
+    import fxshard
+    from fxshard.driver.report import calibrate
+    from fxshard.ir.compat import TorchDispatchMode
+    from fxshard.policies import by_class
+
+    from models import MLP
+
+    os.environ["FXSHARD_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")
+    rates = Rates("injected", replace(_device(overhead=1e-5), measured=True),
+                  Network("injected", {k: LINK for k in calibrate.KINDS}))
+    calibrate.calibrate = lambda world, device: rates  # type: ignore[assignment]
+    contexts: list[tuple[bool, bool, int]] = []
+
+    def time_node(node: fx.Node, device: torch.device, evict: Any = None) -> tuple[float, float]:
+        contexts.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled(),
+                         torch._C._len_torch_dispatch_stack()))
+        torch.ones(7).neg_()  # an op the step has not: a mode around it would see it
+        return 1e-3, 1e-3
+
+    calibrate._time_node = time_node  # type: ignore[assignment]
+
+    seen: list[str] = []
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear))
+    with torch.autocast("cpu", dtype=torch.bfloat16), Watching():
+        sharded(torch.randn(8, 32)).float().square().mean().backward()
+    return dict(contexts=contexts, seen=seen)
+
+
+def test_matmuls_timed_inside_the_first_step_are_timed_outside_the_users_autocast_and_modes() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        ranks = run_ranks(_node_times_under_user_modes_worker, 2, cache)
+    for r in ranks:
+        assert r["contexts"] and set(r["contexts"]) == {(False, False, 0)}
+        # The mode saw the step's ops and none of the timing's.
+        assert "aten.mm.default" in r["seen"] and "aten.neg_.default" not in r["seen"]
 
 
 def _scripted_contention(monkeypatch: Any, slow: Callable[[int], float], other: list[float] | None = None,

@@ -58,7 +58,9 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   functional collectives fxshard emits, and the process group a graph names by string.
 - ``rng_prims`` (``torch._prims``): replaying dropout's generator state in recomputed regions.
 - ``TorchDispatchMode`` (``torch.utils._python_dispatch``): meta init's write recorder and the
-  collective byte counter; ``mem_tracker`` (``torch.distributed._tools``): measured peaks.
+  collective byte counter; ``without_dispatch_modes`` (its ``_disable_current_modes``): the
+  CPU's node timing at a step's first forward, unseen by a user's mode around the step;
+  ``mem_tracker`` (``torch.distributed._tools``): measured peaks.
 - ``DisableTorchFunctionSubclass``, ``foreach_norm``, ``amp_foreach_non_finite_check_and_unscale_``
   (``torch._C``, ``torch``): ShardGrad's global norms inside ``clip_grad_norm_`` and its inf check
   inside GradScaler, which call these.
@@ -160,6 +162,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as without_dispatch_modes
 
 __all__ = [
     "BACKWARD_HOLDS_TANGENTS", "DDP_IGNORED", "RELEASE", "BatchNorm", "DisableTorchFunctionSubclass",
@@ -173,7 +176,7 @@ __all__ = [
     "inductor_compile_fx_inner", "inductor_decompositions", "inductor_partition_fn",
     "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "lazy_graph_modules",
     "load_state_dict_from_keys", "make_fx", "make_graph_module",
-    "mem_tracker", "one_thread_gloo", "op_name", "optimized_module_class", "original_module",
+    "mem_tracker", "one_thread_gloo", "without_dispatch_modes", "op_name", "optimized_module_class", "original_module",
     "profiler_enabled", "pytree",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
     "state_dict_hooked",

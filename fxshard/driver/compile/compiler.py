@@ -652,7 +652,10 @@ class NodeTimes:
     def payload(self) -> dict[str, tuple[float, float | None]]:
         d, graphs = self.driver, emitted_graphs(self.step.graphs)
         assert d.rates is not None
-        d.rates = calibrate.with_node_times(d.rates, graphs, d.device)
+        # Inside the user's step: the nodes timed as the graphs run them, not as the user's
+        # autocast or dispatch modes (a memory tracker, a FLOP counter) would.
+        with torch.no_grad(), torch.autocast(d.device.type, enabled=False), compat.without_dispatch_modes():
+            d.rates = calibrate.with_node_times(d.rates, graphs, d.device)
         return calibrate.node_times(d.rates, graphs)
 
     def receive(self, everyone: list[Any]) -> None:

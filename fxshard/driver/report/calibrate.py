@@ -37,7 +37,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,8 +98,8 @@ WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 16  # 15: the latency sharing pooled over 20 blocks, up to SHARING_MAX; 16: dropout at three p,
-# the cold issue, and the latency sharing of kinds that differ
+METHOD = 17  # 16: dropout at three p, the cold issue, and the latency sharing of kinds that differ;
+# 17: the device's rates the faster of two passes (DEVICE_PASSES)
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
@@ -198,10 +198,47 @@ def matmul_sizes(device: torch.device) -> tuple[int, ...]:
     return (64, 128, 256, 512) if device.type == "cpu" else (512, 1024, 2048, 4096)
 
 
+# Passes over the device's rates (``measure_device``), the faster of each kept.
+DEVICE_PASSES = 2
+
+
 def measure_device(device: torch.device) -> DeviceRates:
-    """This device's rates, in about a second and a half on the CPU (at its thread count; the
-    fresh pages about a second of it), each the median of its calls (``_seconds``)."""
-    flops: dict[str, float] = {}
+    """This device's rates, in about two seconds on the CPU (at its thread count; the fresh
+    pages about a second of it): the matmul curve, the bandwidth, the overheads and the
+    per-element operators each measured in ``DEVICE_PASSES`` passes, one after the other,
+    each the median of its calls (``_seconds``), and of each the faster pass kept; the
+    fresh pages once.
+
+    A moment of a shared host (or of another rank calibrating beside this one) slows the
+    few calls a point takes: between two gloo ranks here one calibration in about ten
+    measured the 512x512 float32 matmul at 39-77 GFLOP/s and the bandwidth at 8 GB/s
+    where the rest measured 86-112 and 15-53, and the step it predicted came out 32% long
+    (docs/time.md). A slow moment slows one pass; a slower device slows both."""
+    passes = [_device_pass(device) for _ in range(DEVICE_PASSES)]
+    curves = {name: tuple((work, max(p.curves[name][i][1] for p in passes))
+                          for i, (work, _) in enumerate(passes[0].curves[name])) for name in DTYPES}
+    per_element = {name: min(p.per_element[name] for p in passes) for name in passes[0].per_element}
+    fresh_bytes, fresh_bandwidth = measure_fresh(device)
+    return DeviceRates(device_name(device), {name: curve[-1][1] for name, curve in curves.items()},
+                       max(p.bandwidth for p in passes), min(p.overhead for p in passes),
+                       min(p.view for p in passes), curves, per_element,
+                       asynchronous=device.type != "cpu", measured=True,
+                       fresh_bytes=fresh_bytes, fresh_bandwidth=fresh_bandwidth,
+                       cache_bytes=last_level_cache() if device.type == "cpu" else None)
+
+
+@dataclass
+class _DevicePass:
+    """One pass of ``measure_device``: its rates as measured then."""
+
+    curves: dict[str, tuple[tuple[float, float], ...]]  # by dtype: (FLOPs, FLOP/s) by size
+    bandwidth: float  # bytes/s
+    overhead: float  # seconds per operator
+    view: float  # seconds per view
+    per_element: dict[str, float]  # seconds per element, by cost.PER_ELEMENT key
+
+
+def _device_pass(device: torch.device) -> _DevicePass:
     curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
@@ -212,7 +249,6 @@ def measure_device(device: torch.device) -> DeviceRates:
             work = 2.0 * n ** 3
             points.append((work, work / _seconds(functools.partial(torch.mm, a, b), device)))
         curves[name] = tuple(points)
-        flops[name] = points[-1][1]
     # Streaming tensors larger than a CPU's caches (16 MiB each), into a buffer already touched:
     # a fresh 64 MiB allocation on the CPU costs its page faults on top (docs/time.md).
     numel = (1 << 26) if device.type != "cpu" else (1 << 22)
@@ -229,14 +265,8 @@ def measure_device(device: torch.device) -> DeviceRates:
         for _ in range(100):
             view(one, [1])
 
-    overhead = _seconds(adds, device) / 100
-    per_element = {name: _seconds(run, device) / count
-                   for name, (run, count) in _per_element_ops(device).items()}
-    fresh_bytes, fresh_bandwidth = measure_fresh(device)
-    return DeviceRates(device_name(device), flops, bandwidth, overhead, _seconds(views, device) / 100, curves,
-                       per_element, asynchronous=device.type != "cpu", measured=True,
-                       fresh_bytes=fresh_bytes, fresh_bandwidth=fresh_bandwidth,
-                       cache_bytes=last_level_cache() if device.type == "cpu" else None)
+    per_element = {name: _seconds(run, device) / count for name, (run, count) in _per_element_ops(device).items()}
+    return _DevicePass(curves, bandwidth, _seconds(adds, device) / 100, _seconds(views, device) / 100, per_element)
 
 
 def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
