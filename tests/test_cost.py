@@ -653,6 +653,30 @@ def test_calibration_times_each_distinct_matmul_once_and_keeps_it(tmp_path: Any,
     assert calibrate.with_node_times(measured, {"forward": gm}, torch.device("cuda")) is measured
 
 
+def test_calibration_leaves_the_random_stream_as_it_found_it(tmp_path: Any, monkeypatch: Any) -> None:
+    """Measured or found cached, the rates leave the user's next random numbers alike: a first
+    run, which measures (at compile, at the first step, in report()), trains as a later one
+    that reads the cache."""
+    from fxshard.driver.report import calibrate
+
+    monkeypatch.setenv("FXSHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_NODES", {})
+    monkeypatch.setattr(calibrate, "_DEVICES", {})
+    monkeypatch.setattr(calibrate, "measure_fresh", lambda device: (None, 0.0))  # a second, and no draws
+    b = Builder()
+    x = b.input("x", 64, 64)
+    gm = b.done(b.op(torch.ops.aten.mm.default, x, x))
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    rates = calibrate.local_rates(cpu)  # the device measured: random operands drawn
+    timed = calibrate.with_node_times(replace(rates, device=replace(rates.device, cache_bytes=1 << 20)),
+                                      {"forward": gm}, cpu)
+    assert timed.device.node_seconds and timed.device.node_cold_seconds  # timed: random operands drawn
+    assert torch.equal(torch.rand(4), expected)
+
+
 def cost_key(node: fx.Node) -> str:
     from fxshard.ir.cost import node_key
 

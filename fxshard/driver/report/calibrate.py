@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from fxshard.ir.cost import (
 
 log = logging.getLogger("fxshard")
 
+T = TypeVar("T")
 CACHE_ENV = "FXSHARD_CACHE_DIR"
 DTYPES = ("float32", "bfloat16")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -161,6 +162,22 @@ def device_key(device: torch.device) -> str:
 
 
 # -- measuring ----------------------------------------------------------------------------------
+
+
+def keeps_rng(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with the process's random generators as it found them: calibration draws its
+    operands at random, and runs where the user's stream must go on as if it had not (at
+    compile, at a step's first forward, in ``report()``). Measured or cached, the next
+    dropout mask and ``torch.randn`` are the same: a run that finds the rates cached trains
+    bit for bit like one that measures them."""
+
+    @functools.wraps(fn)
+    def kept(*args: Any, **kwargs: Any) -> T:
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))
+                                   if torch.cuda.is_initialized() else []):
+            return fn(*args, **kwargs)
+
+    return kept
 
 
 def _sync(device: torch.device) -> None:
@@ -480,6 +497,7 @@ def _per_element_ops(device: torch.device) -> dict[str, tuple[Callable[[], objec
     return ops
 
 
+@keeps_rng
 def device_rates(device: torch.device) -> DeviceRates:
     """This device's rates: from this process's memo, the cache, or measured (then cached)."""
     key = device_key(device)
@@ -984,6 +1002,7 @@ def network_key(world: World) -> str:
             f"torch {torch.__version__} | {torch.get_num_threads()} threads | method {METHOD}")
 
 
+@keeps_rng
 def calibrate(world: World, device: torch.device) -> Rates:
     """The rates every rank of ``world`` predicts with: each rank's device and network (cached,
     or measured now), the slowest of each over the job. Every rank of the job calls this
@@ -1066,6 +1085,7 @@ def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+@keeps_rng
 def with_node_times(rates: Rates, graphs: Mapping[str, fx.GraphModule], device: torch.device) -> Rates:
     """``rates`` with each matmul and convolution of ``graphs`` (``cost.TIMED``) timed on
     ``device``, once per distinct node (``cost.node_key``), cached beside the device's rates:
