@@ -1306,11 +1306,14 @@ def test_a_report_on_two_gloo_ranks_predicts_the_step_and_its_parts(tmp_path: An
     assert all(math.isfinite(e.get("ts", 0)) for e in trace["traceEvents"])
 
 
-def _node_times_worker(rank: int, world_size: int, cache: str, batches: list[int]) -> dict[str, Any]:
+def _node_times_worker(rank: int, world_size: int, cache: str, batches: list[int],
+                       fails: int | None = None) -> dict[str, Any]:
     """Two ranks whose matmuls time differently (``_time_node`` scripted: each rank slower on
-    half the nodes, by their key's length): one step each at ``batches``, then each rank's
-    timed nodes as its driver holds them and its report's prediction."""
+    half the nodes, by their key's length; on rank ``fails`` it raises): one step each at
+    ``batches``, then each rank's timed nodes as its driver holds them, its report's
+    prediction and the warnings it gave."""
     import os
+    import warnings
 
     import fxshard
     from fxshard.driver.report import calibrate
@@ -1328,6 +1331,8 @@ def _node_times_worker(rank: int, world_size: int, cache: str, batches: list[int
     def time_node(node: fx.Node, device: torch.device, evict: Any = None) -> tuple[float, float]:
         key = node_key(node)
         assert key is not None
+        if rank == fails:
+            raise RuntimeError("no clock here")
         slower = 1 + (len(key) + rank) % 2  # this rank the slower on half the nodes
         timed[key] = (1e-3 * slower, 1.5e-3 * slower)
         return timed[key]
@@ -1335,12 +1340,14 @@ def _node_times_worker(rank: int, world_size: int, cache: str, batches: list[int
     calibrate._time_node = time_node  # type: ignore[assignment]
     torch.manual_seed(0)
     sharded = fxshard.compile(MLP(d_in=32, hidden=64, depth=3, d_out=8), policy=by_class(nn.Linear))
-    for batch in batches:
-        sharded(torch.randn(batch, 32)).square().mean().backward()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for batch in batches:
+            sharded(torch.randn(batch, 32)).square().mean().backward()
     predicted = sharded.report().predicted_step_seconds
     device = sharded._driver.rates.device
     return dict(timed=timed, warm=dict(device.node_seconds), cold=dict(device.node_cold_seconds),
-                predicted=predicted)
+                predicted=predicted, warned=[str(w.message) for w in warned if "settle" in str(w.message)])
 
 
 def test_every_rank_predicts_the_step_with_the_slowest_ranks_timed_matmuls() -> None:
@@ -1375,6 +1382,22 @@ def test_a_rank_whose_new_step_asks_to_settle_its_matmuls_is_answered_by_a_rank_
 
 def _batches_per_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     return _node_times_worker(rank, world_size, cache, [8, 8 if rank == 0 else 4])
+
+
+def _failing_rank_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    return _node_times_worker(rank, world_size, cache, [8], fails=0)
+
+
+def test_a_rank_that_cannot_time_its_matmuls_warns_and_takes_the_others_without_stopping_anyone() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        r0, r1 = run_ranks(_failing_rank_worker, 2, cache)  # returns: neither rank waited on rank 0
+    assert len(r0["warned"]) == 1 and "rank 0" in r0["warned"][0] and "no clock here" in r0["warned"][0]
+    assert r1["warned"] == [] and r0["timed"] == {} and r1["timed"]
+    for k, (warm, cold) in r1["timed"].items():  # rank 1's times, on both ranks
+        assert r0["warm"][k] == r1["warm"][k] == warm and r0["cold"][k] == r1["cold"][k] == cold
+    assert r0["predicted"] == r1["predicted"]
 
 
 def _node_times_under_user_modes_worker(rank: int, world_size: int, cache: str) -> dict[str, Any]:

@@ -52,7 +52,8 @@ fingerprints agree and some rank has set it, every rank, whether it asked or not
 sends its ``payload`` in one ``all_gather_object`` and takes everyone's. The ranks
 decide from the same exchanged fingerprints, so all of them make that call or none
 does: a rank that has settled its share already (its step compiled before a peer's
-was) still takes part. The driver settles this way, at a step's first forward, the
+was) still takes part, and a rank whose payload fails sends None (with a warning)
+rather than leave the others waiting in the exchange. The driver settles this way, at a step's first forward, the
 CPU's timed matmuls and convolutions (the slowest rank's, so every rank's report
 predicts the same).
 """
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,12 +170,7 @@ class Agreement:
         self._wait(work, phase, time.monotonic())
         if not _differs(everyone, mine):
             if any(f & SHARE for f in everyone.tolist()):  # the same on every rank
-                payloads: list[Any] = [None] * self.world.job_size
-                with compat.no_python_context():
-                    dist.all_gather_object(payloads, share.payload() if share is not None else None,
-                                           group=group)
-                if share is not None:
-                    share.receive(payloads)
+                self._exchange(phase, share)
             return
         sent.clear()  # nothing is steady after a mismatch
         fingerprints = everyone.tolist()
@@ -183,6 +180,22 @@ class Agreement:
         with compat.no_python_context():
             dist.all_gather_object(descriptions, describe(), group=group)
         raise CollectiveMismatchError(_mismatch(descriptions, self.world))
+
+    def _exchange(self, phase: str, share: Share | None) -> None:
+        """Every rank's ``share`` (``Share``): each sends its payload, each takes everyone's.
+        A rank whose payload fails sends None, with a warning, so that no rank waits on it."""
+        try:
+            mine = share.payload() if share is not None else None
+        except Exception as e:  # noqa: BLE001 - the others are already in the exchange
+            warnings.warn(f"fxshard: {self.world.who()} could not prepare what the ranks settle before the "
+                          f"{phase} ({type(e).__name__}: {e}); it sent nothing and takes the other ranks'",
+                          stacklevel=4)
+            mine = None
+        payloads: list[Any] = [None] * self.world.job_size
+        with compat.no_python_context():
+            dist.all_gather_object(payloads, mine, group=self.world.job_group)
+        if share is not None:
+            share.receive(payloads)
 
     def settle(self, wait: bool = True) -> None:
         """Read the results of phases checked on the device: those arrived (``wait=False``:
