@@ -677,6 +677,40 @@ def test_calibration_leaves_the_random_stream_as_it_found_it(tmp_path: Any, monk
     assert torch.equal(torch.rand(4), expected)
 
 
+@pytest.mark.parametrize("initialized", [True, False])
+def test_calibration_forks_the_current_accelerators_generators_where_it_is_initialized(
+        monkeypatch: Any, initialized: bool) -> None:
+    """On an XPU (torch's current accelerator; CUDA's alike) calibration draws its operands
+    from the device's generators too, so it forks every device's generator with the CPU's;
+    on an accelerator not yet initialized it forks none (forking would initialize it).
+    Stood in for on this CPU: the accelerator and its module, and fork_rng, recording."""
+    import contextlib
+
+    from fxshard.driver.report import calibrate
+
+    forked: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices: Any = None, device_type: Any = None) -> Any:
+        forked.append((list(devices), device_type))
+        yield
+
+    class Module:
+        @staticmethod
+        def is_initialized() -> bool:
+            return initialized
+
+        @staticmethod
+        def device_count() -> int:
+            return 2
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: Module if kind == "xpu" else None)
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    assert calibrate.keeps_rng(lambda: 7)() == 7
+    assert forked == [([0, 1] if initialized else [], "xpu")]
+
+
 def cost_key(node: fx.Node) -> str:
     from fxshard.ir.cost import node_key
 

@@ -173,11 +173,24 @@ def keeps_rng(fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> T:
-        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))
-                                   if torch.cuda.is_initialized() else []):
+        device_type, devices = _initialized_accelerator()
+        with torch.random.fork_rng(devices=devices, device_type=device_type):
             return fn(*args, **kwargs)
 
     return kept
+
+
+def _initialized_accelerator() -> tuple[str | None, list[int]]:
+    """The accelerator whose generators calibration may draw from (CUDA's, XPU's: torch's
+    current one) and its devices, where it is initialized: a fork of one that is not would
+    initialize it. (None, []) where there is none; the CPU's generator is always forked."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return None, []
+    module = torch.get_device_module(accelerator.type)
+    if not getattr(module, "is_initialized", lambda: False)():
+        return accelerator.type, []
+    return accelerator.type, list(range(module.device_count()))
 
 
 def _sync(device: torch.device) -> None:
