@@ -80,9 +80,10 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # as buffers outgrow the caches. The CPU's 4 and 8 MiB (calibration method 12, about 0.35 s
 # more) put the line where the steps' 2-17 MB collectives are: gloo moves 4-8 MiB buffers
 # faster per byte than 16 MiB ones, and the line through 64 KiB, 1 MiB and 16 MiB alone
-# predicted them long. Timed alone after twelve calibrations on 2 gloo ranks here, all_gathers
-# and reduce_scatters of 1-16 MiB came within 25% of the five-size line in 111 of 120 and of the
-# three-size line refitted from the same calls in 86 (benchmarks/network_sizes.py). (A fourth size alone, 10
+# predicted them long. Timed alone after twelve calibrations on 2 gloo ranks of the second
+# machine, all_gathers and reduce_scatters of 1-16 MiB came within 25% of the five-size line in
+# 111 of 120 and of the three-size line refitted from the same calls in 86; on the third, with
+# method 17, in 89 and 79 (benchmarks/network_sizes.py, docs/time.md). (A fourth size alone, 10
 # calls of 4 MiB, with 8 calls of 16 MiB, had left the bandwidth's swing between calibrations
 # as it was: 0.50-0.77 GB/s for all_gather.)
 NETWORK_SIZES = {"cpu": ((1 << 16, 240), (1 << 20, 20), (1 << 22, 10), (1 << 23, 6), (1 << 24, 5)),
