@@ -237,6 +237,16 @@ def ranks_of(row: dict[str, Any]) -> str:
     return str(row.get("ranks", row.get("world_size", 2)))
 
 
+def threshold_of(row: dict[str, Any]) -> str:
+    """The glibc mmap threshold a row's prediction walked its fresh pages with, in MiB: the
+    process's where some rank knew it, else the step's largest tensor's ("largest"); "none"
+    where calibration found no fresh pages (``DeviceRates.fresh_bytes`` None), so nothing is
+    charged."""
+    if row["mmap_threshold"] is None:
+        return "none"
+    return f"{row['mmap_threshold'] / (1 << 20):.1f}" + ("" if row["known_mmap_threshold"] else " (largest)")
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ms = 1e3
     lines = [f"Machine: {meta['machine']}; torch {meta['torch']}; gloo, one thread per rank; "
@@ -250,7 +260,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     r.get("ranks") == "1g" for r in rows) else "") + ". "
              "Fresh pages: the MB a measured step faulted in (the median) and the MB the prediction "
              "charged, and glibc's mmap threshold the prediction took (\"largest\": no rank knew it, "
-             "so the step's largest tensor's).", "",
+             "so the step's largest tensor's"
+             + ("; \"none\": calibration's probe found no size that faults, so nothing is charged" if any(
+                 "predicted_fresh_bytes" in r and r["mmap_threshold"] is None for r in rows) else "")
+             + ").", "",
              "| model | ranks | params | units | measured step ms | predicted ms | error | fwd+bwd measured / "
              "predicted ms | optimizer measured / predicted ms | predicted compute / exposed comm ms | "
              "fresh pages MB measured / predicted, threshold MiB | load | host: matmul ms before, after |",
@@ -269,8 +282,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['measured_optimizer_s'] * ms:.1f} / {r['predicted_optimizer_s'] * ms:.1f} | "
             f"{r['predicted_compute_s'] * ms:.1f} / {r['predicted_exposed_comm_s'] * ms:.1f} | "
             + (f"{r['measured_fresh_bytes'] / MB:.1f} / {r['predicted_fresh_bytes'] / MB:.1f}, "
-               f"{r['mmap_threshold'] / (1 << 20):.1f}" + ("" if r["known_mmap_threshold"] else " (largest)") + " | "
-               if "predicted_fresh_bytes" in r else "- | ")
+               f"{threshold_of(r)} | " if "predicted_fresh_bytes" in r else "- | ")
             + f"{r.get('load_1min_before', r['load_1min']):.1f}, {r['load_1min']:.1f} | "
             + (f"{r['host_matmul_s_before'] * ms:.2f}, {r['host_matmul_s_after'] * ms:.2f} |"
                if "host_matmul_s_before" in r else "- |"))
