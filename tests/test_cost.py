@@ -1081,6 +1081,36 @@ def test_fresh_pages_follow_the_heap_watermark() -> None:
     assert fresh_pages([[0, 80 * mib], [0]], mib, device, threshold=100 * mib) == [[0, 80 * mib], [0]]
 
 
+def test_a_fresh_page_probe_that_finds_nothing_slow_here_probes_again_in_a_new_process(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A heap with free memory serves every size the probe asks for, and the probe in this
+    process reads "no fresh pages" (stood in for: no boundary found here). Calibration then
+    probes in a new process, whose heap holds nothing to serve them, and finds glibc's
+    boundary (about its largest mmap threshold, 32 MiB) and a finite cost per byte. Where the
+    new process cannot run, it warns and charges none, as before."""
+    import subprocess
+
+    from fxshard.driver.report import calibrate
+
+    if calibrate._glibc() is None:
+        pytest.skip("the C library is not glibc 2.33 or later")
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                 "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(calibrate, "fresh_boundary", lambda slow, sizes: None)
+    low, bandwidth = calibrate.measure_fresh(torch.device("cpu"))
+    assert low is not None and 1 << 20 < low <= calibrate.FRESH_LARGEST
+    assert 0 < bandwidth < math.inf
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise subprocess.TimeoutExpired("python", 300)
+
+    monkeypatch.setattr(subprocess, "run", fails)
+    with caplog.at_level("WARNING", logger=calibrate.log.name):
+        assert calibrate.measure_fresh(torch.device("cpu")) == (None, math.inf)
+    assert "could not run in a new one" in caplog.text
+
+
 def test_calibration_knows_the_mmap_threshold_its_probe_left(monkeypatch: pytest.MonkeyPatch) -> None:
     """glibc raises its mmap threshold to the size of a mapped allocation it frees and never
     lowers it. In a fresh process (threshold 128 KiB), the fresh-page probe's 16 MiB allocation

@@ -336,15 +336,53 @@ def fresh_is_slow(fresh: float, kept: float) -> bool:
 
 def measure_fresh(device: torch.device) -> tuple[int | None, float]:
     """Where the CPU's allocator stops reusing memory (``DeviceRates.fresh_bytes``) and what a
-    fresh allocation costs on top of writing it (``fresh_bandwidth``), in about a
-    second: a tensor allocated, filled and freed, against the same fill into a tensor kept. A
-    size is slow where the fresh fill takes over ``FRESH_SLOWER`` times the kept one
-    (``fresh_is_slow``) in two measurements; sizes double from 1 MiB to ``FRESH_LARGEST`` and
-    ``fresh_boundary`` finds where slow begins. The bandwidth is the largest size's over the
-    smaller of its two measured differences. On an accelerator, or where no size up to
-    ``FRESH_LARGEST`` is slow: (None, inf)."""
+    fresh allocation costs on top of writing it (``fresh_bandwidth``): ``probe_fresh`` in this
+    process, or where it finds no size slow under glibc, in a new one (``_probe_in_a_new_process``:
+    its heap holds no free memory that could serve the probe's allocations). On an accelerator,
+    or where neither finds a size slow: (None, inf).
+
+    A process that built a model before calibrating may hold a heap with more free memory than
+    the probe's largest allocation; glibc then serves every size from it, none faults, and the
+    probe reads "no fresh pages", which the cache keeps for every later process on the host.
+    The 12-layer GPT of the time benchmark, calibrated right after it was built in one process
+    with a gloo group of its own, read so in three of three processes here and faulted in
+    28-51 MB a step that the model then charged nothing for (docs/time.md)."""
     if device.type != "cpu":
         return None, math.inf
+    found = probe_fresh(device)
+    if found[0] is None and _glibc() is not None:
+        return _probe_in_a_new_process()
+    return found
+
+
+def _probe_in_a_new_process() -> tuple[int | None, float]:
+    """``probe_fresh`` in a new Python process with this one's thread count; (None, inf), with
+    a warning, where that process fails."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[3])  # the folder that holds the fxshard package
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(int(sys.argv[2])); "
+            "from fxshard.driver.report import calibrate; "
+            "low, bandwidth = calibrate.probe_fresh(torch.device('cpu')); print(low, bandwidth)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, root, str(torch.get_num_threads())],
+                             capture_output=True, text=True, timeout=300, check=True).stdout.split()
+        low, bandwidth = out[-2], float(out[-1])
+        return (None if low == "None" else int(low)), bandwidth
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        log.warning("fxshard: the fresh-page probe found no size slow in this process and could not run "
+                    "in a new one (%s); the time model charges no fresh pages", e)
+        return None, math.inf
+
+
+def probe_fresh(device: torch.device) -> tuple[int | None, float]:
+    """``measure_fresh``'s probe in this process, in about a second: a tensor allocated, filled
+    and freed, against the same fill into a tensor kept. A size is slow where the fresh fill
+    takes over ``FRESH_SLOWER`` times the kept one (``fresh_is_slow``) in two measurements;
+    sizes double from 1 MiB to ``FRESH_LARGEST`` and ``fresh_boundary`` finds where slow
+    begins. The bandwidth is the largest size's over the smaller of its two measured
+    differences. (None, inf) where no size up to ``FRESH_LARGEST`` is slow."""
 
     def costs(nbytes: int) -> tuple[float, float]:
         numel = nbytes // 4
