@@ -100,8 +100,9 @@ WARM_ROUNDS = 4
 # A timed node's cold calls, each on operands of its own (``_time_node``).
 COLD_CALLS = 7
 # How the rates are measured; a cache entry measured otherwise is measured again.
-METHOD = 17  # 16: dropout at three p, the cold issue, and the latency sharing of kinds that differ;
-# 17: the device's rates the faster of two passes (DEVICE_PASSES)
+METHOD = 18  # 16: dropout at three p, the cold issue, and the latency sharing of kinds that differ;
+# 17: the device's rates the faster of two passes (DEVICE_PASSES); 18: a fresh-page probe that
+# finds nothing slow here probes again in a new process (a cached "no fresh pages" measured again)
 
 # This process's rates, by cache key: a device's, and a network's cache entry.
 _DEVICES: dict[str, DeviceRates] = {}
