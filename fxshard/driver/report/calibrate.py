@@ -346,8 +346,9 @@ def measure_fresh(device: torch.device) -> tuple[int | None, float]:
     the probe's largest allocation; glibc then serves every size from it, none faults, and the
     probe reads "no fresh pages", which the cache keeps for every later process on the host.
     The 12-layer GPT of the time benchmark, calibrated right after it was built in one process
-    with a gloo group of its own, read so in three of three processes here and faulted in
-    28-51 MB a step that the model then charged nothing for (docs/time.md)."""
+    with a gloo group of its own, read so in three of three processes here; its steps faulted
+    in 28-51 MB that the model, charging none, left out (17-21% short; with the new process,
+    3-7%: docs/time.md)."""
     if device.type != "cpu":
         return None, math.inf
     found = probe_fresh(device)
