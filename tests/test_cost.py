@@ -1853,3 +1853,93 @@ def test_the_network_is_measured_on_the_dimension_that_communicates_and_cached_b
     assert calibrate.measure_latency_sharing(no_shard) == (pytest.approx(0.5), pytest.approx(0.5))  # type: ignore[arg-type]
     assert set(gathered) == {"r0", "r1"}
     assert calibrate.measure_latency_sharing(one) == (0.0, 0.0)  # type: ignore[arg-type]
+
+
+def _full_device() -> DeviceRates:
+    """A device as calibration measures the CPU: every per-element operator, a curve point per
+    matmul size."""
+    from fxshard.driver.report.calibrate import matmul_sizes
+    from fxshard.ir.cost import PER_ELEMENT
+
+    curve = tuple((2.0 * n ** 3, GFLOP * (i + 1)) for i, n in enumerate(matmul_sizes(torch.device("cpu"))))
+    return DeviceRates("cached device", {"float32": GFLOP, "bfloat16": 2 * GFLOP}, 2e10, 2e-6, 1e-6,
+                       {"float32": curve, "bfloat16": curve},
+                       {name: (i + 1) * 1e-9 for i, name in enumerate(PER_ELEMENT)}, measured=True,
+                       fresh_bytes=1 << 20, fresh_bandwidth=3e9, cache_bytes=32 << 20)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3", '"rates"'])
+def test_a_cache_file_that_is_not_a_json_object_is_measured_again_and_written_over(
+        tmp_path: Any, monkeypatch: Any, text: str) -> None:
+    """A cache file that holds JSON but not an object of entries (written by something else):
+    no entry is read from it, and the next measurement is saved over it, as for a file that
+    is not JSON at all."""
+    import json
+
+    from fxshard.driver.report import calibrate
+
+    monkeypatch.setenv("FXSHARD_CACHE_DIR", str(tmp_path))
+    calibrate.cache_path().write_text(text)
+    assert calibrate._load("a key") is None
+    calibrate._save("a key", {"measured": 1.0})
+    assert json.loads(calibrate.cache_path().read_text()) == {"a key": {"measured": 1.0}}
+    assert calibrate._load("a key") == {"measured": 1.0}
+
+
+def test_a_cached_device_entry_this_fxshard_would_not_measure_is_measured_again() -> None:
+    """The ranks' rates are lined up by position for their MAX (``_pack``): an entry short of a
+    per-element operator or of a matmul curve's point would misalign them (one rank's tanh
+    read as another's sigmoid) or fail the all_reduce, and a rate of zero divides by zero.
+    Such an entry (an older fxshard's, or edited by hand) is measured again."""
+    from fxshard.driver.report.calibrate import _device_entry, _device_from
+
+    cpu = torch.device("cpu")
+    full = _full_device()
+    assert _device_from(_device_entry(full), cpu) == full  # what calibration writes, read back
+
+    def edited(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        entry = _device_entry(full)
+        change(entry)
+        return entry
+
+    assert _device_from(edited(lambda e: e["per_element"].pop("tanh")), cpu) is None
+    assert _device_from(edited(lambda e: e["per_element"].update(unknown_op=1e-9)), cpu) is None
+    assert _device_from(edited(lambda e: e["matmul_curve"]["float32"].pop()), cpu) is None
+    assert _device_from(edited(lambda e: e.update(bandwidth=0.0)), cpu) is None
+    assert _device_from(edited(lambda e: e.update(overhead=math.nan)), cpu) is None
+    assert _device_from(edited(lambda e: e["matmul_flops"].update(float32=-1.0)), cpu) is None
+
+
+def test_a_cached_network_entry_with_a_bandwidth_of_zero_is_measured_again() -> None:
+    from fxshard.driver.report.calibrate import KINDS, _network_entry, _network_from
+
+    network = Network("measured", {kind: Link(1e-4, 1e9, issue_latency=1e-5, issue_bandwidth=1e10,
+                                              issue_cold_bandwidth=None) for kind in KINDS})
+    entry = _network_entry(network, 0.5, 1.0, (1.0, 1.2))
+    read = _network_from(entry)
+    assert read is not None and read[0].links == network.links and read[1:] == (0.5, 1.0, (1.0, 1.2))
+    for field, value in (("bandwidth", 0.0), ("issue_bandwidth", -1.0), ("latency", math.nan)):
+        broken = {**entry, "all_gather": {**entry["all_gather"], field: value}}
+        assert _network_from(broken) is None, field
+    assert _network_from({**entry, "contention": math.inf}) is None
+
+
+def test_rates_packed_for_the_ranks_max_unpack_to_themselves_an_infinite_bandwidth_included() -> None:
+    """``_pack`` stores each bandwidth as its inverse (0 for an infinite one), and ``_unpack``
+    turns it back: a link that moves bytes for free stays free, where it divided by zero."""
+    from fxshard.driver.report.calibrate import KINDS, _pack, _unpack
+
+    device = _full_device()
+    links = {kind: Link(1e-4, 1e9, issue_latency=1e-5, issue_bandwidth=2e10, issue_cold_bandwidth=5e9)
+             for kind in KINDS}
+    links["all_reduce"] = Link(0.0, math.inf, issue_latency=0.0, issue_bandwidth=math.inf,
+                               issue_cold_bandwidth=math.inf)
+    unpacked = _unpack(_pack(device, Network("n", links), 0.5, 1.5, (1.0, 1.25), 1 << 20), device, "d", "n")
+    rates, network, contention, starvation, sharing, threshold = unpacked
+    assert network.links["all_reduce"] == links["all_reduce"]
+    assert network.links["all_gather"].bandwidth == pytest.approx(1e9)
+    assert rates.per_element == pytest.approx(dict(device.per_element))
+    for dtype, curve in device.matmul_curve.items():
+        assert [p for point in rates.matmul_curve[dtype] for p in point] == \
+            pytest.approx([p for point in curve for p in point])
+    assert (contention, starvation, sharing, threshold) == (0.5, 1.5, (1.0, 1.25), 1 << 20)

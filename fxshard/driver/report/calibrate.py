@@ -115,11 +115,18 @@ def cache_path() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fxshard") / "calibration.json"
 
 
-def _load(key: str) -> dict[str, Any] | None:
+def _table() -> dict[str, Any]:
+    """The cache file's entries; none where it is missing, unreadable, or not a JSON object
+    (a file written by something else, or cut short: measured again, and written over)."""
     try:
-        entry = json.loads(cache_path().read_text()).get(key)
+        table = json.loads(cache_path().read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _load(key: str) -> dict[str, Any] | None:
+    entry = _table().get(key)
     return entry if isinstance(entry, dict) else None
 
 
@@ -128,10 +135,7 @@ def _save(key: str, entry: dict[str, Any]) -> None:
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
+        table = _table()
         table[key] = entry
         scratch = path.with_name(f".{path.name}.{os.getpid()}")
         scratch.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -558,7 +562,7 @@ def device_rates(device: torch.device) -> DeviceRates:
     if key in _DEVICES:
         return _DEVICES[key]
     entry = _load(key)
-    rates = _device_from(entry) if entry is not None else None
+    rates = _device_from(entry, device) if entry is not None else None
     if rates is None:
         rates = measure_device(device)
         _save(key, _device_entry(rates))
@@ -576,7 +580,26 @@ def _device_entry(rates: DeviceRates) -> dict[str, Any]:
             "cache_bytes": rates.cache_bytes}
 
 
-def _device_from(entry: dict[str, Any]) -> DeviceRates | None:
+def _device_from(entry: dict[str, Any], device: torch.device) -> DeviceRates | None:
+    """The cached rates of ``device``; None (measured again) where the entry is not what this
+    fxshard measures there: every ``PER_ELEMENT`` operator, a curve point per matmul size, and
+    rates that are positive numbers. ``_pack`` lines the ranks' values up by position, so an
+    entry short of an operator would misalign them (or fail the ranks' all_reduce)."""
+    rates = _device_entry_read(entry)
+    if rates is None:
+        return None
+    sizes = len(matmul_sizes(device))
+    rated = [*rates.matmul_flops.values(), rates.bandwidth, rates.fresh_bandwidth,
+             *(rate for curve in rates.matmul_curve.values() for _, rate in curve)]
+    if (set(rates.per_element) != set(PER_ELEMENT) or any(len(c) != sizes for c in rates.matmul_curve.values())
+            or not all(rate > 0 for rate in rated)
+            or not all(math.isfinite(v) and v >= 0 for v in (rates.overhead, rates.view_overhead,
+                                                             *rates.per_element.values()))):
+        return None
+    return rates
+
+
+def _device_entry_read(entry: dict[str, Any]) -> DeviceRates | None:
     try:
         return DeviceRates(entry["name"], {k: float(v) for k, v in entry["matmul_flops"].items()},
                            float(entry["bandwidth"]), float(entry["overhead"]), float(entry["view_overhead"]),
@@ -1004,7 +1027,8 @@ def _unpack(values: list[float], like: DeviceRates, name: str,
     def cold(inverse: float) -> float | None:  # -1: some rank measured none (the MAX is then -1 only if all)
         return None if inverse < 0 else 1.0 / inverse if inverse > 0 else math.inf
 
-    links = {kind: Link(values[5 + 5 * i], 1.0 / values[6 + 5 * i], issue_latency=values[7 + 5 * i],
+    links = {kind: Link(values[5 + 5 * i], 1.0 / values[6 + 5 * i] if values[6 + 5 * i] > 0 else math.inf,
+                        issue_latency=values[7 + 5 * i],
                         issue_bandwidth=1.0 / values[8 + 5 * i] if values[8 + 5 * i] > 0 else math.inf,
                         issue_cold_bandwidth=cold(values[9 + 5 * i]))
              for i, kind in enumerate(KINDS)}
@@ -1118,6 +1142,23 @@ def _network_entry(network: Network, contention: float, starvation: float,
 
 
 def _network_from(entry: dict[str, Any]) -> tuple[Network, float, float, tuple[float, float]] | None:
+    """A cached network entry; None (measured again) where it is not one this fxshard wrote:
+    every kind's link, latencies of zero or more, bandwidths above zero."""
+    read = _network_entry_read(entry)
+    if read is None:
+        return None
+    links = read[0].links.values()
+    if not all(math.isfinite(v) and v >= 0 for link in links for v in (link.latency, link.issue_latency)):
+        return None
+    if not all(v > 0 for link in links for v in (link.bandwidth, link.issue_bandwidth, link.issue_cold_bandwidth)
+               if v is not None):
+        return None
+    if not all(math.isfinite(v) and v >= 0 for v in (read[1], read[2], *read[3])):
+        return None
+    return read
+
+
+def _network_entry_read(entry: dict[str, Any]) -> tuple[Network, float, float, tuple[float, float]] | None:
     try:
         return (Network("cached", {kind: Link(float(entry[kind]["latency"]), float(entry[kind]["bandwidth"]),
                                               issue_latency=float(entry[kind]["issue_latency"]),
