@@ -658,3 +658,96 @@ def test_cli_parses_auto_and_lists_the_profiles(capsys: pytest.CaptureFixture[st
     assert "h100-ib" in out and "h100-nvlink" in out
     assert main(["calibrate", "--hardware", "x100"]) == 2
     assert "known are h100-ib, h100-nvlink" in capsys.readouterr().err
+
+
+def _same_name_classes() -> tuple[type[nn.Module], type[nn.Module], nn.Module]:
+    """Three small layers and two large ones of two classes both named ``Layer`` (a model's
+    own ``LayerNorm`` beside torch's)."""
+    def make(n: int) -> type[nn.Module]:
+        class Layer(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(n, n) / n)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.relu(x @ self.w)
+        return Layer
+
+    small, big = make(64), make(1024)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.s0, self.s1, self.s2 = small(), small(), small()
+            self.up = nn.Parameter(torch.randn(64, 1024))
+            self.b0, self.b1 = big(), big()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b1(self.b0(self.s2(self.s1(self.s0(x))) @ self.up))
+
+    return small, big, Model()
+
+
+def test_two_candidate_classes_of_one_name_get_labels_that_tell_them_apart() -> None:
+    from fxshard.ir.auto import candidates
+
+    _, _, model = _same_name_classes()
+    labels = [c.label for c in candidates(model, None, lambda policy: [1])]
+    assert len(labels) == len(set(labels))
+    assert labels[:2] == ["by_class(Layer at s0)", "by_class(Layer at b0)"]
+    assert "by_class(Layer at s0), buckets of 4 units" in labels
+
+
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
+def test_auto_compiles_the_plan_it_chose_where_two_classes_share_a_name() -> None:
+    """The chosen plan was found again by its label, and both classes were ``by_class(Layer)``:
+    the small layers' plan was compiled for the large layers' choice, 27 MiB against a 16 MiB
+    budget."""
+    _, _, model = _same_name_classes()
+    budget = 16 * MIB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(model, torch.randn(256, 64), world_size=8, policy=auto(), hardware="h100-ib",
+                            memory_budget=budget)
+    assert e.report.auto is not None
+    chosen = e.report.auto.chosen
+    assert chosen.units == len(e.plan.units)
+    assert e.report.predicted_peak_bytes == chosen.peak <= budget
+
+
+def test_a_pinned_class_that_matches_no_module_warns_as_the_policy_alone_does() -> None:
+    class Block(nn.Module):
+        pass
+
+    with pytest.warns(UserWarning, match=r"by_class\(Block\) matched no module"):
+        fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(units=by_class(Block)),
+                        hardware="h100-nvlink")
+
+
+@pytest.mark.parametrize("option", ["reshard_units", "offload_units"])
+def test_auto_refuses_units_named_before_it_has_chosen_them(option: str) -> None:
+    extra: dict[str, Any] = {option: frozenset({"0", "1"})}
+    if option == "offload_units":
+        extra["offload_policy"] = fxshard.CPUOffloadPolicy()
+    with pytest.raises(fxshard.FxShardError, match=f"{option}= cannot name units before it has chosen"):
+        fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(units=by_class(nn.Sequential)),
+                        hardware="h100-nvlink", **extra)
+
+
+@pytest.mark.slow  # explain emits every candidate's variants: seconds
+def test_on_an_hpz_job_auto_weighs_hpz_and_compiles_what_it_chose() -> None:
+    """``reshard_after_forward=2`` builds the job's groups of 2 for hpZ: auto() weighs it beside
+    resharding to the shard group and keeping units gathered, where it was overwritten."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = fxshard.explain(_tiny_layers(), torch.randn(8, 32), world_size=8, policy=auto(units=by_class(nn.Linear)),
+                            hardware="h100-nvlink", reshard_after_forward=2)
+    trials = _trials(e)
+    assert any("within groups of 2 ranks" in t.schedule for t in trials)
+    assert any(t.schedule.startswith("resharded after forward") for t in trials)
+    assert any(t.schedule.startswith("kept gathered") for t in trials)
+    assert e.report.auto is not None
+    chosen = e.report.auto.chosen.schedule
+    used = e._driver.schedule.config.options.reshard_after_forward
+    assert used == (2 if "within groups of 2" in chosen else chosen.startswith("resharded after forward"))

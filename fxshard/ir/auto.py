@@ -270,28 +270,45 @@ def candidates(module: nn.Module, pinned: Policy | None,
     else:
         repeated = repeated_classes(module)[:2]
         block = block_class(module)
-        classes = [by_class(c) for c in repeated + ([block] if block is not None and block not in repeated else [])]
-        found = [Candidate(repr(p), p) for p in classes]
+        types = repeated + ([block] if block is not None and block not in repeated else [])
+        classes = [by_class(c) for c in types]
+        found = [Candidate(_class_label(module, c, types), p) for c, p in zip(types, classes)]
         found.append(Candidate("one unit", None))
         found += [Candidate(f"by_size(N/{k})", by_size(max(1, numel // k))) for k in (2, 8, 32)]
         bucketed = classes[:1]
-    for policy in bucketed:
+    for candidate, policy in list(zip(found, bucketed)):  # the first candidates: the bucketed policies'
         sizes = unit_bytes(policy)
         typical = statistics.median_low(sizes) if sizes else 0
         if typical > 0:
-            found += [Candidate(f"{policy!r}, buckets of {k} units", policy, k * typical + 1) for k in (4, 16)]
+            found += [Candidate(f"{candidate.label}, buckets of {k} units", policy, k * typical + 1)
+                      for k in (4, 16)]
     return found
 
 
+def _class_label(module: nn.Module, cls: type, classes: Sequence[type]) -> str:
+    """``by_class(Name)``; where another candidate class has the same name (a model's own
+    ``LayerNorm`` beside torch's), with the first module of this one: ``by_class(Name at
+    path)``. The chosen plan is found again by its label, so no two may share one."""
+    if sum(c.__name__ == cls.__name__ for c in classes) == 1:
+        return f"by_class({cls.__name__})"
+    first = next(name for name, m in module.named_modules() if type(m) is cls)
+    return f"by_class({cls.__name__} at {first or '<root>'})"
+
+
 def variants(options: ShardingOptions) -> list[tuple[str, ShardingOptions]]:
-    """The schedules tried for each plan: resharded after forward or not, one or two gathers
-    in flight (never more than ``options`` allow: its process groups are made for them)."""
+    """The schedules tried for each plan: resharded after forward, resharded within groups of
+    h ranks where ``options`` asks for hpZ (``reshard_after_forward=h``: the job's groups are
+    made for it), or kept gathered; one or two gathers in flight (never more than ``options``
+    allow: its process groups are made for them)."""
     depths = sorted({1, min(2, options.max_inflight_gathers)}, reverse=True)
+    h = options.reshard_after_forward
+    reshards: tuple[bool | int, ...] = (True, h, False) if options.partitions else (True, False)
     found = []
-    for reshard in (True, False):
+    for reshard in reshards:
         for depth in depths:
-            label = ("resharded after forward" if reshard else "kept gathered to backward") + \
-                f", {depth} gather{'s' if depth > 1 else ''} in flight"
+            label = ("resharded after forward" if reshard is True else
+                     f"resharded within groups of {reshard} ranks after forward (hpZ)" if reshard else
+                     "kept gathered to backward") + f", {depth} gather{'s' if depth > 1 else ''} in flight"
             found.append((label, replace(options, reshard_after_forward=reshard, reshard_units=None,
                                          max_inflight_gathers=depth)))
     return found

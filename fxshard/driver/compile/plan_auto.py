@@ -117,6 +117,15 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
     config = driver.config
     spec = config.policy
     assert isinstance(spec, Auto)
+    named = [f"{name}=" for name in ("reshard_units", "offload_units") if getattr(config.options, name) is not None]
+    if named:
+        raise FxShardError(
+            f"policy=auto() chooses its units, and which of them reshard after forward or stay on the "
+            f"host, so {' and '.join(named)} cannot name units before it has chosen. Drop {' and '.join(named)} "
+            "(with memory_budget= auto() reshards, recomputes and offloads where the budget needs it), "
+            "or pin the plan (policy=by_class(...)) to name its units")
+    if spec.units is not None:  # a pin that matches no module warns, as the same policy alone does
+        make_plan(module, spec.units, driver.world.size)
     rates = driver.timing()
     if rates is None:
         raise FxShardError(
