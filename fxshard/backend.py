@@ -20,7 +20,9 @@ Misuse fails loudly:
 - calling the compiled model before ``fxshard.parameters(model)``: an error at
   the first call, naming the graph's first parameter input;
 - an optimizer built over ``model.parameters()`` (the original parameters,
-  which no longer hold the model): an error at its first ``step()``.
+  which no longer hold the model): an error at its first ``step()``;
+- ``model.state_dict()`` and ``load_state_dict()`` (the stand-ins): an error
+  naming ``fxshard.get_model_state_dict`` and ``set_model_state_dict``.
 """
 
 from __future__ import annotations

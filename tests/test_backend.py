@@ -140,8 +140,16 @@ def _state_dicts(rank: int) -> dict[str, Any]:
     fxshard.set_model_state_dict(compiled, other)  # full tensors are accepted too
     after_other = fxshard.get_model_state_dict(compiled, options=full)
     fxshard.set_model_state_dict(compiled, sharded)
+    refusals = {}
+    for what, call in (("save", compiled.state_dict), ("save a layer", model.blocks[0].state_dict),
+                       ("load", lambda: compiled.load_state_dict({f"_orig_mod.{k}": v for k, v in other.items()})),
+                       ("load the module", lambda: model.load_state_dict(other))):
+        try:
+            call()
+        except FxShardError as e:
+            refusals[what] = str(e)
     return {"reference": reference, "other": other, "first": first, "after_other": after_other,
-            "restored": fxshard.get_model_state_dict(compiled, options=full)}
+            "restored": fxshard.get_model_state_dict(compiled, options=full), "refusals": refusals}
 
 
 def worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -212,6 +220,13 @@ def test_state_dicts_of_a_backend_compiled_model() -> None:
                 assert torch.equal(r[key][k], v), (key, k)
         for k, v in r["other"].items():
             assert torch.equal(r["after_other"][k], v), k
+        # The module's own state_dict() returned the stand-ins (zeros that torch.save kept) and
+        # load_state_dict() loaded into them: both raise, naming fxshard's functions, and the
+        # refused load left the weights as they were (restored, above, is read after it).
+        assert "fxshard.get_model_state_dict(model)" in r["refusals"]["save"]
+        assert "fxshard.get_model_state_dict(model)" in r["refusals"]["save a layer"]
+        assert "fxshard.set_model_state_dict(model, state_dict)" in r["refusals"]["load"]
+        assert "fxshard.set_model_state_dict(model, state_dict)" in r["refusals"]["load the module"]
 
 
 def test_inductor_compute_matches_ddp() -> None:

@@ -785,3 +785,29 @@ def test_consolidate_keeps_optimizer_state_that_is_not_a_tensor(tmp_path: Path) 
     assert {name: state["count"] for name, state in optim["state"].items()} == {"0.weight": 3, "0.bias": 3}
     assert optim["state"]["0.weight"]["momentum_buffer"].shape == (4, 4)
     assert optim["param_groups"][0]["momentum"] == 0.9
+
+
+def test_the_original_modules_own_state_dict_and_load_are_refused_after_compile() -> None:
+    """FSDP2 shards the model in place, so ``model.state_dict()`` is its habit. After
+    fxshard.compile the original module's parameters are stand-ins on the meta device: its
+    state_dict() saved them (failing only when loaded), and load_state_dict() loaded into
+    them and left the shards as they were. Both raise, naming the sharded module's; the
+    sharded module's own state dicts, which run the module's with its parameters in place,
+    still work."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded = fxshard.compile(model, policy=by_class(nn.Linear))
+    with pytest.raises(fxshard.FxShardError, match=r"state_dict\(\) would return fxshard's stand-ins for 0.weight.*"
+                                                   r"Use sharded.state_dict\(\)"):
+        model.state_dict()
+    with pytest.raises(fxshard.FxShardError, match=r"stand-ins for weight"):
+        model[2].state_dict()  # one layer's too
+    with pytest.raises(fxshard.FxShardError, match=r"would load 0.weight into fxshard's stand-ins.*"
+                                                   r"Use sharded.load_state_dict\(state_dict\)"):
+        model.load_state_dict(reference)
+    state = sharded.state_dict()
+    assert state.keys() == reference.keys() and all(torch.equal(state[k], v) for k, v in reference.items())
+    zeros = {k: torch.zeros_like(v) for k, v in reference.items()}
+    sharded.load_state_dict(zeros)
+    assert all(torch.equal(v, zeros[k]) for k, v in sharded.state_dict().items())

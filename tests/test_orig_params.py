@@ -217,3 +217,50 @@ def test_a_checkpoint_of_grouped_views_resumes_where_the_run_goes_on(
         assert r["resumed"].keys() == r["continued"].keys()
         for name, value in r["continued"].items():
             assert torch.equal(r["resumed"][name], value), name
+
+
+def _silent_habits(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    flat = fxshard.compile(TinyGPT(), policy=by_class(Block))
+    before = [s.detach().clone() for s in flat.parameters()]
+    x, y = _batches(0, 1)[0]
+
+    def lbfgs_error() -> str | None:
+        opt = torch.optim.LBFGS(flat.parameters(), max_iter=2)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = _loss(flat, x, y)
+            loss.backward()
+            return loss
+        try:
+            opt.step(closure)
+        except fxshard.FxShardError as e:
+            return str(e)
+        return None
+
+    errors = {"adafactor": _step_error(flat, torch.optim.Adafactor(flat.parameters(), lr=1e-2)),
+              "lbfgs": lbfgs_error()}
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+    ok = _step_error(flat, torch.optim.AdamW(flat.parameters(), lr=1e-2))
+    return {"errors": errors, "unchanged": unchanged, "elementwise": ok}
+
+
+def test_optimizers_that_read_more_than_each_element_are_refused_over_flat_shards() -> None:
+    """Adafactor and LBFGS read a parameter's rows, columns and norm, or every parameter at
+    once; on a flat shard they trained something else, with no error. Each is refused before
+    any step changes a weight; an element-wise optimizer steps."""
+    [r] = run_ranks(_silent_habits, 1)
+    assert "Adafactor is not element-wise" in r["errors"]["adafactor"]
+    assert "LBFGS is not element-wise" in r["errors"]["lbfgs"]
+    assert r["unchanged"]
+    assert r["elementwise"] is None
+
+
+@pytest.mark.parametrize("option", ["use_orig_params", "broadcast_buffers", "sync_module_states", "verify_passes"])
+def test_a_string_for_a_true_or_false_option_is_refused(option: str) -> None:
+    """bool("False") is True: a setting read from a config file as text turned the option on."""
+    from fxshard.ir.config import CompileConfig
+
+    with pytest.raises(TypeError, match=f"{option} takes True or False, got 'False'"):
+        CompileConfig.build("compile", policy=by_class(Block), **{option: "False"})

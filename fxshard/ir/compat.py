@@ -237,8 +237,12 @@ def version(t: torch.Tensor) -> int:
 def state_dict_hooked(module: nn.Module) -> list[str]:
     """The names of ``module``'s modules (``""`` itself) with state-dict hooks
     (``register_state_dict_pre_hook``'s, ``register_state_dict_post_hook``'s), which
-    ``nn.Module.state_dict`` keeps in ``_state_dict_pre_hooks`` and ``_state_dict_hooks``."""
-    return [name for name, m in module.named_modules() if m._state_dict_hooks or m._state_dict_pre_hooks]
+    ``nn.Module.state_dict`` keeps in ``_state_dict_pre_hooks`` and ``_state_dict_hooks``.
+    fxshard's own (marked ``fxshard_refusal``: the refusal of a state dict of the stand-ins)
+    are not the module's."""
+    def own(hooks: Any) -> bool:
+        return any(not getattr(h, "fxshard_refusal", False) for h in hooks.values())
+    return [name for name, m in module.named_modules() if own(m._state_dict_hooks) or own(m._state_dict_pre_hooks)]
 
 
 def storage_key(t: torch.Tensor) -> int:

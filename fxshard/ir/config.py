@@ -128,6 +128,12 @@ class CompileConfig:
     disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("use_orig_params", "broadcast_buffers", "sync_module_states", "verify"):
+            if not isinstance(getattr(self, name), bool):  # bool("False") is True: a string is refused
+                raise TypeError(f"{'verify_passes' if name == 'verify' else name} takes True or False, "
+                                f"got {getattr(self, name)!r}")
+        if self.inflight_groups is not None and not isinstance(self.inflight_groups, bool):
+            raise TypeError(f"inflight_groups takes True, False or None (on gloo only), got {self.inflight_groups!r}")
         if self.policy is not None and not isinstance(self.policy, Policy):
             raise TypeError(
                 f"policy must be built with fxshard.policies (by_size, by_class, by_predicate), "
@@ -191,7 +197,7 @@ class CompileConfig:
                                     "process groups")
                 mine["process_group"], mine["no_shard"], mine["hsdp"] = from_mesh(mesh)
         verify = kwargs.pop("verify_passes", None)
-        mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else bool(verify)
+        mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else verify
         if mine.get("dump_dir") is None:
             mine["dump_dir"] = os.environ.get("FXSHARD_DUMP") or None
         else:

@@ -56,6 +56,7 @@ from fxshard.driver.run.runtime import (
     make_shards,
     mark_sharded,
     refuse_sharded_again,
+    refuse_state_dicts_of_stand_ins,
     resolve_world,
     retire,
     strip_parameters,
@@ -300,6 +301,13 @@ class Driver:
         dtypes = {id(p): compute[name] for name, p in module.named_parameters(remove_duplicate=False)}
         strip_parameters(module, self.device if on_device else None, dtypes)
         mark_sharded(module, by)
+        if by == "fxshard.compile":
+            saves = "sharded.state_dict() (every rank calls it) or fxshard.checkpoint.save(path, sharded)"
+            loads = "sharded.load_state_dict(state_dict) or fxshard.checkpoint.load(path, sharded)"
+        else:
+            saves = "fxshard.get_model_state_dict(model) (every rank calls it) or fxshard.checkpoint.save(path, model)"
+            loads = "fxshard.set_model_state_dict(model, state_dict) or fxshard.checkpoint.load(path, model)"
+        refuse_state_dicts_of_stand_ins(module, saves, loads)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self.state.module = module
         self.state.planned_requires_grad = [(f"parameter {name!r}", p, p.requires_grad)
@@ -320,6 +328,7 @@ class Driver:
         self._check_step(optimizer)
 
     def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        orig_params.refuse_not_elementwise(optimizer)
         why = orig_params.shape_grouping(
             optimizer, {id(s): g.params for g, s in zip(self.plan.groups, self.shards)}, views=False)
         if why is not None:

@@ -145,6 +145,34 @@ def shape_grouping(optimizer: torch.optim.Optimizer, slots: Mapping[int, Sequenc
     return None
 
 
+# Optimizers that read more of a parameter than each element (by class name: torch's, and the
+# Hugging Face, apex and DeepSpeed ones of the same names), and what they read. fxshard steps
+# flat shards, or 1-D views of them, each rank its own piece of each parameter.
+NOT_ELEMENTWISE = {
+    "Adafactor": "its second moments are factored over each parameter's rows and columns, and it "
+                 "scales each step by the parameter's root mean square",
+    "LBFGS": "its line search takes dot products over every parameter at once",
+    "Muon": "it orthogonalises each matrix's whole update",
+    "Shampoo": "its preconditioners are each parameter's row and column statistics",
+    "DistributedShampoo": "its preconditioners are each parameter's row and column statistics",
+    **dict.fromkeys(("LAMB", "Lamb", "FusedLAMB", "LARS", "Lars", "FusedLARS"),
+                    "it scales each parameter's update by that parameter's norm"),
+}
+
+
+def refuse_not_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose update of an element reads other elements of its parameter (a
+    factored moment, a norm, a line search) computes something else on a shard, silently."""
+    for cls in type(optimizer).__mro__:
+        why = NOT_ELEMENTWISE.get(cls.__name__)
+        if why is not None:
+            raise FxShardError(
+                f"{type(optimizer).__name__} is not element-wise: {why}. fxshard steps flat shards "
+                "(or, with use_orig_params=True, 1-D views of them), each rank its own piece of "
+                "each parameter, so it would train something else than on the whole parameters. "
+                "Use an element-wise optimizer (torch.optim.AdamW, Adam, SGD, RMSprop, Adagrad, ...).")
+
+
 def refuse_mixed(optimizer: torch.optim.Optimizer, orig: OrigParams) -> None:
     """An optimizer over both the views and the flat shards would step each element twice."""
     shards = {id(s) for s in orig.shards}

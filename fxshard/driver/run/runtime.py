@@ -348,6 +348,38 @@ def retire(params: list[nn.Parameter], use: str) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
+def refuse_state_dicts_of_stand_ins(module: nn.Module, save: str, load: str) -> None:
+    """``module.state_dict()`` and ``load_state_dict`` of a module whose parameters are
+    fxshard's stand-ins (the shards hold the model) raise, naming ``save`` and ``load``: the
+    one returned the stand-ins (zeros, or meta tensors that fail only when loaded), the
+    other loaded into them and left the shards as they were, both without an error. Every
+    submodule is hooked, for a state dict of one layer. fxshard's own state dicts run the
+    module's with its full parameters in place, which these hooks let through."""
+    def own_stand_ins(mod: nn.Module) -> list[str]:
+        return [name for name, p in mod._parameters.items() if p is not None and p in _RETIRED]
+
+    def saving(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        names = own_stand_ins(mod)
+        if names:
+            raise FxShardError(
+                f"{type(mod).__name__}.state_dict() would return fxshard's stand-ins for "
+                f"{prefix}{names[0]}, not the model: its parameters live in this rank's shards now. "
+                f"Use {save}.")
+
+    def loading(mod: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+        names = [name for name in own_stand_ins(mod) if prefix + name in state_dict]
+        if names:
+            raise FxShardError(
+                f"{type(mod).__name__}.load_state_dict() would load {prefix}{names[0]} into fxshard's "
+                "stand-ins and leave the shards, which hold the model, as they are. "
+                f"Use {load}.")
+
+    saving.fxshard_refusal = loading.fxshard_refusal = True  # type: ignore[attr-defined]  # not the module's own
+    for sub in module.modules():
+        sub.register_state_dict_pre_hook(saving)
+        sub.register_load_state_dict_pre_hook(loading)
+
+
 def check_steps(params: list[nn.Parameter], check: Callable[[torch.optim.Optimizer], None]) -> None:
     """Before any optimizer step over one of ``params``, call ``check(optimizer)`` (once per step)."""
     for p in params:
