@@ -10,6 +10,7 @@ tests read the emitted graphs and the front ends' errors.
 from __future__ import annotations
 
 import copy
+import warnings
 from functools import cache
 from typing import Any
 
@@ -150,8 +151,25 @@ def test_regions_are_the_outermost_modules_the_policy_selects() -> None:
     nested = plan_checkpointing(model, by_class(Block, torch.nn.Linear))
     assert nested is not None and nested.regions[:3] == ("blocks.0", "blocks.1", "blocks.2")
     assert "lm_head" in nested.regions and not any(r.startswith("blocks.0.") for r in nested.regions)
-    huge = plan_checkpointing(model, by_size(10**9))
+    with pytest.warns(UserWarning, match=r"activation_checkpointing=by_size\(1_000_000_000\) matched no module .*"
+                                         "nothing is recomputed"):
+        huge = plan_checkpointing(model, by_size(10**9))  # selects nothing: said, not dropped
     assert huge is not None and not huge.regions
+
+
+def test_a_replicate_policy_that_selects_no_unit_warns() -> None:
+    """replicate= keeps whole units; one that names a layer inside the units (Linear in a
+    Block) selected none, and every parameter stayed sharded, silently."""
+    from fxshard.ir.plan import make_plan
+
+    with pytest.warns(UserWarning, match=r"replicate=by_class\(Linear\) selected no unit of the plan.*"
+                                         "replicate_below="):
+        plan = make_plan(_model(), by_class(Block), 4, replicate=by_class(torch.nn.Linear))
+    assert not any(g.replicated for g in plan.groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = make_plan(_model(), by_class(Block), 4, replicate=by_class(Block))
+    assert any(g.replicated for g in plan.groups)
 
 
 def test_explain_predicts_less_memory_with_checkpointing() -> None:

@@ -14,6 +14,7 @@ plain data, decided before any graph exists.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -47,8 +48,9 @@ class Checkpointing:
         return region in self.selective and packet is not None and packet in self.saved_ops
 
 
-def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointing | None:
-    """The regions ``policy`` selects in ``module`` (never the root), outermost first wins.
+def plan_checkpointing(module: nn.Module, policy: Policy | None, quiet: bool = False) -> Checkpointing | None:
+    """The regions ``policy`` selects in ``module`` (never the root), outermost first wins; a
+    policy that selects none warns (``quiet``: not the user's, nothing to warn about).
 
     Asked like the sharding policy: bottom-up, each module with the number of
     parameters under it that no region below it has claimed.
@@ -72,6 +74,11 @@ def plan_checkpointing(module: nn.Module, policy: Policy | None) -> Checkpointin
         return unclaimed
 
     visit("", module)
+    if not chosen and not quiet:
+        warnings.warn(
+            f"activation_checkpointing={policy!r} matched no module of {type(module).__name__} (the root "
+            "is never a region): nothing is recomputed, and every activation is saved. Check the "
+            "policy's classes or threshold.", stacklevel=3)
     outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen if q != p)]
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
     regions = tuple(sorted(outermost, key=order.__getitem__))

@@ -372,6 +372,7 @@ def make_plan(
 
     groups: list[FlatGroup] = []
     units: list[FSDPUnit] = []
+    replicated_units = 0
     for comp in components:
         name = merged_name[comp[0]]
         pids = unit_params.get(name, [])
@@ -380,6 +381,7 @@ def make_plan(
         numel = sum(param_of[pid].numel() for pid in pids)
         whole = replicate_all or (replicate is not None and ROOT not in comp and all(
             replicate.wraps(WrapQuery(path, module.get_submodule(path), numel)) for path in comp))
+        replicated_units += whole
         keys: dict[tuple[Any, ...], list[int]] = {}
         for pid in pids:
             p = param_of[pid]
@@ -403,6 +405,12 @@ def make_plan(
                                     compute, reduce, wire))
         units.append(FSDPUnit(name, tuple(comp), tuple(group_ids)))
 
+    if replicate is not None and not replicate_all and not replicated_units:
+        warnings.warn(
+            f"replicate={replicate!r} selected no unit of the plan ({', '.join(repr(u.name or '<root>') for u in units)}"
+            f"): it keeps whole units on every rank, those whose modules it selects (never the root), so "
+            "every parameter stays sharded. Select the units' own modules (the policy's class), or keep "
+            "small parameters whole with replicate_below=", stacklevel=3)
     plan = ShardPlan(tuple(units), tuple(groups), world_size, repr(policy))
     return plan.ordered_by_first_use(first_use) if first_use is not None else plan
 

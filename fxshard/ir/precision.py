@@ -143,7 +143,9 @@ class MixedPrecision:
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype such as "
                                 f"torch.bfloat16, or None; got {value!r}")
-            if value is not None and value.itemsize == 1:  # float8: no scale, so most small values round to 0
+            # float8 unscaled: most small values round to 0 (param_dtype: refused at compile, naming
+            # what the device computes in)
+            if value is not None and value.itemsize == 1 and name != "param_dtype":
                 raise TypeError(f"MixedPrecision.{name}={value}: a float8 dtype holds a value only with a scale, "
                                 "which a cast does not keep (reduced in float8 unscaled, 39 of a toy's 87 "
                                 "gradients became 0). Use torch.bfloat16 or torch.float16; to move weights in "

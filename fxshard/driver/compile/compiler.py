@@ -227,7 +227,8 @@ class Driver:
                 "(offload_units= names the ones to offload)")
         if self.config.memory_budget is not None:  # the planner decides what to recompute
             self.budget_regions = plan_checkpointing(
-                module, self.config.activation_checkpointing or _unit_modules(self._plan))
+                module, self.config.activation_checkpointing or _unit_modules(self._plan),
+                quiet=self.config.activation_checkpointing is None)
         elif self.schedule.auto is None:  # auto()'s choice recomputes what its trial did
             self._planned = replace(self._planned, checkpointing=plan_checkpointing(
                 module, self.config.activation_checkpointing))
