@@ -532,3 +532,20 @@ def test_compiling_a_submodule_of_a_sharded_model_names_the_stand_ins_and_the_fi
     assert "compile the whole model once" in message and "full_state_dict()" in message, message
     assert all(torch.equal(p, b) for p, b in zip(sharded.parameters(), before))
     assert all(p.is_meta for p in block.parameters())  # nothing changed
+
+
+def test_a_batch_of_another_float_dtype_is_a_trace_error_and_the_module_goes_on() -> None:
+    """A float64 batch (from NumPy) into a float32 model: the trace accepted the mixed matmul
+    (meta kernels check no dtypes), the step failed inside its forward graph with torch's
+    'mat1 and mat2 must have the same dtype', and every later step was refused as abandoned.
+    Refused at the trace instead, in training and under no_grad, the module runs on."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), policy=by_class(nn.Linear))
+    x = torch.randn(4, 8)
+    sharded(x).sum().backward()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(TraceError, match=r"(?s)operands of torch.float32 and "
+                                                                           r"torch.float64.*Hint: .*x.to\(dtype\)") as e:
+            sharded(x.double())
+        assert e.value.kind == "dtype"
+    sharded(x).sum().backward()  # not abandoned

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.driver.compile.steps import Schedule
+from fxshard.driver.compile.trace import refuse_mixed_dtype_matmuls
 from fxshard.driver.run.runtime import Abandoned, World, collective_failure, settle
 from fxshard.ir import compat, meta
 from fxshard.ir import predicates as P
@@ -112,6 +113,7 @@ class GraphCompiler:
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        refuse_mixed_dtype_matmuls(joint)
         joint = self._run(joint, self.context("joint"))
         self.graphs["joint"] = joint
         self.num_user_outputs = num_fwd_outputs
@@ -165,6 +167,7 @@ class GraphCompiler:
         return self._compile("backward", gm, example_inputs)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        refuse_mixed_dtype_matmuls(gm)
         return self._compile("inference", gm, example_inputs)
 
     def emit(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,

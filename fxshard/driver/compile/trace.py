@@ -293,6 +293,36 @@ class StepFunction(TracedStep):
         return tuple(cast_outputs(flat, self.precision))
 
 
+# Operators whose floating-point operands must share a dtype: eager torch refuses the mix
+# ("mat1 and mat2 must have the same dtype"), their meta kernels, which fxshard traces with,
+# do not.
+_ONE_DTYPE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default)
+
+
+def refuse_mixed_dtype_matmuls(gm: torch.fx.GraphModule) -> None:
+    """Raise ``TraceError`` (kind "dtype") where a matmul or convolution of ``gm`` (a traced
+    joint or inference graph) takes floating-point operands of two dtypes: the trace accepts
+    them, and the step would fail while running, after its collectives began, which leaves
+    every later step refused (``Abandoned``). A float64 batch from NumPy into a float32 model
+    is the usual cause. Raised here, at the trace, the module goes on with the right inputs."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ONE_DTYPE:
+            continue
+        dtypes = sorted({str(a.meta["val"].dtype) for a in node.args if isinstance(a, torch.fx.Node)
+                         and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype.is_floating_point})
+        if len(dtypes) > 1:
+            stack = node.meta.get("nn_module_stack") or {}
+            where = next(reversed(stack.values()))[0] if stack else None
+            raise TraceError(
+                f"fxshard could not trace the step: {node.target} "
+                + (f"in module {where!r} " if where else "")
+                + f"takes operands of {' and '.join(dtypes)}, which torch does not multiply together "
+                "(eager raises 'mat1 and mat2 must have the same dtype'); the step would fail while "
+                f"running.\nHint: {next(c.hint for c in CAUSES if c.kind == 'dtype')}",
+                module=where, op=str(node.target), kind="dtype")
+
+
 def trace_step(
     step: TracedStep,
     example_inputs: Sequence[torch.Tensor],
