@@ -165,7 +165,10 @@ class FxShardBackend:
         # Stand-ins on the parameters' device: Dynamo bakes the device of
         # tensors computed from parameters into its graphs.
         driver.strip(module, on_device=True, use="fxshard.parameters(model)",
-                     by="torch.compile with the fxshard backend")
+                     by="torch.compile with the fxshard backend",
+                     saves="fxshard.get_model_state_dict(model) (every rank calls it) or "
+                           "fxshard.checkpoint.save(path, model)",
+                     loads="fxshard.set_model_state_dict(model, state_dict) or fxshard.checkpoint.load(path, model)")
         _refuse_eager_runs(module)
         # In the module, so that Dynamo traces them: its graphs then compute in the dtypes
         # they run with (the stand-ins have param_dtype too).

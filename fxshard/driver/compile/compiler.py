@@ -292,22 +292,19 @@ class Driver:
         return self.device if self.shard_device != self.device else None
 
     def strip(self, module: nn.Module, *, on_device: bool = False,
-              use: str = "sharded.parameters()", by: str = "fxshard.compile") -> None:
+              use: str = "sharded.parameters()", by: str = "fxshard.compile",
+              saves: str = "sharded.state_dict() (every rank calls it) or fxshard.checkpoint.save(path, sharded)",
+              loads: str = "sharded.load_state_dict(state_dict) or fxshard.checkpoint.load(path, sharded)") -> None:
         """From here the shards hold the only copy of ``module``'s parameters; an optimizer
         over the originals raises at its first step, naming ``use``, and sharding ``module``
-        again raises, naming ``by`` (the front end that sharded it). The stand-ins have
-        the dtype their group computes in (``param_dtype`` under mixed precision)."""
+        again raises, naming ``by`` (the front end that sharded it); the module's own state
+        dicts raise, naming ``saves`` and ``loads``. The stand-ins have the dtype their group
+        computes in (``param_dtype`` under mixed precision)."""
         retire(list(module.parameters()), use)  # built before compile
         compute = {name: g.compute_dtype for g in self.plan.groups for slot in g.params for name in slot.names}
         dtypes = {id(p): compute[name] for name, p in module.named_parameters(remove_duplicate=False)}
         strip_parameters(module, self.device if on_device else None, dtypes)
         mark_sharded(module, by)
-        if by == "fxshard.compile":
-            saves = "sharded.state_dict() (every rank calls it) or fxshard.checkpoint.save(path, sharded)"
-            loads = "sharded.load_state_dict(state_dict) or fxshard.checkpoint.load(path, sharded)"
-        else:
-            saves = "fxshard.get_model_state_dict(model) (every rank calls it) or fxshard.checkpoint.save(path, model)"
-            loads = "fxshard.set_model_state_dict(model, state_dict) or fxshard.checkpoint.load(path, model)"
         refuse_state_dicts_of_stand_ins(module, saves, loads)
         retire(list(module.parameters()), use)  # the stand-ins: built after compile
         self.state.module = module

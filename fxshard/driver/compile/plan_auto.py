@@ -124,8 +124,6 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
             f"host, so {' and '.join(named)} cannot name units before it has chosen. Drop {' and '.join(named)} "
             "(with memory_budget= auto() reshards, recomputes and offloads where the budget needs it), "
             "or pin the plan (policy=by_class(...)) to name its units")
-    if spec.units is not None:  # a pin that matches no module warns, as the same policy alone does
-        make_plan(module, spec.units, driver.world.size)
     rates = driver.timing()
     if rates is None:
         raise FxShardError(
@@ -142,8 +140,9 @@ def choose(driver: Driver, module: nn.Module, example_inputs: Any,
         plan = make_plan(module, policy, driver.world.size)
         return [plan.unit_bytes(u) for u in plan.units if u.name]
 
-    with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # a candidate that matches no module is one unit: no news,
+        if spec.units is None:  # but a pin that matches none warns, as the same policy alone does
+            warnings.simplefilter("ignore")
         plans = candidates(module, spec.units, unit_bytes)
     sample = Sample(driver, make, config, rates, leaves, tree, input_bytes)
     kept, over = _distinct(sample, plans, module)
