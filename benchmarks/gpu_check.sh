@@ -3,7 +3,8 @@
 # benchmarks/results/gpu/check).
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh            # the CUDA tests, then the time part
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh auto       # auto() under the rehearsals, and one nccl rank
-#   OUT=/tmp/out bash benchmarks/gpu_check.sh plan70     # the 70 GiB CUDA plan alone, profiled
+#   OUT=/tmp/out bash benchmarks/gpu_check.sh plan70     # the 70 GiB CUDA plan: the attention kernels,
+#                                                        # the candidates tried, the test
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh cputime    # benchmarks/time.py on the machine's CPUs:
 #                                                        # two gloo ranks on cores of their own
 set -u
@@ -31,16 +32,15 @@ if [ "${1:-}" = cputime ]; then
     exit 0
 fi
 if [ "${1:-}" = plan70 ]; then
-    # Which attention the CUDA plan traces here: flash on a machine without CUDA; the math
-    # kernel's scores would make the budget recompute, and search far longer.
-    timeout 90 python3 benchmarks/attention_probe.py 2>&1 | grep -v Warn | tee "$OUT/plan70_attention.txt"
-    # The plan itself under cProfile; interrupted (SIGINT) at the limit, the profile is still written.
-    timeout -s INT "${PLAN_S:-420}" python3 -m cProfile -o "$OUT/plan70.prof" -m pytest -q -n 0 -m "" \
-        -p no:cacheprovider tests/test_cuda.py -k fits_70 --durations=0 > "$OUT/test_cuda_70gib.log" 2>&1
-    echo "70 GiB plan: exit $?"; tail -5 "$OUT/test_cuda_70gib.log"
-    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(40); s.sort_stats('tottime').print_stats(25)" \
-        "$OUT/plan70.prof" > "$OUT/plan70_profile.txt" 2>&1
-    head -60 "$OUT/plan70_profile.txt" | cut -c1-160
+    # Which attention the CUDA plan traces here (flash on a machine without CUDA, cuDNN's with
+    # torch 2.11 on an H200), and each kernel's plan; then the plan with every candidate the
+    # budget tries, beside the test itself (each on a core of its own: explain plans on the CPU).
+    timeout 120 python3 benchmarks/attention_probe.py --kernels 2>&1 | grep -v Warn | tee "$OUT/plan70_attention.txt"
+    timeout "${PLAN_S:-420}" python3 benchmarks/attention_probe.py --plan70 > "$OUT/plan70_tried.txt" 2>&1 &
+    timeout "${PLAN_S:-420}" python3 -m pytest -q -n 0 -m "" -p no:cacheprovider tests/test_cuda.py -k fits_70 \
+        --durations=0 > "$OUT/test_cuda_70gib.log" 2>&1
+    echo "70 GiB plan: exit $?"; tail -3 "$OUT/test_cuda_70gib.log"
+    wait; grep -v Warn "$OUT/plan70_tried.txt" | head -5
     exit 0
 fi
 # The 32-layer 70 GiB plan runs on fake tensors (the CPU's cores), beside the rest.
