@@ -12,7 +12,10 @@ its implementation's temporaries: Adam's family takes the square root of the
 second moment out of place, all shards at once with ``foreach`` (one state's
 worth; torch's default on accelerators), one shard at a time in the for-loop
 (torch's default on the CPU: that shard's root and its quotient), nothing
-fused (``fused=True``). Other optimizers' temporaries are not counted.
+fused (``fused=True``). torch takes foreach by default only where every tensor
+of the step is on a device with foreach kernels: an optimizer over shards of
+which some are offloaded to the host takes the for-loop, on the device too.
+Other optimizers' temporaries are not counted.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ class OptimizerState:
     def __str__(self) -> str:
         return f"{self.name} ({self.states} state{'' if self.states == 1 else 's'} per parameter)"
 
-    def step_temporary_bytes(self, shard_bytes: list[int], device: torch.device) -> int:
-        """Bytes the step allocates beyond the state, at its largest, over shards of
-        ``shard_bytes`` on ``device`` (meta: planned for an accelerator)."""
+    def step_temporary_bytes(self, shard_bytes: list[int], device: torch.device, with_host: bool = False) -> int:
+        """Bytes the step allocates on ``device`` beyond the state, at its largest, over the
+        shards of ``shard_bytes`` there (meta: planned for an accelerator). ``with_host``: the
+        step also holds shards on the host (offloaded), so torch's default is the for-loop."""
         if not self.adam_temporaries or not shard_bytes:
             return 0
-        how = self.implementation or ("for-loop" if device.type == "cpu" else "foreach")
+        how = self.implementation or ("for-loop" if device.type == "cpu" or with_host else "foreach")
         if how == "fused":
             return 0
         if how == "foreach":

@@ -475,7 +475,8 @@ class Driver:
         schedule = plan_budget.choose(
             self.config, traced.plan, self.world, self.layout, self.budget_regions, self.shards, traced.joint,
             traced.inputs, traced.num_fwd_outputs, traced.kwargs, buffer_bytes, input_bytes, grad_sync,
-            accumulators, planned_on=inputs, library_bytes=calibrate.library_bytes(self.device))
+            accumulators, planned_on=inputs, library_bytes=calibrate.library_bytes(self.device),
+            compute_device=self.offloaded_to)
         assert schedule.budget is not None
         log.info("fxshard: memory budget on rank %d:\n%s", self.world.rank, schedule.budget.table())
         self.place_shards(schedule.config.options)
@@ -502,7 +503,7 @@ class Driver:
                             if step.grad_sync != REDUCE else 0,
                             host_groups=schedule.config.options.offloaded_groups(self.plan.groups),
                             optimizer=self.config.optimizer,
-                            library_bytes=calibrate.library_bytes(self.device))
+                            library_bytes=calibrate.library_bytes(self.device), compute_device=self.offloaded_to)
         report = replace(report, step=("train step (forward and backward)" if step.trains
                                        else "inference step") + f" on inputs {step.inputs or 'none'}",
                          topology=self.world.topology(),

@@ -97,6 +97,9 @@ class Driver(Protocol):
     @property
     def schedule(self) -> Schedule: ...
 
+    @property
+    def offloaded_to(self) -> torch.device | None: ...
+
     def timing(self) -> Rates | None: ...
 
     def shard(self, module: nn.Module, *, allow_meta: bool = False,
@@ -324,6 +327,7 @@ def _climb(sample: Sample, ladder: _Ladder, beat: float | None
         laddered = plan_budget.choose(ladder.config, trial.plan, trial.world, trial.layout, trial.budget_regions,
                                       trial.shards, joint, joint_inputs, n, kwargs, ladder.buffer_bytes,
                                       sample.input_bytes, library_bytes=calibrate.library_bytes(trial.device),
+                                      compute_device=trial.offloaded_to,
                                       timing=timing if beat is not None else None,
                                       outpaced_at=None if beat is None else beat * (1 + TIE), splits=ladder.splits)
     except BudgetError as e:

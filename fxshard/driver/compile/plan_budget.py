@@ -43,7 +43,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
            num_fwd_outputs: int, partition_kwargs: dict[str, Any], buffer_bytes: int,
            input_bytes: int, grad_sync: GradSync = REDUCE,
            accumulators: Mapping[int, torch.Tensor] | None = None,
-           planned_on: str = "", library_bytes: int = 0,
+           planned_on: str = "", library_bytes: int = 0, compute_device: torch.device | None = None,
            timing: Callable[[Schedule, dict[str, fx.GraphModule]], float] | None = None,
            outpaced_at: float | None = None, splits: Splits | None = None) -> Schedule:
     """The cheapest schedule within ``config.memory_budget``: its configuration, pipelines
@@ -51,7 +51,9 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
     ``regions``: the regions recomputing may use;
     ``grad_sync`` and ``accumulators``: the traced step's (a step inside no_sync keeps
     full-size gradient sums); ``library_bytes``: the compute device's
-    (``calibrate.library_bytes``). Every rank takes each candidate's largest peak over the
+    (``calibrate.library_bytes``); ``compute_device``: where the shards compute when the driver
+    holds them elsewhere (``Driver.offloaded_to``: under offload, all on the host until
+    placed); None: on their own device. Every rank takes each candidate's largest peak over the
     ranks, so all choose the same schedule (their inputs may differ in size).
     ``timing`` and ``outpaced_at`` (auto()): a schedule's predicted step seconds from its
     emitted graphs, and a time to beat, past which the ladder stops (``budget.Outpaced``,
@@ -78,7 +80,7 @@ def choose(config: CompileConfig, plan: ShardPlan, world: World, layout: Layout,
                               num_fwd_outputs, accumulator_bytes=accumulator_bytes,
                               host_groups=trial_config.options.offloaded_groups(plan.groups),
                               optimizer=config.optimizer,
-                              library_bytes=library_bytes)
+                              library_bytes=library_bytes, compute_device=compute_device)
         prediction = _prediction(report, graphs, plan, unit_bytes, config)
         ns = -1 if timing is None else round(timing(schedule, graphs) * 1e9)
         peak, step, ns = largest_over_ranks(world, [prediction.peak, prediction.step_peak, ns])

@@ -263,6 +263,7 @@ def build_report(
     host_groups: frozenset[int] = frozenset(),
     optimizer: OptimizerState | None = None,
     library_bytes: int = 0,
+    compute_device: torch.device | None = None,
 ) -> Report:
     shard_bytes = _tensor_bytes(shards)
     grad_bytes = _tensor_bytes([s for s in shards if s.requires_grad])
@@ -333,9 +334,12 @@ def build_report(
             # The optimizer step: what backward leaves (the shards, their gradients, the
             # state) and the step's temporaries; the host's shards step on the host.
             host_bytes += optimizer.states * host_grads
+            # compute_device: where the shards compute when the driver holds them elsewhere
+            # (under offload, every shard on the host until placed); else their own device.
             on_device = [s for g, s in enumerate(shards) if g not in host_groups and s.requires_grad]
-            device = on_device[0].device if on_device else torch.device("meta")
-            step = bw.end + optimizer.step_temporary_bytes([_tensor_bytes([s]) for s in on_device], device)
+            device = compute_device or (on_device[0].device if on_device else torch.device("meta"))
+            step = bw.end + optimizer.step_temporary_bytes([_tensor_bytes([s]) for s in on_device], device,
+                                                           with_host=host_grads > 0)
             curves["optimizer step"] = (step,)
             if step > peak:
                 peak, phase, at_peak = step, "optimizer step", {}
