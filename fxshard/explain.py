@@ -241,6 +241,10 @@ def explain(
                                "ranks; pass one of them")
         world_size = ranks
     world_size = 1 if world_size is None else world_size
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise FxShardError(f"explain: {name} takes a whole number of ranks, not {value!r} "
+                               f"({type(value).__name__}): e.g. world_size=8, rank=0")
     if world_size < 1 or not 0 <= rank < world_size:
         raise FxShardError(f"explain: need 0 <= rank < world_size, got rank {rank} of {world_size}")
     if dist.is_initialized():

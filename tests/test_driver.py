@@ -178,6 +178,23 @@ def test_an_option_of_the_wrong_type_is_refused_naming_it(option: str, value: An
         CompileConfig.build("compile", **{option: value})
 
 
+def test_a_dump_dir_process_group_size_or_world_size_of_the_wrong_type_is_refused_naming_it() -> None:
+    """Before, each failed deep inside with a message that named no option: os.fspath's, a
+    c10d lookup of an uninitialised default group, int('1e6'), and the fake group's binding."""
+    from fxshard.policies import by_size
+
+    with pytest.raises(TypeError, match="dump_dir takes a folder's path .*not 3 \\(int\\)"):
+        CompileConfig.build("compile", dump_dir=3)
+    with pytest.raises(TypeError, match="process_group takes a torch.distributed.ProcessGroup .*not 0 \\(int\\)"):
+        fxshard.compile(MLP(), process_group=0)
+    with pytest.raises(TypeError, match="by_size takes a number of parameters, .*not '1e6' \\(str\\)"):
+        by_size("1e6")  # type: ignore[arg-type]
+    assert by_size(1e3) == by_size(1000)
+    for option, value in (("world_size", 2.5), ("world_size", True), ("rank", "0")):
+        with pytest.raises(fxshard.FxShardError, match=f"explain: {option} takes a whole number.*not {value!r}"):
+            fxshard.explain(MLP(), torch.randn(2, 12), **{option: value})
+
+
 def test_a_timeout_may_be_a_timedelta_as_init_process_groups() -> None:
     import datetime
 

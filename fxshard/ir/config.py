@@ -200,8 +200,11 @@ class CompileConfig:
         mine["verify"] = env_flag("FXSHARD_VERIFY") if verify is None else verify
         if mine.get("dump_dir") is None:
             mine["dump_dir"] = os.environ.get("FXSHARD_DUMP") or None
-        else:
+        elif isinstance(mine["dump_dir"], (str, os.PathLike)):
             mine["dump_dir"] = os.fspath(mine["dump_dir"])
+        else:
+            raise TypeError(f"dump_dir takes a folder's path (a str or os.PathLike), not {mine['dump_dir']!r} "
+                            f"({type(mine['dump_dir']).__name__}): each step's graphs and report are written there")
         disabled = mine.get("disable_passes", ())
         if isinstance(disabled, str):  # "a,b" from a command line
             disabled = [n.strip() for n in disabled.split(",") if n.strip()]

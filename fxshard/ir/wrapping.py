@@ -181,6 +181,9 @@ class Selective(Policy):
 
 
 def by_size(min_params: int | float) -> Policy:
+    if isinstance(min_params, bool) or not isinstance(min_params, (int, float)):
+        raise TypeError(f"by_size takes a number of parameters, such as by_size(1e8) or by_size(100_000_000), "
+                        f"not {min_params!r} ({type(min_params).__name__})")
     return BySize(int(min_params))
 
 

@@ -180,6 +180,11 @@ def agree_on_mesh(mesh: Any, front_end: str = "fxshard.compile") -> None:
 
 
 def resolve_world(process_group: dist.ProcessGroup | None) -> World:
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group takes a torch.distributed.ProcessGroup (dist.group.WORLD, or one from "
+            f"dist.new_group(ranks)), not {process_group!r} ({type(process_group).__name__}); for a "
+            "DeviceMesh pass mesh=, and for the default group leave process_group out")
     if process_group is not None:
         return World(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
     if dist.is_available() and dist.is_initialized():
