@@ -17,6 +17,7 @@ from fxshard.driver.compile.guards import Guards
 from fxshard.driver.report.step_report import Report
 from fxshard.driver.run.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
 from fxshard.driver.state import state_dicts as state
+from fxshard.ir import compat
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
 from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
@@ -149,6 +150,14 @@ class ShardedModule(nn.Module):
     # -- the step -----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if compat.under_dynamo():
+            raise FxShardError(
+                "a ShardedModule was called inside torch.compile (torch.compile(sharded), "
+                "sharded.compile(), or a compiled function that calls it): fxshard compiles the step "
+                "itself, and Dynamo cannot trace its shards. For Inductor's kernels pass "
+                "compute='inductor' to fxshard.compile; or compile the unsharded model with "
+                "torch.compile(model, backend=fxshard.backend(policy=...)) (docs/backend.md)"
+            )
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         device = self._driver.device

@@ -139,9 +139,10 @@ class FxShardStrategy(ParallelStrategy):
         CompileConfig.build("compile", policy=policy, **options)  # a bad option fails here, not in setup
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
             timeout = timedelta(seconds=timeout)  # seconds, as fxshard.compile(timeout=) takes them
-        elif timeout is not None and not isinstance(timeout, timedelta):
+        elif timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
             raise TypeError(f"FxShardStrategy(timeout={timeout!r}): the process group's timeout is a "
-                            "datetime.timedelta or a positive number of seconds, e.g. timedelta(minutes=30)")
+                            "datetime.timedelta or a positive number of seconds, e.g. timedelta(minutes=30), "
+                            "over zero")
         self._policy = policy
         self._options = options
         self._module_name = module

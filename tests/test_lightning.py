@@ -218,12 +218,17 @@ def test_the_strategy_is_registered_and_refuses_what_it_cannot_do() -> None:
         FxShardStrategy(mixed_precision=fxshard.MixedPrecision(param_dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="reshard_after_forwards"):
         FxShardStrategy(reshard_after_forwards=False)
+    # FSDPStrategy's names: the one fxshard option to write (fxshard/ir/spellings.py).
+    with pytest.raises(TypeError, match=r"policy=fxshard\.policies\.by_class\(Linear\)"):
+        FxShardStrategy(auto_wrap_policy={torch.nn.Linear})
+    with pytest.raises(TypeError, match=r"activation_checkpointing=fxshard\.policies\.by_class\(Block\)"):
+        FxShardStrategy(activation_checkpointing_policy={torch.nn.Linear})
     with pytest.raises(TypeError, match="policy=auto\\(\\) chooses its units from a trace .* pin a policy"):
         FxShardStrategy(fxshard.policies.auto())
     # The process group's timeout: a timedelta as Lightning takes it, or seconds as fxshard.compile does.
     assert FxShardStrategy(timeout=90)._process_group_timeout == timedelta(seconds=90)
     assert FxShardStrategy(timeout=timedelta(minutes=2))._process_group_timeout == timedelta(minutes=2)
-    for bad in ("60", -1, True):
+    for bad in ("60", -1, True, timedelta(seconds=-5), timedelta(0)):
         with pytest.raises(TypeError, match="timeout=.*timedelta or a positive number of seconds"):
             FxShardStrategy(timeout=bad)
     lit = LitGPT()

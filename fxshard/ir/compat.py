@@ -97,7 +97,10 @@ Why fxshard needs each name (the same on 2.11, 2.13 and 2.15 unless the table sa
   that a profiler is recording; the eager graphs then run the copy with named ranges
   (``driver/compile/codegen.py``).
 - ``register_backend``, ``optimized_module_class``, ``innermost_backend``, ``original_module``,
-  ``dynamo_exc`` (``torch._dynamo``): the torch.compile backend.
+  ``dynamo_exc`` (``torch._dynamo``): the torch.compile backend; ``under_dynamo``
+  (``torch._C._dynamo.eval_frame.get_eval_frame_callback``): a ShardedModule called inside
+  ``torch.compile``, refused; ``wrap_policy_classes`` (FSDP1's ``ModuleWrapPolicy``): the
+  classes of a wrap policy given to fxshard, to name the ``by_class`` to write.
 - ``inductor_*`` (``torch._inductor``): ``compute="inductor"``.
 - ``ShardedTensor`` and its metadata (``torch.distributed._shard``), ``flatten_state_dict``,
   ``load_state_dict_from_keys``, ``init_optim_state`` (``torch.distributed.checkpoint``):
@@ -177,7 +180,7 @@ __all__ = [
     "inductor_set_fake_mode", "init_optim_state", "innermost_backend", "lazy_graph_modules",
     "load_state_dict_from_keys", "make_fx", "make_graph_module",
     "mem_tracker", "one_thread_gloo", "without_dispatch_modes", "op_name", "optimized_module_class", "original_module",
-    "profiler_enabled", "pytree",
+    "profiler_enabled", "pytree", "under_dynamo", "wrap_policy_classes",
     "register_backend", "reparametrize_module", "resolve_process_group", "rng_prims", "schema",
     "state_dict_hooked",
     "storage_key", "version",
@@ -434,6 +437,22 @@ def optimized_module_class() -> type[Any]:
 
     return OptimizedModule
 
+
+
+def under_dynamo() -> bool:
+    """Is Dynamo tracing this frame, or is its frame callback active (a frame of a
+    ``torch.compile``-d call, run eagerly after a graph break)? Through
+    ``torch._C._dynamo.eval_frame.get_eval_frame_callback``: a graph break on a raise runs the
+    frame again eagerly, where ``is_compiling()`` is False, but the callback is still set."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return bool(torch.compiler.is_compiling()) or get_eval_frame_callback() not in (None, False)
+
+
+def wrap_policy_classes(policy: Any) -> Any:
+    """The module classes of FSDP1's ``ModuleWrapPolicy`` (its ``_module_classes``; no
+    public accessor), or None for anything else: read to name fxshard's ``by_class``."""
+    return getattr(policy, "_module_classes", None)
 
 
 def innermost_backend(callback: Any) -> Any:

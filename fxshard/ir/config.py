@@ -23,6 +23,7 @@ import torch.fx as fx
 from fxshard.ir.optimizer import OptimizerState, optimizer_state
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.precision import MixedPrecision
+from fxshard.ir.spellings import ForeignOption, fsdp1_precision_hint, policy_hint, precision_from
 from fxshard.ir.wrapping import Policy
 
 FrontEnd = Literal["compile", "backend", "explain"]
@@ -135,9 +136,10 @@ class CompileConfig:
         if self.inflight_groups is not None and not isinstance(self.inflight_groups, bool):
             raise TypeError(f"inflight_groups takes True, False or None (on gloo only), got {self.inflight_groups!r}")
         if self.policy is not None and not isinstance(self.policy, Policy):
+            hint = policy_hint(self.policy)
             raise TypeError(
-                f"policy must be built with fxshard.policies (by_size, by_class, by_predicate), "
-                f"got {self.policy!r}"
+                f"policy must be built with fxshard.policies (by_size, by_class, by_predicate, auto), "
+                f"got {self.policy!r}" + (f": write {hint}" if hint else "")
             )
         if self.replicate is not None and not isinstance(self.replicate, Policy):
             raise TypeError(
@@ -145,10 +147,12 @@ class CompileConfig:
                 f"whole on every rank (by_class(...), by_predicate(...)), got {self.replicate!r}"
             )
         if self.activation_checkpointing is not None and not isinstance(self.activation_checkpointing, Policy):
+            hint = policy_hint(self.activation_checkpointing)
             raise TypeError(
                 "activation_checkpointing takes a policy built with fxshard.policies "
                 "(by_class(Block), selective(by_class(Block)), ...), "
                 f"got {self.activation_checkpointing!r}"
+                + (f": write activation_checkpointing={hint.removeprefix('policy=')}" if hint else "")
             )
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                 or not isinstance(self.memory_budget, int)
@@ -165,8 +169,12 @@ class CompileConfig:
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision must be a fxshard.MixedPrecision(param_dtype=..., ...), "
-                            f"got {self.mixed_precision!r}")
+            taken = precision_from(self.mixed_precision)  # FSDP2's MixedPrecisionPolicy: the same fields
+            if taken is None:
+                raise TypeError(fsdp1_precision_hint(self.mixed_precision)
+                                or "mixed_precision must be a fxshard.MixedPrecision(param_dtype=..., ...) "
+                                   f"or FSDP2's MixedPrecisionPolicy, got {self.mixed_precision!r}")
+            object.__setattr__(self, "mixed_precision", taken)
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"param_init_fn must be callable as fn(module), got {self.param_init_fn!r}")
         if self.on_pass is not None and not callable(self.on_pass):
@@ -211,6 +219,8 @@ class CompileConfig:
         mine["disable_passes"] = tuple(disabled)
         try:
             options = ShardingOptions.from_kwargs(**kwargs)
+        except ForeignOption:
+            raise  # it names the one option to write
         except TypeError as e:
             known = sorted(own | {"verify_passes", "mesh"})
             raise TypeError(f"{e}; fxshard.{front_end} also takes {known}") from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from fxshard.ir.spellings import ForeignOption, foreign_option
+
 BackwardPrefetch = Literal["pre", "post"] | None
 
 # Options that no longer exist, and what to use instead.
@@ -30,14 +32,6 @@ class CPUOffloadPolicy:
     accelerator, so the copies overlap compute."""
 
     pin_memory: bool = True
-
-
-# FSDP1's spelling, and what to write instead.
-_FSDP1_OFFLOAD = (
-    "fxshard takes FSDP2's spelling of CPU offload: replace "
-    "cpu_offload=CPUOffload(offload_params=True) with "
-    "offload_policy=fxshard.CPUOffloadPolicy() (pin_memory=True by default, as FSDP2's)"
-)
 
 
 @dataclass(frozen=True)
@@ -147,9 +141,10 @@ class ShardingOptions:
         for name, why in REMOVED.items():
             if name in kwargs:
                 raise TypeError(f"fxshard option {name!r} was removed: {why}")
-        if "cpu_offload" in kwargs:
-            raise TypeError(_FSDP1_OFFLOAD)
         unknown = sorted(set(kwargs) - known)
+        hints = [hint for name in unknown if (hint := foreign_option(name, kwargs[name])) is not None]
+        if hints:
+            raise ForeignOption("; ".join(hints))
         if unknown:
             raise TypeError(f"unknown fxshard option(s) {unknown}; options are {sorted(known)}")
         return cls(**kwargs)

@@ -55,6 +55,7 @@ from fxshard.driver.run.runtime import (
     comm_device,
     make_shards,
     mark_sharded,
+    refuse_compiled,
     refuse_sharded_again,
     refuse_state_dicts_of_stand_ins,
     resolve_world,
@@ -174,6 +175,7 @@ class Driver:
         (``fxshard.driver.state.init``), or broadcast from rank 0 (``sync_module_states``).
         Under ``policy=auto()`` the plan and schedule are first chosen from traces of the
         model on ``example_inputs`` (``fxshard.driver.compile.plan_auto``)."""
+        refuse_compiled(module)
         refuse_sharded_again(module)
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:

@@ -471,6 +471,23 @@ def mark_sharded(module: nn.Module, by: str) -> None:
         _STAND_INS[p] = (by, type(module).__name__)
 
 
+def refuse_compiled(module: nn.Module) -> None:
+    """A module ``torch.compile`` returned (an ``OptimizedModule``), or a model holding one:
+    fxshard traces the forward itself, and tracing into Dynamo's frames fails deep inside
+    (a RecursionError). Refused, naming the module and what to write instead."""
+    compiled = compat.optimized_module_class()
+    found = next((name for name, m in module.named_modules() if isinstance(m, compiled)), None)
+    if found is None:
+        return
+    where = "the model" if found == "" else f"submodule {found!r}"
+    raise FxShardError(
+        f"{where} is a torch.compile-d module (an OptimizedModule): fxshard traces and compiles the "
+        f"step itself. Give fxshard the module before torch.compile ({'model' if found == '' else found}"
+        "._orig_mod is it), and for Inductor's kernels pass compute='inductor'; or compile the "
+        "unsharded model with torch.compile(model, backend=fxshard.backend(policy=...)) (docs/backend.md)"
+    )
+
+
 def refuse_sharded_again(module: nn.Module) -> None:
     """Sharding a module whose parameters are already stand-ins would take the meta-init
     path and initialise new weights: refuse, naming what sharded it. So for a new model
