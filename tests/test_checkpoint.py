@@ -645,13 +645,18 @@ def test_consolidate_of_a_damaged_checkpoint_is_one_error_line_and_writes_nothin
 
 def test_empty_groups_of_several_optimizers_reload_each_its_own_hyperparameters() -> None:
     """The saved param_groups are the optimizers' one after the other: the second optimizer's
-    empty group took the first one's twin (lr 0.5 for 0.7)."""
+    empty group took the first one's twin (weight_decay 0.5 for 0.7). The Hugging Face
+    Trainer's groups: the same but for weight_decay, the one without decay empty where the
+    model has no vectors (over flat shards, groups that differ otherwise with one empty are
+    refused at the step: tests/test_orig_params.py)."""
     torch.manual_seed(0)
-    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), policy=by_class(nn.Linear))
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)),
+                              policy=by_class(nn.Linear))
     first, second = list(sharded.parameters())[:2]
 
-    def optimizers(lrs: tuple[float, float]) -> list[torch.optim.Optimizer]:
-        return [torch.optim.AdamW([{"params": [p]}, {"params": [], "lr": lr}]) for p, lr in zip((first, second), lrs)]
+    def optimizers(decays: tuple[float, float]) -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW([{"params": [p]}, {"params": [], "weight_decay": wd}])
+                for p, wd in zip((first, second), decays)]
 
     opts = optimizers((0.5, 0.7))
     sharded(torch.randn(2, 4)).sum().backward()
@@ -660,7 +665,7 @@ def test_empty_groups_of_several_optimizers_reload_each_its_own_hyperparameters(
     saved = fxshard.get_optimizer_state_dict(sharded, opts, options=StateDictOptions(full_state_dict=True))
     fresh = optimizers((0.1, 0.1))
     fxshard.set_optimizer_state_dict(sharded, fresh, saved)
-    assert [o.param_groups[1]["lr"] for o in fresh] == [0.5, 0.7]
+    assert [o.param_groups[1]["weight_decay"] for o in fresh] == [0.5, 0.7]
     one = [torch.optim.AdamW([{"params": [first, second]}, {"params": [], "lr": 0.1}, {"params": [], "lr": 0.1}])]
     with pytest.raises(fxshard.FxShardError, match="param_group 2 holds no parameter.* at its position "
                                                      "\\(2\\), which holds parameters"):
@@ -741,17 +746,18 @@ def test_cpu_offload_of_sharded_values_is_refused_not_ignored() -> None:
 
 
 def test_an_optimizer_with_an_empty_group_reloads_its_own_state() -> None:
-    """The Hugging Face Trainer builds a group that may hold no parameter: its saved twin (by
-    position) gives its hyperparameters back, and the other groups load as always."""
+    """The Hugging Face Trainer builds a group that may hold no parameter (no decay, for a model
+    without biases or norms): its saved twin (by position) gives its hyperparameters back, and
+    the other groups load as always."""
     torch.manual_seed(0)
-    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4)))
-    opt = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "lr": 0.5}])
+    sharded = fxshard.compile(nn.Sequential(nn.Linear(4, 4, bias=False)))
+    opt = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "weight_decay": 0.5}])
     sharded(torch.randn(2, 4)).sum().backward()
     opt.step()
     saved = fxshard.get_optimizer_state_dict(sharded, opt, options=StateDictOptions(full_state_dict=True))
-    fresh = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "lr": 0.1}])
+    fresh = torch.optim.AdamW([{"params": list(sharded.parameters())}, {"params": [], "weight_decay": 0.1}])
     fxshard.set_optimizer_state_dict(sharded, fresh, saved)
-    assert fresh.param_groups[1]["lr"] == 0.5
+    assert fresh.param_groups[1]["weight_decay"] == 0.5
     shard = next(iter(sharded.parameters()))
     assert torch.equal(fresh.state[shard]["exp_avg"], opt.state[shard]["exp_avg"])
 

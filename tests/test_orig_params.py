@@ -264,3 +264,33 @@ def test_a_string_for_a_true_or_false_option_is_refused(option: str) -> None:
 
     with pytest.raises(TypeError, match=f"{option} takes True or False, got 'False'"):
         CompileConfig.build("compile", policy=by_class(Block), **{option: "False"})
+
+
+def _layer_wise(named: Any) -> list[dict[str, Any]]:
+    """A learning rate for the final norm of its own, chosen by name."""
+    params = list(named)
+    return [{"params": [p for n, p in params if n.startswith("ln_f")], "lr": 1e-2},
+            {"params": [p for n, p in params if not n.startswith("ln_f")], "lr": 1e-3}]
+
+
+def test_groups_by_name_over_flat_shards_that_differ_in_lr_are_refused_and_all_empty_groups_too() -> None:
+    """Over flat shards (named flat_params.N) the rule finds no ln_f: its group is empty and
+    the norm would step at the other group's learning rate. Over the views the same rule finds
+    it, and steps. An optimizer whose groups are all empty would step nothing."""
+    torch.manual_seed(0)
+    flat = fxshard.compile(TinyGPT(), policy=by_class(Block))
+    before = [s.detach().clone() for s in flat.parameters()]
+    error = _step_error(flat, torch.optim.AdamW(_layer_wise(flat.named_parameters())))
+    assert error is not None and "param_groups differ in lr, and group 0 of 2 is empty" in error, error
+    assert "use_orig_params=True" in error
+    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters(), strict=True))
+
+    torch.manual_seed(0)
+    views = fxshard.compile(TinyGPT(), policy=by_class(Block), use_orig_params=True)
+    groups = _layer_wise(views.named_parameters())
+    assert [len(g["params"]) for g in groups][0] == 2  # ln_f's weight and bias
+    assert _step_error(views, torch.optim.AdamW(groups)) is None
+
+    for empty in ([{"params": []}], [{"params": [], "lr": 1e-2}, {"params": []}]):
+        error = _step_error(flat, torch.optim.AdamW(empty))
+        assert error is not None and f"has {len(empty)} param_groups and no parameter in any" in error, error

@@ -120,29 +120,40 @@ def shape_grouping(optimizer: torch.optim.Optimizer, slots: Mapping[int, Sequenc
     parameters, or None. ``slots``: id(parameter) -> the original parameters it holds.
 
     nanoGPT chooses weight decay by ``p.dim() >= 2``, which is 1 for every flat shard and
-    every view; HF's rule by name finds no bias among ``flat_params.N``. Either way one
-    group is empty, and another, with a different ``weight_decay``, holds matrices and
-    vectors (biases, norm weights) alike. Such groups are refused."""
+    every view; HF's rule by name finds no bias among ``flat_params.N``, a layer-wise
+    learning rate no head. Over flat shards (``views`` False) any groups that differ in a
+    setting, one of them empty, are refused: no rule by name or shape sees the original
+    parameters there. Over the views, groups by ``p.dim()``: one empty, and another, with a
+    different ``weight_decay``, holding matrices and vectors (biases, norm weights) alike."""
     groups = optimizer.param_groups
-    if len(groups) < 2 or len({pg.get("weight_decay") for pg in groups}) < 2 \
-            or all(pg["params"] for pg in groups):
+    if len(groups) < 2 or all(pg["params"] for pg in groups) or not any(pg["params"] for pg in groups):
         return None
-    for pg in groups:
-        dims = {len(slot.shape) >= 2 for p in pg["params"] for slot in slots.get(id(p), ())}
-        if dims != {True, False}:
-            continue
+    differ = sorted(k for k in {k for pg in groups for k in pg} - {"params"}
+                    if len({repr(pg.get(k)) for pg in groups}) > 1)
+    if not differ:
+        return None
+    empty = ", ".join(str(i) for i, pg in enumerate(groups) if not pg["params"])
+    if differ == ["weight_decay"]:
+        # The Hugging Face Trainer's groups: no decay for vectors, empty where a model has none.
+        # Empty where the others hold vectors too: the rule by p.dim() or by name saw no vector.
+        held = [pg for pg in groups if {len(slot.shape) >= 2 for p in pg["params"]
+                                        for slot in slots.get(id(p), ())} == {True, False}]
+        if not held:
+            return None
         if views:
             return (f"{type(optimizer).__name__}'s param_groups look chosen by p.dim(): one is "
-                    f"empty, and one (weight_decay={pg.get('weight_decay')}) holds both matrices and "
-                    "vectors. With use_orig_params=True each parameter is a 1-D view of this "
+                    f"empty, and one (weight_decay={held[0].get('weight_decay')}) holds both matrices "
+                    "and vectors. With use_orig_params=True each parameter is a 1-D view of this "
                     "rank's shard, so p.dim() is 1 for all of them. Choose by the original shape, "
                     "len(p.full_shape) >= 2, or by name from sharded.named_parameters().")
-        return (f"{type(optimizer).__name__}'s param_groups differ in weight_decay, one is empty, "
-                f"and one (weight_decay={pg.get('weight_decay')}) holds flat shards of matrices and "
-                "vectors (biases, norm weights) alike: a rule by p.dim() or by name cannot see the "
-                "original parameters in flat shards. Compile with use_orig_params=True and choose "
-                "the groups from sharded.named_parameters(), by name or by len(p.full_shape) >= 2.")
-    return None
+    elif views:
+        return None  # groups by the model's own names: an empty one is the user's own rule
+    return (f"{type(optimizer).__name__}'s param_groups differ in {', '.join(differ)}, and group {empty} "
+            f"of {len(groups)} is empty: it holds flat shards (sharded.parameters() without "
+            "use_orig_params, named flat_params.N, each 1-D and holding a unit's parameters together), "
+            "where a rule by name or by p.dim() cannot find the original parameters, so they would "
+            "step with another group's settings. Compile with use_orig_params=True and choose the "
+            "groups from sharded.named_parameters(), by name or by len(p.full_shape) >= 2.")
 
 
 # Optimizers that read more of a parameter than each element (by class name: torch's, and the

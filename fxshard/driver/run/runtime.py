@@ -312,6 +312,15 @@ _STEP_CHECKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    if not any(group["params"] for group in optimizer.param_groups):
+        # torch refuses an empty parameter list, but not groups that are all empty: a rule by
+        # name over sharded.named_parameters() that matched nothing steps nothing, silently.
+        raise FxShardError(
+            f"{type(optimizer).__name__} has {len(optimizer.param_groups)} param_groups and no "
+            "parameter in any: its step would change nothing. Build it over sharded.parameters() "
+            "(with use_orig_params=True, choose groups from sharded.named_parameters(), whose "
+            "names are the model's)."
+        )
     checks: dict[int, Callable[[torch.optim.Optimizer], None]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
