@@ -158,8 +158,19 @@ def test_options_a_front_end_cannot_honour_are_refused_with_the_reason() -> None
         fxshard.explain(MLP(), torch.randn(2, 12), timeout=5)
     for make in (lambda **kw: fxshard.compile(MLP(), **kw), lambda **kw: fxshard.backend(**kw),
                  lambda **kw: fxshard.explain(MLP(), torch.randn(2, 12), **kw)):
-        with pytest.raises(TypeError, match="unknown fxshard option.*on_pass"):
+        with pytest.raises(TypeError, match="unknown fxshard option.*did you mean 'on_pass' for 'on_pas'\\?"):
             make(on_pas=print)
+        with pytest.raises(TypeError, match="did you mean 'reshard_after_forward' for 'reshard_after_foward'\\?"):
+            make(reshard_after_foward=False)
+    # The list of what each takes leaves out what it refuses.
+    for make, refused in ((lambda **kw: fxshard.backend(**kw), ["broadcast_buffers"]),
+                          (lambda **kw: fxshard.explain(MLP(), torch.randn(2, 12), **kw),
+                           ["process_group", "timeout", "param_init_fn", "sync_module_states", "mesh"])):
+        with pytest.raises(TypeError, match="also takes") as caught:
+            make(foo=1)
+        listed = str(caught.value).split("also takes", 1)[1]
+        assert "'policy'" in listed and not any(f"'{name}'" in listed for name in refused), listed
+        assert "did you mean" not in str(caught.value)
 
 
 @pytest.mark.parametrize("option, value, words", [

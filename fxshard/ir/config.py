@@ -12,6 +12,7 @@ An option a front end cannot honour is refused here, with the reason.
 from __future__ import annotations
 
 import datetime
+import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -222,8 +223,12 @@ class CompileConfig:
         except ForeignOption:
             raise  # it names the one option to write
         except TypeError as e:
-            known = sorted(own | {"verify_passes", "mesh"})
-            raise TypeError(f"{e}; fxshard.{front_end} also takes {known}") from None
+            known = sorted((own | {"verify_passes", "mesh"}) - set(_NOT_FOR.get(front_end, {})))
+            everything = [*known, *(f.name for f in fields(ShardingOptions))]
+            near = [f"did you mean {close[0]!r} for {name!r}?" for name in sorted(kwargs)
+                    if name not in everything
+                    and (close := difflib.get_close_matches(name, everything, n=1, cutoff=0.75))]
+            raise TypeError("; ".join([str(e), *near, f"fxshard.{front_end} also takes {known}"])) from None
         return cls(options=options, **mine)
 
     def with_options(self, **changes: Any) -> CompileConfig:
