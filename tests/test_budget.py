@@ -212,6 +212,23 @@ def test_a_reshard_step_that_misses_scans_the_ends_of_runs_of_alike_units() -> N
     assert [peak for _, peak in choice.tried] == [100, 90, 90, 40, 37]
 
 
+def test_a_change_an_earlier_step_kept_is_undone_where_the_step_that_fits_does_without_it() -> None:
+    """Selective recompute lowers the peak (70 to 60) but not within 55, so the ladder keeps it
+    and goes on to offload, where one unit offloaded fits (30). Offload alone fits too (40):
+    the recomputation is undone, the resharding (without it 70) kept."""
+    def evaluate(c: Candidate) -> Prediction:
+        peak = 100 - 10 * len(c.resharded) - 5 * len(c.selective) - 30 * len(c.offloaded)
+        return Prediction(peak, "here", {"activations and temporaries": peak}, {}, step_peak=10)
+
+    choice = search(55, evaluate, ["a", "b", ""], ["a", "b"], 1, {}, offloadable=["a", "b"])
+    assert choice.chosen.offloaded == ("a",) and choice.chosen.resharded == ("a", "b", "")
+    assert choice.chosen.selective == () and choice.chosen.full == ()
+    assert choice.peak == 40 and choice.chosen.step == "offload more units"
+    assert ("3 units resharded, 1 in flight, 2 regions recomputed selectively, 1 units offloaded", 30) \
+        in choice.tried  # what the ladder found first
+    assert all(u.recompute == "none" for u in choice.units)
+
+
 @pytest.mark.slow
 def test_measuring_only_the_ends_of_alike_runs_chooses_as_measuring_everything(
         monkeypatch: pytest.MonkeyPatch) -> None:

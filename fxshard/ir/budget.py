@@ -41,6 +41,11 @@ schedule some budget accepts. ``evaluate`` predicts a candidate's peak
 without running anything (driver/compile/plan_budget.py: the passes and the liveness of
 ``report()`` on a copy of the traced graph).
 
+The step that fits may not need what an earlier step kept (recomputing every block where
+offloading one unit more fits alone): the chosen schedule is then trimmed, each kind of
+recomputation and the in-flight limit undone where the rest still fits (``trimmed`` in
+``search``; resharding stays).
+
 If even the last candidate (everything resharded, one gather in flight, every region fully recomputed) does not fit, the budget
 cannot be met: ``BudgetError`` names the smallest peak and what it is made of.
 
@@ -229,6 +234,25 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
     if offloadable:
         ladder.append(("offload more units", offload, every))
 
+    def trimmed(c: Candidate) -> Candidate:
+        """``c`` without what earlier steps of the ladder added and the step that fitted no
+        longer needs: each kind of change undone whole where the rest still fits, the costliest
+        first (full recompute, selective recompute, the one gather in flight). An earlier
+        step's change is kept where it lowered the peak, but a later step (offload) may fit
+        without it: Llama-3-8B within 70 GiB recomputed all 32 blocks beside 14 units
+        offloaded. Each undo removes work (a recomputation, lost overlap): never slower, never
+        above the budget as predicted. Resharding is not undone: a unit kept gathered from
+        forward to backward is where the peak's prediction errs most (TinyGPT's, 2% short:
+        docs/memory.md), and a trimmed plan leaves the budget less room for it."""
+        undo: tuple[Callable[[Candidate], Candidate], ...] = (
+            lambda c: replace(c, full=()), lambda c: replace(c, selective=()),
+            lambda c: replace(c, max_inflight=max_inflight))
+        for revert in undo:
+            lighter = revert(c)
+            if replace(lighter, step="") != replace(c, step="") and peak(lighter).peak <= budget:
+                c = lighter
+        return c
+
     def bisect(steps: list[Candidate], lo: int, hi: int) -> Candidate:
         """The first of ``steps`` after ``lo`` that fits, where ``steps[hi]`` fits and ``steps[lo]``
         misses (lo=-1: the candidate the step starts from), assuming the peak falls between."""
@@ -268,7 +292,7 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         if peak(steps[-1]).peak <= budget:
             # Bisect for the fewest changes that fit (first fitting prefix, assuming the peak
             # falls along the step; a miss is found by the scan below on a smaller budget).
-            chosen = bisect(steps, -1, len(steps) - 1)
+            chosen = trimmed(bisect(steps, -1, len(steps) - 1))
             return _choice(budget, chosen, peak(chosen).peak, tried, units, regions, unit_bytes)
         # The whole step misses. The peak need not fall along it (recomputing the last block
         # fully puts its recompute at the start of backward, where the peak is): scan every
@@ -279,7 +303,7 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         fits = next((i for i in indices if peak(steps[i]).peak <= budget), None)
         if fits is not None:
             before = max((i for i in indices if i < fits), default=-1)
-            chosen = bisect(steps, before, fits)
+            chosen = trimmed(bisect(steps, before, fits))
             return _choice(budget, chosen, peak(chosen).peak, tried, units, regions, unit_bytes)
         # Among equal peaks the furthest along the step: what it saves may count later,
         # where the peak has moved.
