@@ -241,9 +241,10 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         step's change is kept where it lowered the peak, but a later step (offload) may fit
         without it: Llama-3-8B within 70 GiB recomputed all 32 blocks beside 14 units
         offloaded. Each undo removes work (a recomputation, lost overlap): never slower, never
-        above the budget as predicted. Resharding is not undone: a unit kept gathered from
-        forward to backward is where the peak's prediction errs most (TinyGPT's, 2% short:
-        docs/memory.md), and a trimmed plan leaves the budget less room for it."""
+        above the budget as predicted. Resharding is not undone: units kept gathered to
+        backward move the peak into the caller's loss, whose count assumes a caller that drops
+        its outputs; TinyGPT's caller that holds its logits then peaked over a budget the
+        plan was predicted 2% under (docs/memory.md)."""
         undo: tuple[Callable[[Candidate], Candidate], ...] = (
             lambda c: replace(c, full=()), lambda c: replace(c, selective=()),
             lambda c: replace(c, max_inflight=max_inflight))
