@@ -23,6 +23,7 @@ from fxshard.ir.config import CompileConfig
 from fxshard.ir.errors import FxShardError
 from fxshard.ir.options import ShardingOptions
 from fxshard.ir.plan import ShardPlan
+from fxshard.ir.spellings import fsdp2_method
 from fxshard.ir.wrapping import Policy
 
 log = logging.getLogger("fxshard")
@@ -62,6 +63,15 @@ class ShardedModule(nn.Module):
         self._driver = driver
         self._last: CompiledStep | None = None
         self.training = module.training
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            hint = fsdp2_method(name)  # FSDP2's methods, called as on a fully_shard module
+            if hint is None:
+                raise
+            raise AttributeError(hint) from None
 
     def _register_views(self, views: Mapping[str, nn.Parameter]) -> None:
         """Each view under its original name, in modules named as the original's, so that

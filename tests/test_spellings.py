@@ -140,3 +140,22 @@ def test_a_sharded_module_called_inside_torch_compile_is_refused_and_runs_after(
     torch.manual_seed(0)
     expected = MLP()
     assert torch.equal(sharded(x), expected(x))  # nothing of it was left half-traced
+
+
+@pytest.mark.parametrize("method, words", [
+    ("set_reshard_after_forward", r"an option of fxshard.compile: reshard_after_forward="),
+    ("set_modules_to_forward_prefetch", r"forward_prefetch= and max_inflight_gathers="),
+    ("unshard", r"sharded.full_state_dict\(\)"),
+    ("set_is_last_backward", r"sharded.no_sync\(\)"),
+    ("set_custom_all_gather", r"no counterpart"),
+])
+def test_fsdp2s_methods_on_a_sharded_module_name_what_fxshard_has(method: str, words: str) -> None:
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    with pytest.raises(AttributeError, match=rf"ShardedModule has no {method}\(\) \(FSDP2's FSDPModule method\): "
+                                             rf".*{words}"):
+        getattr(sharded, method)(False)
+    # Everything else nn.Module finds, it still finds; an unknown name is nn.Module's error.
+    assert isinstance(sharded.module, nn.Module) and callable(sharded.set_requires_gradient_sync)
+    with pytest.raises(AttributeError, match="'ShardedModule' object has no attribute 'frobnicate'"):
+        sharded.frobnicate  # noqa: B018
+    assert not hasattr(sharded, "frobnicate")

@@ -64,6 +64,51 @@ _RENAMED = {
 _RENAMED["ignored_states"] = _RENAMED["ignored_params"] = _RENAMED["ignored_modules"]
 
 
+# FSDP2's FSDPModule methods, called on a ShardedModule: what fxshard has instead. fxshard
+# compiles the whole step's schedule before it runs, so what FSDP2 changes between steps by
+# method is an option of fxshard.compile (a new compile to change it).
+_COMPILED = "the schedule is compiled into the step's graphs, so it is an option of fxshard.compile"
+FSDP2_METHODS = {
+    "set_reshard_after_forward": f"{_COMPILED}: reshard_after_forward= (True, False or hpZ's int), "
+                                 "or reshard_units= for some units",
+    "set_modules_to_forward_prefetch": f"{_COMPILED}: forward_prefetch= and max_inflight_gathers= "
+                                       "(prefetch order is the step's own)",
+    "set_modules_to_backward_prefetch": f"{_COMPILED}: backward_prefetch= ('pre', 'post' or None) and "
+                                        "max_inflight_gathers=",
+    "set_reshard_after_backward": "fxshard frees each unit's gathered parameters after its backward "
+                                  "always; a memory budget (memory_budget=) chooses what else to keep",
+    "set_unshard_in_backward": "fxshard gathers a unit in backward exactly where its graph uses it",
+    "unshard": "the gathers are nodes of the step's graphs, issued by the step itself; for the whole "
+               "parameters use sharded.full_state_dict() (a collective), and to run the model call it",
+    "reshard": "the frees are nodes of the step's graphs: nothing is left gathered between steps",
+    "set_is_last_backward": "with sharded.no_sync() (or set_requires_gradient_sync(False)) backward "
+                            "accumulates without communication until a backward outside it",
+    "set_requires_all_reduce": "fxshard has no switch for HSDP's all-reduce across replicas alone; "
+                               "set_requires_gradient_sync(False) skips it and the reduce-scatter, "
+                               "accumulating unsharded sums until a backward with True",
+    "set_gradient_divide_factor": "fxshard averages gradients over the ranks, as DDP and FSDP do by "
+                                  "default; scale the loss for another factor",
+    "set_reduce_scatter_divide_factor": "fxshard averages gradients over the ranks, as DDP and FSDP do "
+                                        "by default; scale the loss for another factor",
+    "set_force_sum_reduction_for_comms": "fxshard averages gradients over the ranks, as DDP and FSDP do "
+                                         "by default; reduce_in_rank_order=True fixes the order of the "
+                                         "sum (fxshard.compile's option)",
+}
+_NO_COUNTERPART = ("set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter",
+                   "set_post_optim_event", "set_allocate_memory_from_process_group_for_comm",
+                   "set_reduce_scatter_max_input_buffers", "set_reduce_scatter_unused_params",
+                   "set_separate_reduce_scatter_group", "set_symm_mem_for_comm", "reset_iter_state")
+FSDP2_METHODS.update(dict.fromkeys(
+    _NO_COUNTERPART, "fxshard has no counterpart: its collectives are torch's functional collectives, "
+                     "placed and waited on in the compiled step (docs/scheduling.md)"))
+
+
+def fsdp2_method(name: str) -> str | None:
+    """Why a ShardedModule has no FSDP2 method ``name``, and what to use; None: not one."""
+    why = FSDP2_METHODS.get(name)
+    return None if why is None else f"ShardedModule has no {name}() (FSDP2's FSDPModule method): {why}"
+
+
 def foreign_option(name: str, value: Any) -> str | None:
     """What fxshard takes for another library's option ``name=value``; None: not one known."""
     if name == "cpu_offload":
