@@ -15,7 +15,13 @@ import torch.nn as nn
 from fxshard.driver.compile.compiler import CompiledStep, Driver, emitted_graphs
 from fxshard.driver.compile.guards import Guards
 from fxshard.driver.report.step_report import Report
-from fxshard.driver.run.runtime import agree_on_mesh, refuse_ddp, refuse_eager_calls, refuse_move
+from fxshard.driver.run.runtime import (
+    agree_on_mesh,
+    refuse_ddp,
+    refuse_eager_calls,
+    refuse_fully_shard,
+    refuse_move,
+)
 from fxshard.driver.state import state_dicts as state
 from fxshard.ir import compat
 from fxshard.ir.compat import DDP_IGNORED, IncompatibleKeys, pytree
@@ -50,6 +56,15 @@ class ShardedModule(nn.Module):
     """
 
     _skeleton: nn.Module
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # FSDP2's fully_shard(sharded) swaps the module's class for a subclass of it and
+        # FSDPModule: it would shard each rank's (different) flat shard again and gather the
+        # pieces of different shards into one parameter, corrupting the model without an error.
+        # Refused here, when it makes that class (after it has made the parameters DTensors).
+        if any(base.__name__ == "FSDPModule" for base in cls.__mro__):
+            refuse_fully_shard(cls)
+        super().__init_subclass__(**kwargs)
 
     def __init__(self, module: nn.Module, driver: Driver):
         super().__init__()

@@ -443,6 +443,14 @@ def test_ddp_over_a_sharded_module_is_refused_before_anything_is_broadcast() -> 
         assert unchanged, rank
 
 
+@pytest.mark.release  # FSDP2 makes a subclass of the module's class (ShardedModule.__init_subclass__)
+def test_fully_shard_over_a_sharded_module_is_refused_on_every_rank() -> None:
+    for rank, (error, message) in enumerate(r["fully_shard"] for r in refusals()):
+        assert error == "FxShardError", (rank, error, message)
+        assert f"rank {rank}: fully_shard over a ShardedModule" in message, message
+        assert "build the model again" in message and "by_class(Block)" in message, message
+
+
 def _clip_the_original(rank: int, world_size: int) -> tuple[list[tuple[str, str]], bool]:
     """A DDP script's clipping over the unwrapped model after a step: each call's error, and
     whether the shards' gradients are unchanged."""
@@ -465,8 +473,21 @@ def _clip_the_original(rank: int, world_size: int) -> tuple[list[tuple[str, str]
     return results, len(after) == len(before) > 0 and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+def _fully_shard_over_sharded(rank: int, world_size: int) -> tuple[str, str]:
+    """FSDP2's fully_shard over a ShardedModule, on every rank: the error each raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fxshard.compile(MLP(), policy=by_class(nn.Linear))
+    try:
+        fully_shard(sharded)
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
 def refusals_worker(rank: int, world_size: int) -> dict[str, Any]:
-    return {"ddp": _ddp_over_sharded(rank, world_size), "clip": _clip_the_original(rank, world_size)}
+    return {"ddp": _ddp_over_sharded(rank, world_size), "clip": _clip_the_original(rank, world_size),
+            "fully_shard": _fully_shard_over_sharded(rank, world_size)}
 
 
 @cache

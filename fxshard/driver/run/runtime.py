@@ -415,6 +415,21 @@ def refuse_ddp(module: nn.Module) -> NoReturn:
     )
 
 
+def refuse_fully_shard(cls: type) -> NoReturn:
+    """FSDP2's ``fully_shard`` over a module whose parameters are this rank's shards (``cls``:
+    the class it was making, a subclass of the module's and of ``FSDPModule``)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise FxShardError(
+        f"rank {rank}: fully_shard over a ShardedModule (making {cls.__name__}): fxshard already "
+        "shards the parameters and reduces the gradients, and each rank's parameters are a "
+        "different shard of the model. FSDP2 would shard each shard again and gather pieces of "
+        "different ranks' shards into one parameter, corrupting the model. FSDP2 made the "
+        "parameters its DTensors before this check could run: build the model again and "
+        "compile it without fully_shard; fxshard.compile(model, policy=by_class(Block)) takes "
+        "the place of fully_shard on each block and the root."
+    )
+
+
 def _trainer_moving() -> tuple[str, str] | None:
     """The trainer on the call stack that is moving a module, if it is one fxshard has its own
     for: ("lightning", its strategy's class) or ("transformers", the Trainer's class). Read from
