@@ -727,3 +727,21 @@ def test_hsdp_with_hpz_inside_on_8_ranks_trains_exactly_like_ddp() -> None:
         assert r["hsdp_hpz"]["losses"] == r["hsdp"]["losses"]
         assert "all_gather_within" in r["hsdp_hpz"]["lowerings"]["backward"]
         assert "all_gather_within" not in r["hsdp"]["lowerings"]["backward"]
+
+
+def _zero1_with_an_empty_rank(rank: int, world_size: int) -> list[float]:
+    """ZeRO-1 over one flat group on 2 ranks: rank 1's local optimizer holds no parameter."""
+    torch.manual_seed(0)
+    sharded = fxshard.compile(MLP(), mesh=init_device_mesh("cpu", (world_size, 1)))
+    opt = _zero1(list(sharded.parameters()))
+    F.mse_loss(sharded(torch.randn(4, 12)), torch.randn(4, 5)).backward()
+    opt.step()
+    return [len(g["params"]) for g in opt.optim.param_groups] + [float(p.sum()) for p in sharded.parameters()]
+
+
+def test_zero1_steps_where_a_ranks_local_optimizer_holds_nothing() -> None:
+    """The refusal of an optimizer whose groups are all empty leaves ZeroRedundancyOptimizer's
+    local one alone: with fewer flat groups than ranks some rank's partition is empty."""
+    held = run_ranks(_zero1_with_an_empty_rank, 2)
+    assert sorted(r[0] for r in held) == [0, 1]  # one rank holds the group, the other nothing
+    assert held[0][1:] == held[1][1:]  # and both end with the same parameters

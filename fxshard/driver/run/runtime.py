@@ -311,7 +311,21 @@ _HOOK: list[Any] = []
 _STEP_CHECKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+# The local optimizers torch's ZeroRedundancyOptimizer steps (its ``optim``): each holds this
+# rank's partition of the groups, which may be empty (fewer parameters than ranks). They are
+# checked as the ZeroRedundancyOptimizer over all of them, which steps first.
+_ZERO_LOCAL: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local = getattr(optimizer, "optim", None)  # made at its first step under overlap_with_ddp
+        if local is not None:
+            _ZERO_LOCAL.add(local)
+    elif optimizer in _ZERO_LOCAL:
+        return None
     if not any(group["params"] for group in optimizer.param_groups):
         # torch refuses an empty parameter list, but not groups that are all empty: a rule by
         # name over sharded.named_parameters() that matched nothing steps nothing, silently.
