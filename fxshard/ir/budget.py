@@ -246,8 +246,8 @@ def search(budget: int, evaluate: Callable[[Candidate], Prediction], units: Sequ
         its outputs; TinyGPT's caller that holds its logits then peaked over a budget the
         plan was predicted 2% under (docs/memory.md)."""
         undo: tuple[Callable[[Candidate], Candidate], ...] = (
-            lambda c: replace(c, full=()), lambda c: replace(c, selective=()),
-            lambda c: replace(c, max_inflight=max_inflight))
+            lambda k: replace(k, full=()), lambda k: replace(k, selective=()),
+            lambda k: replace(k, max_inflight=max_inflight))
         for revert in undo:
             lighter = revert(c)
             if replace(lighter, step="") != replace(c, step="") and peak(lighter).peak <= budget:

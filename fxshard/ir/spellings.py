@@ -27,6 +27,7 @@ from fxshard.ir.wrapping import Policy
 class ForeignOption(TypeError):
     """Another library's option given to fxshard: the message names what to write instead."""
 
+
 # FSDP1's CPU offload, and FSDP2's spelling that fxshard takes.
 FSDP1_OFFLOAD = (
     "fxshard takes FSDP2's spelling of CPU offload: replace "
